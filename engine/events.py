@@ -1,0 +1,101 @@
+"""Events the engine reports, in this order for one request:
+
+Started, PrefillChunk (one per chunk), FirstToken, DecodeStep (one per generated token), Finished.
+
+Every event carries the request id and `t_ms`, the time since the request was submitted, read on the
+server after a device synchronize. Subscribers are plain callables taking one event.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from .metrics import RequestMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    request_id: str
+    t_ms: float
+
+    @property
+    def type(self) -> str:
+        return type(self).__name__
+
+    def to_dict(self) -> dict:
+        return {"type": self.type, **asdict(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class Started(Event):
+    """The request left the queue; its prompt is templated and tokenized."""
+
+    num_prompt_tokens: int
+    max_new_tokens: int
+    kv_capacity_tokens: int
+    kv_capacity_bytes: int
+    model_path: str  # which forward runs it: "lean-llama" or "transformers"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk(Event):
+    """One prefill forward pass over prompt tokens [start, end)."""
+
+    chunk_index: int
+    start: int
+    end: int
+    num_prompt_tokens: int
+    latency_ms: float
+    kv_tokens: int
+    kv_bytes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken(Event):
+    """The first generated token is available: TTFT and where it went."""
+
+    ttft_ms: float
+    tokenize_ms: float  # chat template + tokenization
+    queue_ms: float  # waiting for the engine
+    setup_ms: float  # KV cache allocation and event delivery before the first forward ends
+    prefill_ms: float  # all prefill forward passes
+    first_sample_ms: float  # sampling the first token from the prefill's logits
+
+
+@dataclass(frozen=True, slots=True)
+class TopToken:
+    token_id: int
+    text: str
+    prob: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep(Event):
+    """One generated token. Step 0 samples from the prefill's logits (no forward of its own);
+    each later step runs one forward pass over the previous token, then samples."""
+
+    step: int
+    token_id: int
+    text: str  # the text this token completes ("" while a multi-byte character is unfinished)
+    latency_ms: float  # since the previous token was available (step 0: since prefill ended)
+    kv_tokens: int
+    kv_bytes: int
+    prob: float  # the model's probability of this token (softmax of the logits)
+    top: tuple[TopToken, ...]  # the five most likely tokens at this step
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(Event):
+    """The request ended. reason: eos, length, stop, cancelled or error."""
+
+    reason: str
+    text: str
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+Hook = Callable[[Event], None]

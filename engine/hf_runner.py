@@ -1,0 +1,72 @@
+"""The fallback model path: transformers' own forward, for architectures the lean path does not know.
+
+Its cache is transformers' DynamicCache, which grows by concatenation; this wrapper reports its size
+from the real tensors with the same properties as KVCache.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class DynamicKVCache:
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
+        self.inner = DynamicCache(config=model.config)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        found = []
+        for layer in getattr(self.inner, "layers", []):
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
+                    found.append(tensor)
+        return found
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.get_seq_length()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_tokens  # grows as it goes
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(t.nbytes for t in self._tensors())
+
+    @property
+    def bytes_allocated(self) -> int:
+        return self.bytes_used
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_used // self.num_tokens if self.num_tokens else 0
+
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.context_window = getattr(model.config, "max_position_embeddings", 2048)
+        self.device = model.device
+
+    def new_cache(self, capacity_tokens: int) -> DynamicKVCache:
+        return DynamicKVCache(self.model)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: int, cache: DynamicKVCache, need_logits: bool = True) -> torch.Tensor | None:
+        positions = torch.arange(pos, pos + ids.shape[0], device=self.device)
+        out = self.model(input_ids=ids[None], past_key_values=cache.inner, position_ids=positions[None],
+                         cache_position=positions, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1] if need_logits else None
+
+
+def make_runner(model: torch.nn.Module, prefer_lean: bool = True):
+    """The lean Llama path when the architecture allows it, else transformers' forward."""
+    from .llama import LeanLlama
+
+    if prefer_lean and LeanLlama.supports(model):
+        return LeanLlama(model)
+    return TransformersRunner(model)

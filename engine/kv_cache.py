@@ -1,0 +1,62 @@
+"""The KV cache: the keys and values of every token seen so far, one slot per position.
+
+It is allocated once per request, with room for the prompt plus the reply (rounded up to whole
+blocks), and filled explicitly, layer by layer, by the model's forward. Its sizes are read from the
+real tensors, so the app can show them beside the formula.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_formula(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int, num_tokens: int) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element x tokens."""
+    return 2 * num_layers * num_kv_heads * head_dim * element_size * num_tokens
+
+
+def round_up(num_tokens: int, block: int) -> int:
+    return -(-num_tokens // block) * block
+
+
+class KVCache:
+    """Preallocated keys and values for one sequence: k, v are [layers, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_tokens: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, num_kv_heads, capacity_tokens, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._filled = [0] * num_layers  # tokens written per layer
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions written in every layer."""
+        return min(self._filled)
+
+    @property
+    def bytes_per_token(self) -> int:
+        layers, heads, _, head_dim = self.k.shape
+        return 2 * layers * heads * head_dim * self.k.element_size()
+
+    @property
+    def bytes_used(self) -> int:
+        return self.bytes_per_token * self.num_tokens
+
+    @property
+    def bytes_allocated(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v ([kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer and return
+        that layer's keys and values for positions [0, pos+T)."""
+        end = pos + k.shape[1]
+        if end > self.capacity_tokens:
+            raise ValueError(f"KV cache full: {end} tokens do not fit in {self.capacity_tokens}")
+        self.k[layer, :, pos:end] = k
+        self.v[layer, :, pos:end] = v
+        self._filled[layer] = end
+        return self.k[layer, :, :end], self.v[layer, :, :end]

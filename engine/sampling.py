@@ -1,0 +1,66 @@
+"""Choosing the next token from the logits: greedy, or temperature / top-k / top-p sampling,
+with a repetition penalty, in the order transformers applies them."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    token_id: int
+    prob: float  # the model's probability of the token (softmax of the raw logits)
+    top_ids: list[int]
+    top_probs: list[float]
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: Sequence[int], penalty: float) -> torch.Tensor:
+    """CTRL-style: divide positive logits of seen tokens by the penalty, multiply negative ones."""
+    if penalty == 1.0 or not seen_ids:
+        return logits
+    ids = torch.tensor(sorted(set(seen_ids)), dtype=torch.long)
+    picked = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - top_p
+        remove[-1] = False  # always keep the most likely token
+        logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+           seen_ids: Sequence[int] = (), num_top: int = 5) -> Sample:
+    """logits: [vocab] for one position; seen_ids: prompt and generated ids, for the penalty."""
+    logits = logits.float().cpu()
+    probs = logits.softmax(-1)
+    top = torch.topk(probs, num_top)
+    scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    if params.is_greedy:
+        token_id = int(scores.argmax())
+    else:
+        scores = _filter_top_k_top_p(scores / params.temperature, params.top_k, params.top_p)
+        token_id = int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+    return Sample(token_id, float(probs[token_id]), top.indices.tolist(), top.values.tolist())
