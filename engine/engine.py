@@ -99,7 +99,7 @@ class Engine:
     @property
     def info(self) -> ModelInfo:
         config = self.loaded.model.config
-        kv_heads = config.num_key_value_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         element = torch.tensor([], dtype=self.loaded.dtype).element_size()
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
@@ -234,7 +234,7 @@ class Engine:
             r.token_ns.append(now_ns)
             if step == 0:
                 yield self._first_token(r, now_ns)
-            is_eos = picked.token_id in self.eos_ids
+            is_eos = picked.token_id in self.eos_ids and not r.sampling.ignore_eos
             piece = "" if is_eos else text.push(picked.token_id)
             r.text = text.text
             yield self._decode_event(r, step, picked, piece, now_ns, previous_ns)

@@ -5,6 +5,8 @@ from the real tensors with the same properties as KVCache.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
@@ -51,6 +53,9 @@ class TransformersRunner:
         self.model = model
         self.context_window = getattr(model.config, "max_position_embeddings", 2048)
         self.device = model.device
+        # transformers 5.x renamed `past_key_values` to `cache`; accept either.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
 
     def new_cache(self, capacity_tokens: int) -> DynamicKVCache:
         return DynamicKVCache(self.model)
@@ -58,8 +63,8 @@ class TransformersRunner:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, cache: DynamicKVCache, need_logits: bool = True) -> torch.Tensor | None:
         positions = torch.arange(pos, pos + ids.shape[0], device=self.device)
-        out = self.model(input_ids=ids[None], past_key_values=cache.inner, position_ids=positions[None],
-                         cache_position=positions, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids[None], position_ids=positions[None], cache_position=positions,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache.inner})
         return out.logits[0, -1] if need_logits else None
 
 

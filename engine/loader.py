@@ -136,10 +136,18 @@ def model_folder(source: str | None, cache_dir: str | None = None) -> Path:
     return path
 
 
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def load_model(source: str | None, device: str = "auto", dtype: str = "auto",
                cache_dir: str | None = None) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_transformers()
     folder = model_folder(source, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

@@ -56,7 +56,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits: [vocab] for one position; seen_ids: prompt and generated ids, for the penalty."""
     logits = logits.float().cpu()
     probs = logits.softmax(-1)
-    top = torch.topk(probs, num_top)
+    top = torch.topk(probs, min(num_top, probs.shape[-1]))
     scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if params.is_greedy:
         token_id = int(scores.argmax())

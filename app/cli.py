@@ -1,0 +1,191 @@
+"""The `phasescope` command: the browser app (default), one-shot generation, and a terminal chat."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7860
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=os.environ.get("PHASESCOPE_MODEL"),
+                        help="a local Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct; "
+                             "env PHASESCOPE_MODEL)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    parser.add_argument("--system", help="a system prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per prefill pass (0: all)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phasescope", description=__doc__)
+    commands = parser.add_subparsers(dest="command")
+
+    ui = commands.add_parser("ui", help="start the browser app (the default)")
+    _add_model_options(ui)
+    ui.add_argument("--host", default=DEFAULT_HOST)
+    ui.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ui.add_argument("--db", default=os.environ.get("PHASESCOPE_DB"), help="history database (env PHASESCOPE_DB)")
+    ui.add_argument("--open", action="store_true", help="open the default browser on the app")
+
+    generate = commands.add_parser("generate", help="answer one prompt and print the reply or its events")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--json", action="store_true", help="print one JSON object per event")
+    _add_model_options(generate)
+    _add_sampling_options(generate, max_new_tokens=256)
+
+    chat = commands.add_parser("chat", help="chat in the terminal, with a timing line after each reply")
+    _add_model_options(chat)
+    _add_sampling_options(chat, max_new_tokens=512)
+    return parser
+
+
+def _engine(args: argparse.Namespace):
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                          prefill_chunk=getattr(args, "prefill_chunk", 0))
+    return Engine.from_config(config)
+
+
+def _sampling(args: argparse.Namespace):
+    from engine import SamplingParams
+
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=tuple(args.stop))
+
+
+def _conversation(system: str | None) -> list[dict]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def summary_line(metrics) -> str:
+    """One line after a reply, in the spirit of `ollama run --verbose`."""
+    def num(value, digits=1):
+        return "n/a" if value is None else f"{value:,.{digits}f}"
+
+    return (f"prompt {metrics.num_prompt_tokens} tok · TTFT {num(metrics.ttft_ms, 0)} ms · "
+            f"prefill {num(metrics.prefill_tokens_per_s)} tok/s · decode {num(metrics.decode_tokens_per_s)} tok/s "
+            f"({metrics.num_generated_tokens} tok) · KV {metrics.kv_tokens} tok, "
+            f"{metrics.kv_bytes / 1e6:.1f} MB")
+
+
+def print_reply(events) -> object:
+    """Print the reply's text as it streams; return the Finished event."""
+    printed = ""
+    for event in events:
+        if event.type == "DecodeStep":
+            print(event.text, end="", flush=True)
+            printed += event.text
+        elif event.type == "Finished":
+            print(event.text[len(printed):], flush=True)  # text held back for a possible stop string
+            return event
+    raise RuntimeError("the engine ended without a Finished event")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
+    engine = _engine(args)
+    messages = _conversation(args.system) + [{"role": "user", "content": args.prompt}]
+    events = engine.stream(messages, sampling)
+    if args.json:
+        for event in events:
+            print(json.dumps(event.to_dict(), ensure_ascii=False), flush=True)
+        finished = event
+    else:
+        finished = print_reply(events)
+    if finished.reason == "error":
+        print(f"phasescope: error: {finished.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)
+    engine = _engine(args)
+    info = engine.info
+    print(f"{info.name} on {info.device} ({info.dtype}, {info.model_path}). "
+          "Type /clear for a new chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
+    messages = _conversation(args.system)
+    while True:
+        try:
+            text = input("\n>>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text in ("/bye", "/exit", "/quit"):
+            return 0
+        if text == "/clear":
+            messages = _conversation(args.system)
+            print("(new chat)")
+            continue
+        if not text:
+            continue
+        try:
+            request = engine.new_request(messages + [{"role": "user", "content": text}], sampling)
+        except ValueError as exc:
+            print(f"error: {exc}")
+            continue
+        events = engine.run(request)
+        try:
+            finished = print_reply(events)
+        except KeyboardInterrupt:
+            events.close()  # cancels the request; what was generated is kept
+            print()
+            finished = None
+        reply = finished.text if finished else request.text
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        if finished is not None:
+            note = "" if finished.reason in ("eos", "stop") else f" · ended: {finished.reason}"
+            print(f"\033[2m{summary_line(finished.metrics)}{note}\033[0m")
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from app.main import launch
+
+    launch(model=args.model, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
+           db_path=args.db, open_browser=args.open)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "ui": cmd_ui,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["ui", *argv]  # `phasescope` alone starts the app
+    args = parser.parse_args(argv)
+    from engine import ModelError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ModelError, ValueError, OSError) as exc:
+        print(f"phasescope: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

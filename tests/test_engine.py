@@ -1,0 +1,223 @@
+"""The engine on tiny random models: event order and contents, KV sizes, chunking, cancellation."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import tiny_model, user
+from engine import (DecodeStep, Engine, EngineConfig, Finished, FirstToken, PrefillChunk, PromptTooLong,
+                    SamplingParams, Started, kv_bytes_formula)
+from engine.hf_runner import TransformersRunner, make_runner
+from engine.llama import LeanLlama
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+
+
+def shape(events) -> list[tuple]:
+    """A compact view of an event stream for whole-sequence asserts."""
+    out = []
+    for e in events:
+        if isinstance(e, PrefillChunk):
+            out.append(("prefill", e.start, e.end))
+        elif isinstance(e, DecodeStep):
+            out.append(("decode", e.step))
+        else:
+            out.append((e.type,))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [0, 5, 16])
+def test_event_order_with_chunked_prefill(tiny, chunk):
+    engine = Engine(tiny, EngineConfig(prefill_chunk=chunk))
+    request = engine.new_request(user("Explain the two phases of inference."), GREEDY)
+    num_prompt = request.num_prompt_tokens
+    events = list(engine.run(request))
+    step = chunk or num_prompt
+    chunks = [("prefill", s, min(s + step, num_prompt)) for s in range(0, num_prompt, step)]
+    assert [("Started",), *chunks, ("FirstToken",), *[("decode", i) for i in range(6)], ("Finished",)] == shape(events)
+
+
+def test_kv_tokens_and_bytes_follow_the_formula(tiny_engine):
+    events = list(tiny_engine.stream(user("Hello there"), GREEDY))
+    started, prefill = events[0], events[1]
+    steps = [e for e in events if isinstance(e, DecodeStep)]
+    per_token = kv_bytes_formula(num_layers=2, num_kv_heads=2, head_dim=16, element_size=4, num_tokens=1)
+    prompt = started.num_prompt_tokens
+    assert (prompt, prompt * per_token) == (prefill.kv_tokens, prefill.kv_bytes)
+    assert [(prompt + i, (prompt + i) * per_token) for i in range(6)] == [(s.kv_tokens, s.kv_bytes) for s in steps]
+    assert started.kv_capacity_bytes == started.kv_capacity_tokens * per_token
+    assert started.kv_capacity_tokens == 256  # prompt + 6 rounded up to one block, capped by the context
+
+
+def test_cache_reports_its_own_size():
+    from engine import KVCache
+
+    cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=8, capacity_tokens=10, dtype=torch.float16)
+    for layer in range(3):
+        cache.update(layer, 0, torch.ones(2, 4, 8), torch.ones(2, 4, 8))
+    assert (4, 10, kv_bytes_formula(3, 2, 8, 2, 4), kv_bytes_formula(3, 2, 8, 2, 10)) == (
+        cache.num_tokens, cache.capacity_tokens, cache.bytes_used, cache.bytes_allocated)
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.update(0, 8, torch.ones(2, 4, 8), torch.ones(2, 4, 8))
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("chunks", [[1000], [1] * 7 + [1000], [3, 5, 1000]])
+def test_lean_forward_matches_transformers(tokenizer, kind, chunks):
+    loaded = tiny_model(tokenizer, kind)
+    runner = make_runner(loaded.model)
+    assert isinstance(runner, LeanLlama)
+    ids = torch.tensor(tokenizer("The KV cache holds keys and values of earlier tokens.")["input_ids"])
+    with torch.no_grad():
+        expected = loaded.model(ids[None]).logits[0, -1]
+    cache, pos, logits = runner.new_cache(64), 0, None
+    for size in chunks:
+        end = min(pos + size, len(ids))
+        logits = runner.forward(ids[pos:end], pos, cache, need_logits=end == len(ids))
+        pos = end
+        if pos == len(ids):
+            break
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert len(ids) == cache.num_tokens
+
+
+def test_transformers_fallback_gives_the_same_tokens(tiny):
+    lean = Engine(tiny).generate(user("Hi"), GREEDY)
+    fallback = Engine(tiny, runner=TransformersRunner(tiny.model)).generate(user("Hi"), GREEDY)
+    assert lean.text == fallback.text
+    assert lean.metrics.kv_bytes == fallback.metrics.kv_bytes
+
+
+def test_first_token_breakdown_adds_up(tiny_engine):
+    events = list(tiny_engine.stream(user("Hi"), GREEDY))
+    first = next(e for e in events if isinstance(e, FirstToken))
+    parts = first.tokenize_ms + first.queue_ms + first.setup_ms + first.prefill_ms + first.first_sample_ms
+    assert parts == pytest.approx(first.ttft_ms, abs=1e-3)
+    finished = events[-1]
+    assert finished.metrics.ttft_ms == first.ttft_ms
+    assert finished.metrics.num_generated_tokens == 6
+    assert len(finished.metrics.itl_ms) == 5
+
+
+def test_hooks_see_every_event_in_order(tiny_engine):
+    seen, extra = [], []
+    with tiny_engine.hooks(seen.append):
+        yielded = list(tiny_engine.stream(user("Hi"), GREEDY, hooks=[extra.append]))
+    assert yielded == seen == extra
+    list(tiny_engine.stream(user("Hi"), GREEDY))  # outside the block: the hook is gone
+    assert len(seen) == len(yielded)
+
+
+def test_same_seed_gives_same_tokens(tiny_engine):
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    first = tiny_engine.generate(user("Tell me a story"), params)
+    second = tiny_engine.generate(user("Tell me a story"), params)
+    other = tiny_engine.generate(user("Tell me a story"), SamplingParams(**{**_fields(params), "seed": 8}))
+    assert first.text == second.text
+    assert first.text != other.text
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__slots__}
+
+
+def test_cancel_from_another_thread_takes_effect_within_one_step(tiny_engine):
+    request = tiny_engine.new_request(user("Count to one hundred"), SamplingParams(max_new_tokens=50, ignore_eos=True))
+
+    def cancel_at_step_3(event):
+        if isinstance(event, DecodeStep) and event.step == 3:
+            worker = threading.Thread(target=request.cancel)
+            worker.start()
+            worker.join()
+
+    events = list(tiny_engine.run(request, hooks=[cancel_at_step_3]))
+    steps = [e for e in events if isinstance(e, DecodeStep)]
+    assert [0, 1, 2, 3] == [s.step for s in steps]
+    assert ("cancelled", "".join(s.text for s in steps)) == (events[-1].reason, events[-1].text)
+    assert 4 == events[-1].metrics.num_generated_tokens
+
+
+def test_cancel_during_prefill(tiny):
+    engine = Engine(tiny, EngineConfig(prefill_chunk=2))
+    request = engine.new_request(user("A long enough prompt to take several chunks"), GREEDY)
+    cancel_after_first_chunk = lambda e: request.cancel() if isinstance(e, PrefillChunk) else None  # noqa: E731
+    events = list(engine.run(request, hooks=[cancel_after_first_chunk]))
+    assert [("Started",), ("prefill", 0, 2), ("Finished",)] == shape(events)
+    assert "cancelled" == events[-1].reason
+
+
+def test_closing_the_stream_cancels_and_hooks_get_finished(tiny_engine):
+    seen = []
+    stream = tiny_engine.stream(user("Hi"), SamplingParams(max_new_tokens=50, ignore_eos=True), hooks=[seen.append])
+    for event in stream:
+        if isinstance(event, DecodeStep) and event.step == 2:
+            break
+    stream.close()
+    assert isinstance(seen[-1], Finished)
+    assert ("cancelled", 3) == (seen[-1].reason, seen[-1].metrics.num_generated_tokens)
+    assert tiny_engine.generate(user("Hi"), GREEDY).reason == "length"  # the engine is free again
+
+
+def test_prompt_longer_than_the_context_window_is_refused(tiny_engine):
+    with pytest.raises(PromptTooLong, match=r"context window is 256 tokens") as info:
+        tiny_engine.new_request(user("word " * 400))
+    assert info.value.num_tokens > 256 and info.value.limit == 256
+    assert tiny_engine.generate(user("Hi"), GREEDY).reason == "length"
+
+
+def test_reply_is_clipped_to_the_context_window(tokenizer):
+    engine = Engine(tiny_model(tokenizer, max_positions=64))
+    request = engine.new_request(user("word " * 10), SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True))
+    finished = list(engine.run(request))[-1]
+    assert ("length", 64 - request.num_prompt_tokens + 1) == (finished.reason, finished.metrics.num_generated_tokens)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "conversation is empty"),
+    (user(""), "message is empty"),
+    (user("   \n"), "message is empty"),
+    ([{"role": "robot", "content": "x"}], "role"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "message is empty"),
+])
+def test_bad_conversations_are_refused(tiny_engine, messages, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_engine.new_request(messages)
+
+
+def test_a_failing_forward_finishes_with_error_and_engine_stays_usable(tiny_engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(tiny_engine.runner, "forward", broken)
+    finished = tiny_engine.generate(user("Hi"), GREEDY)
+    assert ("error", "RuntimeError: out of memory") == (finished.reason, finished.error)
+    monkeypatch.undo()
+    assert tiny_engine.generate(user("Hi"), GREEDY).reason == "length"
+
+
+def test_stop_string_ends_the_reply_and_is_not_shown(tiny_engine):
+    free = tiny_engine.generate(user("Hi"), SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    stop = free.text[5:8]
+    assert stop.strip(), "the random model produced whitespace; pick another slice"
+    stopped = tiny_engine.generate(user("Hi"), SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True,
+                                                              stop=(stop,)))
+    assert ("stop", free.text[:free.text.index(stop)]) == (stopped.reason, stopped.text)
+
+
+def test_decode_events_carry_probabilities(tiny_engine):
+    steps = [e for e in tiny_engine.stream(user("Hi"), GREEDY) if isinstance(e, DecodeStep)]
+    for step in steps:
+        assert len(step.top) == 5
+        assert step.top[0].token_id == step.token_id  # greedy picks the most likely
+        assert step.prob == pytest.approx(step.top[0].prob)
+        assert [t.prob for t in step.top] == sorted((t.prob for t in step.top), reverse=True)
+
+
+def test_events_serialize_to_json(tiny_engine):
+    import json
+
+    for event in tiny_engine.stream(user("Hi"), GREEDY):
+        data = json.loads(json.dumps(event.to_dict()))
+        assert data["type"] == event.type

@@ -1,0 +1,98 @@
+"""Sampling parameters, sampling itself, and text pieces (UTF-8 and stop strings)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.sampling import apply_repetition_penalty, make_generator, sample
+from engine.text import IncrementalDetokenizer, TextStream
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("max_new_tokens", 0, ">= 1"),
+    ("temperature", -0.1, r"\[0.0, 10.0\]"),
+    ("temperature", 11, r"\[0.0, 10.0\]"),
+    ("top_k", -1, ">= 0"),
+    ("top_p", 0.0, r"\(0.0, 1.0\]"),
+    ("top_p", 1.5, r"\(0.0, 1.0\]"),
+    ("repetition_penalty", 0, r"\(0.0, 10.0\]"),
+    ("seed", -3, ">= 0"),
+])
+def test_invalid_sampling_values_name_field_and_range(field, value, allowed):
+    with pytest.raises(ValueError, match=f"{field} must .*{allowed}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"device": "tpu"}, "device must be one of"),
+    ({"dtype": "int4"}, "dtype must be one of"),
+    ({"prefill_chunk": -1}, "prefill_chunk must be"),
+])
+def test_invalid_engine_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_stop_must_be_strings():
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop="###")
+    assert SamplingParams(stop=["###"]).stop == ("###",)
+
+
+def test_greedy_picks_argmax_and_reports_model_probability():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0, -1.0, 0.5])
+    picked = sample(logits, SamplingParams(temperature=0), make_generator(0))
+    probs = logits.softmax(-1)
+    assert (1, [1, 2, 0, 5, 3]) == (picked.token_id, picked.top_ids)
+    assert picked.prob == pytest.approx(float(probs[1]))
+
+
+@pytest.mark.parametrize("top_k, top_p, allowed", [(1, 1.0, {1}), (2, 1.0, {1, 2}), (0, 0.5, {1}), (0, 0.8, {1, 2})])
+def test_top_k_and_top_p_limit_the_choices(top_k, top_p, allowed):
+    logits = torch.tensor([0.0, 3.0, 2.5, -5.0])  # probs ~ [0.03, 0.60, 0.36, 0.0003]
+    generator = make_generator(0)
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    picked = {sample(logits, params, generator).token_id for _ in range(200)}
+    assert picked == allowed
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    logits = torch.tensor([2.0, -2.0, 1.0])
+    assert [1.0, -4.0, 1.0] == apply_repetition_penalty(logits, [0, 1], 2.0).tolist()
+
+
+TEXTS = ["Hello, world!", "你好，世界！今天天气很好。", "Emoji 🌍🚀 and café — naïve", "日本語のテキスト", "🇫🇷 flags 👩‍👩‍👧"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_pieces_are_complete_utf8_and_add_up(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_multibyte_character_waits_for_its_last_token(tokenizer):
+    ids = tokenizer("🚀", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1  # the emoji spans several byte-level tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [""] * (len(ids) - 1) + ["🚀"] == [detok.push(i) for i in ids]
+
+
+@pytest.mark.parametrize("text, stops, shown, stopped", [
+    ("Answer: 42\nUser: next", ("\nUser:",), "Answer: 42", True),
+    ("no stop here", ("###",), "no stop here", False),
+    ("a ## b", ("###",), "a ## b", False),
+])
+def test_text_stream_stops_and_holds_back(tokenizer, text, stops, shown, stopped):
+    stream = TextStream(tokenizer, stops)
+    released = ""
+    for token_id in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        released += stream.push(token_id)
+        if stream.is_stopped:
+            break
+    released += stream.flush()
+    assert (shown, stopped) == (released, stream.is_stopped)
+    assert stream.text == released
