@@ -124,8 +124,10 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------------
 
-    def new_request(self, messages: list[dict], sampling: SamplingParams | None = None) -> Request:
-        """Template and tokenize a conversation; raises ValueError for empty or too long input."""
+    def new_request(self, messages: list[dict], sampling: SamplingParams | None = None,
+                    prefill_chunk: int | None = None) -> Request:
+        """Template and tokenize a conversation; raises ValueError for empty or too long input.
+        prefill_chunk overrides the engine's chunk size for this request (0: the whole prompt)."""
         submit_ns = self._now_ns()
         check_messages(messages)
         prompt_ids = render_prompt(self.tokenizer, messages)
@@ -134,8 +136,11 @@ class Engine:
         sampling = sampling or SamplingParams()
         # n new tokens need n - 1 positions after the prompt (the last one is never fed back)
         max_new = min(sampling.max_new_tokens, self.context_window - len(prompt_ids) + 1)
+        chunk = self.config.prefill_chunk if prefill_chunk is None else prefill_chunk
+        if chunk < 0:
+            raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {chunk!r}")
         return Request(f"req-{next(self._ids)}", list(messages), sampling, prompt_ids, max_new,
-                       submit_ns=submit_ns, tokenized_ns=self._now_ns())
+                       submit_ns=submit_ns, tokenized_ns=self._now_ns(), prefill_chunk=chunk)
 
     def stream(self, messages: list[dict], sampling: SamplingParams | None = None,
                hooks: Iterable[Hook] = ()) -> Iterator[Event]:
@@ -200,7 +205,7 @@ class Engine:
                       cache.capacity_tokens, cache.bytes_allocated, self.runner.name)
         r.status = Status.PREFILLING
         logits = None
-        chunk = self.config.prefill_chunk or r.num_prompt_tokens
+        chunk = r.prefill_chunk or r.num_prompt_tokens
         for index, start in enumerate(range(r.num_cached_tokens, r.num_prompt_tokens, chunk)):
             if r.is_cancelled:
                 yield self._finish(r, "cancelled")
@@ -220,7 +225,7 @@ class Engine:
         text = TextStream(self.tokenizer, r.sampling.stop)
         generator = make_generator(r.sampling.seed)
         penalize = r.sampling.repetition_penalty != 1.0
-        previous_ns = r.prefill_end_ns
+        previous_ns = r.submit_ns  # so the first token's latency is its TTFT
         reason = "length"
         for step in range(r.max_new_tokens):
             if step > 0:

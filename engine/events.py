@@ -81,7 +81,7 @@ class DecodeStep(Event):
     step: int
     token_id: int
     text: str  # the text this token completes ("" while a multi-byte character is unfinished)
-    latency_ms: float  # since the previous token was available (step 0: since prefill ended)
+    latency_ms: float  # since the previous token was available; for step 0 since submit, i.e. TTFT
     kv_tokens: int
     kv_bytes: int
     prob: float  # the model's probability of this token (softmax of the logits)

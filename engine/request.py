@@ -27,6 +27,7 @@ class Request:
     max_new_tokens: int  # sampling.max_new_tokens, clipped to the context window
     submit_ns: int  # when the request was handed to the engine (before templating)
     tokenized_ns: int
+    prefill_chunk: int = 0  # prompt tokens per prefill pass; 0 = the whole prompt in one pass
     status: Status = Status.WAITING
     generated_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from a cache (prefix caching, later)

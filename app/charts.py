@@ -1,0 +1,113 @@
+"""Figures: events in, plotly Figure out. Pure functions, testable without a browser.
+
+One colour for prefill and one for decode, everywhere in the app (static/app.css uses the same).
+Figures are built from plain dicts without plotly's per-property validation, which costs ~20x more
+than the drawing data itself and would compete with decode for the CPU; tests validate them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+from engine import DecodeStep, Event, PrefillChunk, Started
+
+PREFILL_COLOR = "#e8871e"  # amber: the prompt read in one burst
+DECODE_COLOR = "#2f6fdf"  # blue: one token at a time
+CAPACITY_COLOR = "#9aa4b2"
+GRID_COLOR = "#eceff3"
+LOG_TICKS = [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000]
+
+
+def _axis(title: str, **extra) -> dict:
+    return dict(title=dict(text=title), gridcolor=GRID_COLOR, zeroline=False, linecolor="#d5dae1", **extra)
+
+
+def _figure(data: list[dict], title: str, xaxis: dict, yaxis: dict, **layout) -> go.Figure:
+    spec = dict(data=data, layout=dict(
+        title=dict(text=title, x=0.01, font=dict(size=14)), height=300, hovermode="closest",
+        font=dict(family="Inter, system-ui, sans-serif", size=12, color="#2a3240"),
+        paper_bgcolor="white", plot_bgcolor="white", margin=dict(l=55, r=15, t=45, b=45),
+        legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
+        xaxis=xaxis, yaxis=yaxis, **layout))
+    return go.Figure(spec, _validate=False)
+
+
+def _legend_dot(name: str, color: str) -> dict:
+    return dict(type="scatter", x=[None], y=[None], mode="markers", name=name, marker=dict(color=color, size=8))
+
+
+def latency_figure(events: Sequence[Event]) -> go.Figure:
+    """Per-step latency: a bar per prefill chunk, then one point per generated token.
+
+    Prefill chunks sit at x <= 0 (the last chunk at 0); token k of the reply sits at x = k. Token 1
+    comes from the prefill's logits, so its latency is the TTFT; later tokens show their ITL.
+    """
+    chunks = [e for e in events if isinstance(e, PrefillChunk)]
+    steps = [e for e in events if isinstance(e, DecodeStep)]
+    data = [dict(
+        type="bar", name="prefill", x=[i - len(chunks) + 1 for i in range(len(chunks))],
+        y=[c.latency_ms for c in chunks], marker=dict(color=PREFILL_COLOR), width=0.8,
+        customdata=[[c.chunk_index + 1, c.end - c.start, c.start, c.end] for c in chunks],
+        hovertemplate="prefill chunk %{customdata[0]}: %{customdata[1]} tokens [%{customdata[2]}, "
+                      "%{customdata[3]})<br>%{y:.1f} ms<extra></extra>",
+    ), dict(
+        type="scatter", name="decode", mode="lines+markers", x=[s.step + 1 for s in steps],
+        y=[s.latency_ms for s in steps], line=dict(color=DECODE_COLOR, width=1),
+        marker=dict(color=[PREFILL_COLOR if s.step == 0 else DECODE_COLOR for s in steps], size=5),
+        customdata=[[repr(s.text), s.kv_tokens] for s in steps],
+        hovertemplate="token %{x}: %{customdata[0]}<br>%{y:.1f} ms · KV %{customdata[1]} tokens<extra></extra>",
+    )]
+    shapes, annotations = [], []
+    if len(steps) >= 2:
+        tpot = (steps[-1].t_ms - steps[0].t_ms) / (len(steps) - 1)
+        data.append(dict(type="scatter", mode="lines", name=f"TPOT {tpot:.1f} ms", x=[1, steps[-1].step + 1],
+                         y=[tpot, tpot], line=dict(color=DECODE_COLOR, dash="dash", width=1.5), hoverinfo="skip"))
+    if steps:
+        shapes.append(dict(type="line", x0=0.5, x1=0.5, y0=0, y1=1, yref="paper",
+                           line=dict(color=PREFILL_COLOR, dash="dot", width=1)))
+        annotations.append(dict(x=0.5, y=1, yref="paper", text=f"TTFT {steps[0].latency_ms:,.0f} ms",
+                                showarrow=False, font=dict(color=PREFILL_COLOR), yanchor="bottom"))
+    ticks = dict(tickvals=LOG_TICKS, ticktext=[f"{v:g}" for v in LOG_TICKS])
+    return _figure(data, "Latency per step", _axis("← prefill chunks | generated token →"),
+                   _axis("latency (ms, log scale)", type="log", **ticks), shapes=shapes, annotations=annotations)
+
+
+def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[dict], int]:
+    started = next((e for e in events if isinstance(e, Started)), None)
+    points = [e for e in events if isinstance(e, (PrefillChunk, DecodeStep))]
+    if not points:
+        return [], x0
+    xs = list(range(x0, x0 + len(points) + 1))
+    phases = ["start"] + ["prefill" if isinstance(p, PrefillChunk) else "decode" for p in points]
+    traces = [dict(
+        type="scatter", mode="lines+markers", name=f"turn {number}", showlegend=False, x=xs,
+        y=[0.0] + [p.kv_bytes / 1e6 for p in points], line=dict(color=DECODE_COLOR, width=1.5, shape="hv"),
+        marker=dict(color=[DECODE_COLOR if ph == "decode" else PREFILL_COLOR for ph in phases], size=5),
+        customdata=[[tokens, phase] for tokens, phase in zip([0] + [p.kv_tokens for p in points], phases)],
+        hovertemplate=f"turn {number} · %{{customdata[1]}}<br>%{{customdata[0]}} tokens · %{{y:.2f}} MB"
+                      "<extra></extra>",
+    )]
+    if started is not None:
+        capacity = started.kv_capacity_bytes / 1e6
+        traces.append(dict(type="scatter", mode="lines", name="allocated", showlegend=number == 1,
+                           x=[xs[0], xs[-1]], y=[capacity, capacity],
+                           line=dict(color=CAPACITY_COLOR, dash="dot", width=1),
+                           hovertemplate=f"allocated: {started.kv_capacity_tokens:,} tokens, {capacity:.2f} MB"
+                                         "<extra></extra>"))
+    return traces, xs[-1] + 1
+
+
+def kv_figure(turns: Sequence[Sequence[Event]]) -> go.Figure:
+    """KV cache size after every prefill chunk and decode step, over all turns of a chat.
+
+    Each turn builds its cache anew (no prefix caching yet), so a turn starts from zero, jumps by the
+    whole conversation in its prefill, then grows by one token per decode step.
+    """
+    data, x = [], 0
+    for number, events in enumerate(turns, start=1):
+        traces, x = _turn_traces(number, events, x)
+        data += traces
+    data += [_legend_dot("prefill", PREFILL_COLOR), _legend_dot("decode", DECODE_COLOR)]
+    return _figure(data, "KV cache size", _axis("step (all turns of this chat)"),
+                   _axis("KV cache (MB)", rangemode="tozero"))

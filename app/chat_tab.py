@@ -1,0 +1,168 @@
+"""The Chat tab: the conversation on the left, the live prefill/decode panel on the right."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import gradio as gr
+
+from engine import Engine, Event, SamplingParams
+
+from . import charts, panels
+from .session import ActiveRequests, ChatSession, ReplyWorker
+from .trace import ReplyTrace
+
+TEXT_EVERY_S = 0.1  # how often the reply text and tiles are sent to the browser
+PLOT_EVERY_S = 0.4  # how often the figures are rebuilt (the final figure always holds every step)
+
+RecorderFactory = Callable[[ChatSession, list[dict], SamplingParams, ReplyTrace], Callable[[Event], None]]
+
+
+@dataclass
+class ChatTab:
+    session: gr.State
+    chatbot: gr.Chatbot
+    message: gr.Textbox
+    phase: gr.HTML
+    kpis: gr.HTML
+    split: gr.HTML
+    latency: gr.Plot
+    kv: gr.Plot
+    kv_check: gr.HTML
+
+    @property
+    def outputs(self) -> list[gr.components.Component]:
+        return [self.chatbot, self.message, self.phase, self.kpis, self.split, self.latency, self.kv,
+                self.kv_check, self.session]
+
+
+def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, plots: bool = True) -> tuple:
+    """Every output of the tab, for one moment of a chat; plots=False leaves the figures as they are."""
+    metrics = trace.metrics() if trace else None
+    latency = charts.latency_figure(trace.events if trace else []) if plots else gr.skip()
+    kv = charts.kv_figure([t.events for t in session.traces]) if plots else gr.skip()
+    return (session.display, gr.skip(), panels.phase_html(trace), panels.kpi_html(trace),
+            panels.time_split_html(metrics if trace and trace.steps else None), latency, kv,
+            panels.kv_measured_html(trace, engine.info), session)
+
+
+def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams:
+    seed = None if seed in (None, "") else int(seed)
+    return SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
+                          top_k=int(top_k), seed=seed)
+
+
+def make_accept(active: ActiveRequests):
+    """The fast first step of sending: show the message and the queue position, clear the box."""
+    def accept(message, session):
+        session = session or ChatSession()
+        text = (message or "").strip()
+        if not text or session.pending:  # an empty message does nothing; one reply at a time per chat
+            return gr.skip(), gr.skip(), gr.skip(), session
+        session.accept(text)
+        ahead = active.wait(session.id)
+        return session.display, "", panels.queued_html(ahead), session
+
+    return accept
+
+
+def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None):
+    """The queued second step: run the accepted message and stream the reply and the live panel."""
+    def respond(session, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
+        text = session.pending if session else ""
+        if not text:
+            yield (gr.skip(),) * 9
+            return
+        system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
+        messages = system_messages + session.messages + [{"role": "user", "content": text}]
+        try:
+            sampling = _settings(max_new_tokens, temperature, top_p, top_k, seed)
+            request = engine.new_request(messages, sampling, prefill_chunk=int(prefill_chunk or 0))
+        except ValueError as exc:
+            active.finish(session.id)
+            session.pending = ""
+            session.show_error(str(exc))
+            yield render(session, engine, None, plots=False)
+            return
+        trace = ReplyTrace(turn=len(session.traces) + 1)
+        session.traces.append(trace)
+        hooks = [recorder(session, messages, sampling, trace)] if recorder else []
+        active.start(session.id, request)
+        worker = ReplyWorker(engine, request, trace, hooks)
+        try:
+            last_plot = 0.0
+            while worker.is_running:
+                worker.wait(TEXT_EVERY_S)
+                session.show_reply(trace)
+                plots_due = time.monotonic() - last_plot >= PLOT_EVERY_S
+                if plots_due:
+                    last_plot = time.monotonic()
+                yield render(session, engine, trace, plots=plots_due)
+        finally:
+            if worker.is_running:  # the browser went away: stop generating for nobody
+                request.cancel()
+                worker.wait()
+            active.finish(session.id, request)
+            session.pending = ""
+            if trace.finished and trace.finished.reason != "error":
+                session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+        session.show_reply(trace)
+        yield render(session, engine, trace)
+
+    return respond
+
+
+def new_chat(active: ActiveRequests):
+    def handler(session):
+        if session:
+            active.cancel(session.id)
+        fresh = ChatSession()
+        return (fresh.display, "", panels.phase_html(None), panels.kpi_html(None), panels.time_split_html(None),
+                charts.latency_figure([]), charts.kv_figure([]), "", fresh)
+
+    return handler
+
+
+def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None = None) -> ChatTab:
+    session = gr.State(None)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=5, min_width=360):
+            chatbot = gr.Chatbot(show_label=False, height=480, elem_id="ps-chatbot", buttons=["copy"],
+                                 sanitize_html=True, render_markdown=True, feedback_options=None)
+            with gr.Row():
+                message = gr.Textbox(placeholder="Ask something… (Enter to send)", show_label=False, scale=6,
+                                     elem_id="ps-message", autofocus=True, lines=1, max_lines=8)
+                send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="ps-send")
+                stop = gr.Button("Stop", variant="stop", scale=1, min_width=70, elem_id="ps-stop")
+            new = gr.Button("New chat", size="sm", elem_id="ps-new")
+            with gr.Accordion("Settings", open=False, elem_id="ps-settings"):
+                system = gr.Textbox(label="System prompt", placeholder="(the model's default)", lines=2)
+                max_new_tokens = gr.Slider(1, 2048, value=256, step=1, label="Max new tokens", elem_id="ps-max-new")
+                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)", elem_id="ps-temperature")
+                top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top-p")
+                top_k = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
+                seed = gr.Number(label="Seed (empty = random)", value=None, precision=0, minimum=0)
+                prefill_chunk = gr.Slider(0, 1024, value=0, step=16, label="Prefill chunk (tokens, 0 = whole prompt)",
+                                          elem_id="ps-prefill-chunk")
+            gr.HTML(panels.model_html(engine.info))
+        with gr.Column(scale=6, min_width=420):
+            phase = gr.HTML(panels.phase_html(None), elem_id="ps-phase")
+            kpis = gr.HTML(panels.kpi_html(None), elem_id="ps-kpis")
+            split = gr.HTML(panels.time_split_html(None), elem_id="ps-split")
+            latency = gr.Plot(charts.latency_figure([]), show_label=False, elem_id="ps-latency")
+            kv = gr.Plot(charts.kv_figure([]), show_label=False, elem_id="ps-kv")
+            kv_check = gr.HTML("", elem_id="ps-kv-check")
+    tab = ChatTab(session, chatbot, message, phase, kpis, split, latency, kv, kv_check)
+    settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
+    accept, respond = make_accept(active), make_respond(engine, active, recorder)
+    replies = [
+        trigger(accept, [message, session], [chatbot, message, phase, session], queue=False).then(
+            respond, [session, *settings], tab.outputs, concurrency_limit=1, concurrency_id="engine",
+            show_progress="hidden")
+        for trigger in (message.submit, send.click)
+    ]
+    stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
+    # closing a running reply's generator cancels its request (see respond's finally)
+    new.click(new_chat(active), [session], tab.outputs, cancels=replies)
+    return tab

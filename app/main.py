@@ -1,0 +1,47 @@
+"""Composes the app's tabs and starts the Gradio server."""
+from __future__ import annotations
+
+import sys
+import webbrowser
+from pathlib import Path
+
+import gradio as gr
+
+from engine import Engine, EngineConfig
+
+from . import chat_tab
+from .session import ActiveRequests
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+TITLE = "PhaseScope"
+
+
+def build_app(engine: Engine) -> gr.Blocks:
+    active = ActiveRequests()
+    with gr.Blocks(title=TITLE) as app:
+        gr.HTML(f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> '
+                '<span class="ps-tagline">watch the prompt being read in one burst (<b class="ps-p-fg">prefill</b>) '
+                'and the reply come token by token (<b class="ps-d-fg">decode</b>)</span></div>')
+        with gr.Tab("Chat"):
+            chat_tab.build(engine, active)
+    app.queue(default_concurrency_limit=1)
+    return app
+
+
+def launch_options() -> dict:
+    return dict(theme=gr.themes.Soft(primary_hue="blue"), css_paths=[STATIC / "app.css"])
+
+
+def launch(model: str | None = None, device: str = "auto", dtype: str = "auto", host: str = "127.0.0.1",
+           port: int = 7860, db_path: str | None = None, open_browser: bool = False) -> None:
+    print("Loading the model…", file=sys.stderr, flush=True)
+    engine = Engine.from_config(EngineConfig(model=model, device=device, dtype=dtype))
+    info = engine.info
+    print(f"{info.name} on {info.device} ({info.dtype}, {info.model_path})", file=sys.stderr, flush=True)
+    app = build_app(engine)
+    url = f"http://{host}:{port}"
+    print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
+    if open_browser:
+        webbrowser.open(url)
+    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
+               **launch_options())

@@ -1,0 +1,116 @@
+"""Per-user chat state (kept in gr.State) and the map of running requests that Stop reaches."""
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from html import escape
+
+from engine import Engine, Event, Request
+
+from .panels import stats_line
+from .trace import ReplyTrace
+
+
+def as_text(text: str) -> str:
+    """User or model text for the Chatbot: markup is shown as text, never run."""
+    return escape(text, quote=False)
+
+
+@dataclass
+class ChatSession:
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    messages: list[dict] = field(default_factory=list)  # what the model sees (raw text)
+    display: list[dict] = field(default_factory=list)  # what the Chatbot shows
+    traces: list[ReplyTrace] = field(default_factory=list)  # one per assistant reply
+    store_id: int | None = None  # the history database's session id, once saved
+    pending: str = ""  # a message accepted and waiting for the engine
+
+    def accept(self, user_text: str) -> None:
+        """Show the user's message at once, with a placeholder reply, until the engine takes it."""
+        self.pending = user_text
+        self.display += [{"role": "user", "content": as_text(user_text)}, {"role": "assistant", "content": "…"}]
+
+    def show_reply(self, trace: ReplyTrace) -> None:
+        content = as_text(trace.text)
+        if trace.finished and trace.finished.reason == "error":
+            content = f"⚠️ {as_text(trace.finished.error or 'error')}"
+        elif trace.finished:
+            content += f'\n\n<span class="ps-stats">{stats_line(trace.finished.metrics, trace.finished.reason)}</span>'
+        self.display[-1] = {"role": "assistant", "content": content or "…"}
+
+    def show_error(self, error: str) -> None:
+        self.display[-1] = {"role": "assistant", "content": f"⚠️ {as_text(error)}"}
+
+
+class ActiveRequests:
+    """Which chats are waiting for the engine or running a request, so that Stop can reach them from
+    another thread, and a waiting chat can be told how many replies are ahead of it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[str] = []
+        self._stopped_while_waiting: set[str] = set()
+        self._running: dict[str, Request] = {}
+
+    def wait(self, session_id: str) -> int:
+        """Put a chat in line; returns how many replies are ahead of it."""
+        with self._lock:
+            ahead = len(self._running) + len(self._waiting)
+            self._waiting.append(session_id)
+            return ahead
+
+    def start(self, session_id: str, request: Request) -> None:
+        with self._lock:
+            if session_id in self._waiting:
+                self._waiting.remove(session_id)
+            self._running[session_id] = request
+            if session_id in self._stopped_while_waiting:
+                self._stopped_while_waiting.discard(session_id)
+                request.cancel()  # Stop came while it was waiting: it ends before its prefill
+
+    def finish(self, session_id: str, request: Request | None = None) -> None:
+        with self._lock:
+            if session_id in self._waiting:
+                self._waiting.remove(session_id)
+            if request is not None and self._running.get(session_id) is request:
+                del self._running[session_id]
+
+    def cancel(self, session_id: str) -> bool:
+        with self._lock:
+            request = self._running.get(session_id)
+            if request is None and session_id in self._waiting:
+                self._stopped_while_waiting.add(session_id)
+                return True
+        if request is None:
+            return False
+        request.cancel()
+        return True
+
+
+class ReplyWorker:
+    """Runs one request on its own thread, feeding a trace, so that drawing the page never holds up
+    a decode step (the UI thread only reads the trace)."""
+
+    def __init__(self, engine: Engine, request: Request, trace: ReplyTrace,
+                 hooks: Iterable[Callable[[Event], None]] = ()) -> None:
+        self._events = engine.run(request, hooks=[trace.add, *hooks])
+        self.request = request
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"reply-{request.request_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for _ in self._events:
+                pass
+        except Exception as exc:  # a hook failed; the engine already ended the request
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)

@@ -1,0 +1,75 @@
+"""What the UI keeps of a reply: the engine's events, grouped, and the figures derived from them.
+
+A ReplyTrace is filled by a hook on the engine's thread and read by the UI's thread; it only ever
+appends, so a reader sees a consistent prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import DecodeStep, Event, Finished, FirstToken, PrefillChunk, RequestMetrics, Started
+from engine.metrics import request_metrics
+
+
+@dataclass
+class ReplyTrace:
+    turn: int
+    started: Started | None = None
+    chunks: list[PrefillChunk] = field(default_factory=list)
+    first: FirstToken | None = None
+    steps: list[DecodeStep] = field(default_factory=list)
+    finished: Finished | None = None
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, PrefillChunk):
+            self.chunks.append(event)
+        elif isinstance(event, DecodeStep):
+            self.steps.append(event)
+        elif isinstance(event, Started):
+            self.started = event
+        elif isinstance(event, FirstToken):
+            self.first = event
+        elif isinstance(event, Finished):
+            self.finished = event
+
+    @property
+    def events(self) -> list[Event]:
+        head = [e for e in (self.started,) if e is not None]
+        middle = [e for e in (self.first,) if e is not None]
+        tail = [e for e in (self.finished,) if e is not None]
+        return [*head, *self.chunks, *middle, *self.steps, *tail]
+
+    @property
+    def text(self) -> str:
+        return self.finished.text if self.finished else "".join(s.text for s in list(self.steps))
+
+    @property
+    def phase(self) -> str:
+        if self.finished:
+            return "stopped" if self.finished.reason == "cancelled" else (
+                "error" if self.finished.reason == "error" else "done")
+        if self.steps:
+            return "decode"
+        return "prefill" if self.started else "queued"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.started.num_prompt_tokens if self.started else 0
+
+    @property
+    def kv(self) -> tuple[int, int]:
+        """(tokens, bytes) held by the KV cache after the latest step."""
+        latest = self.steps[-1] if self.steps else (self.chunks[-1] if self.chunks else None)
+        return (latest.kv_tokens, latest.kv_bytes) if latest else (0, 0)
+
+    def metrics(self) -> RequestMetrics:
+        """The engine's own summary once finished; the same definitions on the events so far before."""
+        if self.finished:
+            return self.finished.metrics
+        steps, chunks = list(self.steps), list(self.chunks)
+        kv_tokens, kv_bytes = self.kv
+        last_t = (steps[-1].t_ms if steps else chunks[-1].t_ms if chunks else 0.0)
+        return request_metrics(submit_ns=0, token_ns=[round(s.t_ms * 1e6) for s in steps],
+                               end_ns=round(last_t * 1e6), prefill_ms=sum(c.latency_ms for c in chunks),
+                               num_prompt_tokens=sum(c.num_tokens for c in chunks), num_cached_tokens=0,
+                               kv_tokens=kv_tokens, kv_bytes=kv_bytes)

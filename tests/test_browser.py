@@ -1,0 +1,144 @@
+"""The app in a real browser: Debian's Chromium driven by Playwright against `phasescope ui`."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from browser import (CHROMIUM, ROOT, kpi, launch_browser, open_chat, plot_traces, send, set_setting,
+                     start_app, wait_phase)
+
+pytestmark = [pytest.mark.browser, pytest.mark.model]
+
+if not Path(CHROMIUM).exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium")
+    pytest.skip(f"{CHROMIUM} not installed (apt-get install -y chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    process, url = start_app("--db", str(tmp_path_factory.mktemp("db") / "history.db"))
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = launch_browser(playwright)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    page = open_chat(browser, app_url)
+    yield page
+    page.close()
+
+
+def test_chat_reply_with_live_panel(page, tmp_path):
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", 48)
+    send(page, "What is a KV cache? Answer in two sentences.")
+    wait_phase(page, "prefill", "decode", "done")  # the live phase indicator moves
+    assert "done" == wait_phase(page, "done")
+    page.wait_for_timeout(500)  # the last figure update
+    reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+    generated = int(kpi(page, "generated_tokens"))
+    assert reply.strip() and 1 <= generated <= 48
+    assert re.search(rf"\d+ prompt tok · TTFT \d[\d,]* ms · decode [\d.]+ tok/s · {generated} tok", reply)
+    traces = plot_traces(page, "ps-latency")
+    assert (1, generated) == (traces["prefill"], traces["decode"])  # one point per generated token
+    for key in ("ttft", "prefill_tps", "prompt_tokens", "kv"):
+        assert re.search(r"\d", kpi(page, key)), key
+    if generated >= 2:
+        assert re.fullmatch(r"[\d.,]+ ms", kpi(page, "tpot"))
+        assert re.fullmatch(r"[\d.,]+ tok/s", kpi(page, "decode_tps"))
+    kv_points = plot_traces(page, "ps-kv")["turn 1"]
+    assert kv_points == 1 + 1 + generated  # the empty cache, the prefill jump, one point per token
+    assert "46,080 B/token (formula: 46,080)" in page.inner_text("#ps-kv-check")
+    page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
+    if os.environ.get("PHASESCOPE_UPDATE_SCREENSHOT"):
+        shutil.copy(tmp_path / "chat.png", ROOT / "docs" / "screenshot.png")
+
+
+def test_second_turn_continues_the_kv_chart(page):
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", 8)
+    send(page, "Name a fruit.")
+    wait_phase(page, "done")
+    send(page, "Name another one.")
+    page.wait_for_selector("#ps-chatbot [data-testid=user] >> nth=1")
+    wait_phase(page, "done")
+    page.wait_for_timeout(500)
+    traces = plot_traces(page, "ps-kv")
+    assert {"turn 1", "turn 2"} <= set(traces)
+    assert 2 == page.locator("#ps-chatbot [data-testid=bot]").count()
+
+
+def test_stop_keeps_the_partial_reply(page):
+    set_setting(page, "ps-max-new", 1000)
+    send(page, "Write a very long story about a lighthouse keeper, with many chapters.")
+    page.wait_for_function("() => { const t = document.querySelector('#ps-kpis [data-kpi=generated_tokens] "
+                           ".ps-value'); return t && parseInt(t.innerText) >= 5; }", timeout=120_000)
+    page.click("#ps-stop")
+    assert "stopped" == wait_phase(page, "stopped", "done", timeout_ms=30_000)
+    reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+    kept = int(re.search(r"(\d+) tok · stopped", reply).group(1))
+    assert 5 <= kept < 60  # cancelled within a step or two of the click, far from the 1,000 asked for
+    assert len(reply.split("\n")[0]) > 0
+
+
+def test_markup_is_shown_as_text_and_never_run(page):
+    set_setting(page, "ps-max-new", 4)
+    send(page, 'Repeat: <b>bold</b> <img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script>')
+    wait_phase(page, "done")
+    user_text = page.locator("#ps-chatbot [data-testid=user]").last.inner_text()
+    assert '<b>bold</b> <img src=x onerror="window.__pwned=1">' in user_text
+    assert page.evaluate("() => window.__pwned === undefined")
+    assert 0 == page.locator("#ps-chatbot [data-testid=user] img, #ps-chatbot [data-testid=user] b").count()
+
+
+def test_empty_and_too_long_messages(page):
+    page.click("#ps-send")  # empty: nothing happens
+    page.wait_for_timeout(800)
+    assert 0 == page.locator("#ps-chatbot [data-testid=user]").count()
+    send(page, "word " * 9000)
+    page.wait_for_selector("#ps-chatbot [data-testid=bot]")
+    error = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+    assert re.search(r"conversation is [\d,]+ tokens, but the model's context window is 8,192 tokens", error)
+    set_setting(page, "ps-max-new", 4)
+    send(page, "Hello")  # the app keeps working
+    assert "done" == wait_phase(page, "done")
+
+
+def test_two_tabs_chat_at_once_without_cross_talk(browser, app_url, tmp_path):
+    first, second = open_chat(browser, app_url), open_chat(browser, app_url)
+    try:
+        set_setting(first, "ps-max-new", 40)
+        set_setting(second, "ps-max-new", 6)
+        send(first, "Tell me about elephants.")
+        first.wait_for_selector("#ps-phase [data-phase=decode]", timeout=60_000)
+        send(second, "Tell me about penguins.")
+        second.wait_for_selector("#ps-phase [data-phase=queued]", timeout=10_000)
+        queued = second.inner_text("#ps-phase")
+        second.screenshot(path=str(tmp_path / "queued.png"))
+        assert "done" == wait_phase(first, "done")
+        assert "done" == wait_phase(second, "done")
+        assert "Queued — 1 reply ahead of yours" in queued
+        first_users = first.locator("#ps-chatbot [data-testid=user]").all_inner_texts()
+        second_users = second.locator("#ps-chatbot [data-testid=user]").all_inner_texts()
+        assert (["Tell me about elephants."], ["Tell me about penguins."]) == (first_users, second_users)
+        # each tab kept its own settings
+        assert int(kpi(second, "generated_tokens")) <= 6 and int(kpi(first, "generated_tokens")) <= 40
+    finally:
+        first.close()
+        second.close()

@@ -1,0 +1,126 @@
+"""Figures and panels are pure functions of events: checked here without a browser."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import pytest
+
+from app import charts, panels
+from app.session import ActiveRequests
+from app.trace import ReplyTrace
+from engine import DecodeStep, Engine, Finished, PrefillChunk, SamplingParams, Started
+
+PER_TOKEN = 46080
+
+
+def fake_reply(num_prompt: int = 10, num_steps: int = 4, chunk: int = 0, turn: int = 1) -> ReplyTrace:
+    trace = ReplyTrace(turn=turn)
+    trace.add(Started("r", 0.5, num_prompt, 64, 256, 256 * PER_TOKEN, "lean-llama"))
+    chunk = chunk or num_prompt
+    t = 1.0
+    for index, start in enumerate(range(0, num_prompt, chunk)):
+        end = min(start + chunk, num_prompt)
+        t += 20.0
+        trace.add(PrefillChunk("r", t, index, start, end, num_prompt, 20.0, end, end * PER_TOKEN))
+    for step in range(num_steps):
+        t += 5.0
+        kv = num_prompt + step
+        trace.add(DecodeStep("r", t, step, 100 + step, f"w{step}", t if step == 0 else 5.0, kv, kv * PER_TOKEN,
+                             0.5, ()))
+    return trace
+
+
+def validated(fig: go.Figure) -> go.Figure:
+    """The app skips plotly's validation for speed; the tests do not."""
+    return go.Figure(fig.to_dict())
+
+
+@pytest.mark.parametrize("num_steps", [0, 1, 5, 40])
+def test_latency_figure_has_one_prefill_bar_and_a_point_per_token(num_steps):
+    fig = validated(charts.latency_figure(fake_reply(num_steps=num_steps).events))
+    bars, points = fig.data[0], fig.data[1]
+    assert ("prefill", [0], [20.0]) == (bars.name, list(bars.x), list(bars.y))
+    assert ("decode", list(range(1, num_steps + 1))) == (points.name, list(points.x))
+    assert ([charts.PREFILL_COLOR] + [charts.DECODE_COLOR] * num_steps)[:num_steps] == list(points.marker.color)
+    names = [t.name for t in fig.data]
+    assert (num_steps >= 2) == any(name.startswith("TPOT") for name in names)
+
+
+def test_latency_figure_draws_a_bar_per_prefill_chunk():
+    fig = validated(charts.latency_figure(fake_reply(num_prompt=10, chunk=4).events))
+    assert [-2, -1, 0] == list(fig.data[0].x)
+    assert [[1, 4, 0, 4], [2, 4, 4, 8], [3, 2, 8, 10]] == [list(c) for c in fig.data[0].customdata]
+
+
+def test_tpot_line_is_the_mean_decode_gap():
+    fig = validated(charts.latency_figure(fake_reply(num_steps=5).events))
+    tpot = next(t for t in fig.data if t.name.startswith("TPOT"))
+    assert [5.0, 5.0] == list(tpot.y)
+
+
+def test_kv_figure_continues_across_turns():
+    turns = [fake_reply(num_prompt=10, num_steps=3).events, fake_reply(num_prompt=20, num_steps=2, chunk=8).events]
+    fig = validated(charts.kv_figure(turns))
+    first, second = (next(t for t in fig.data if t.name == f"turn {n}") for n in (1, 2))
+    assert [0, 1, 2, 3, 4] == list(first.x)
+    assert [0.0, 10 * PER_TOKEN / 1e6, 10 * PER_TOKEN / 1e6, 11 * PER_TOKEN / 1e6, 12 * PER_TOKEN / 1e6] == list(first.y)
+    assert [5, 6, 7, 8, 9, 10] == list(second.x)  # the empty cache, 3 prefill chunks, 2 decode steps
+    assert [0, 8, 16, 20, 20, 21] == [c[0] for c in second.customdata]
+    allocated = [t for t in fig.data if t.name == "allocated"]
+    assert [256 * PER_TOKEN / 1e6] * 2 == list(allocated[0].y)
+
+
+def test_empty_figures_are_valid():
+    validated(charts.latency_figure([]))
+    validated(charts.kv_figure([]))
+
+
+def test_phase_indicator_follows_the_reply():
+    assert "Ready" in panels.phase_html(None)
+    trace = ReplyTrace(turn=1)
+    trace.add(Started("r", 0.5, 1024, 64, 2048, 1, "lean-llama"))
+    trace.add(PrefillChunk("r", 1, 0, 0, 384, 1024, 20.0, 384, 1))
+    assert "<b>Prefill</b> — 384 / 1,024 prompt tokens" in panels.phase_html(trace)
+    assert 'style="width:38%"' in panels.phase_html(trace)
+    assert "<b>Decode</b> — token 4" in panels.phase_html(fake_reply(num_steps=4))
+    assert "Queued</b> — 2 replies ahead" in panels.queued_html(2)
+
+
+def test_phase_and_tiles_when_finished(tiny_engine):
+    trace = ReplyTrace(turn=1)
+    for event in tiny_engine.stream([{"role": "user", "content": "Hi"}],
+                                    SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)):
+        trace.add(event)
+    assert isinstance(trace.events[-1], Finished)
+    assert "<b>Done</b> — 5 tokens · max new tokens reached" in panels.phase_html(trace)
+    tiles = panels.kpi_html(trace)
+    assert 'data-kpi="generated_tokens"><div class="ps-label">Generated</div><div class="ps-value">5<' in tiles
+    assert f"{trace.finished.metrics.ttft_ms:,.0f} ms" in tiles
+    line = panels.stats_line(trace.finished.metrics, "length")
+    assert line.endswith("5 tok") and "TTFT" in line
+
+
+def test_live_metrics_use_the_engine_definitions():
+    trace = fake_reply(num_prompt=10, num_steps=5)
+    m = trace.metrics()
+    assert (5, 5.0, 10) == (m.num_generated_tokens, m.tpot_ms, m.num_prompt_tokens)
+    assert m.prefill_tokens_per_s == pytest.approx(500.0)  # 10 tokens in 20 ms
+
+
+def test_model_panel_shows_the_kv_formula(tiny_engine):
+    html = panels.model_html(tiny_engine.info)
+    assert "2 × 2 layers × 2 KV heads × 16 head dim × 4 B = 512 B/token" in html
+
+
+def test_stop_reaches_a_waiting_chat_and_a_running_one(tiny_engine):
+    active = ActiveRequests()
+    assert 0 == active.wait("a")
+    assert 1 == active.wait("b")
+    assert active.cancel("b")  # stopped while waiting
+    request = tiny_engine.new_request([{"role": "user", "content": "Hi"}])
+    active.start("b", request)
+    assert request.is_cancelled
+    other = tiny_engine.new_request([{"role": "user", "content": "Hi"}])
+    active.start("a", other)
+    assert not other.is_cancelled and active.cancel("a") and other.is_cancelled
+    active.finish("a", other)
+    assert not active.cancel("a")
