@@ -16,6 +16,7 @@ PREFILL_COLOR = "#e8871e"  # amber: the prompt read in one burst
 DECODE_COLOR = "#2f6fdf"  # blue: one token at a time
 CAPACITY_COLOR = "#9aa4b2"
 GRID_COLOR = "#eceff3"
+MAX_MARKERS = 60
 LOG_TICKS = [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000]
 
 
@@ -31,6 +32,11 @@ def _figure(data: list[dict], title: str, xaxis: dict, yaxis: dict, **layout) ->
         legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
         xaxis=xaxis, yaxis=yaxis, **layout))
     return go.Figure(spec, _validate=False)
+
+
+def _mode(num_points: int) -> str:
+    # one SVG marker per point makes every browser redraw slower, competing with decode for the CPU
+    return "lines+markers" if num_points <= MAX_MARKERS else "lines"
 
 
 def _legend_dot(name: str, color: str) -> dict:
@@ -52,7 +58,7 @@ def latency_figure(events: Sequence[Event]) -> go.Figure:
         hovertemplate="prefill chunk %{customdata[0]}: %{customdata[1]} tokens [%{customdata[2]}, "
                       "%{customdata[3]})<br>%{y:.1f} ms<extra></extra>",
     ), dict(
-        type="scatter", name="decode", mode="lines+markers", x=[s.step + 1 for s in steps],
+        type="scatter", name="decode", mode=_mode(len(steps)), x=[s.step + 1 for s in steps],
         y=[s.latency_ms for s in steps], line=dict(color=DECODE_COLOR, width=1),
         marker=dict(color=[PREFILL_COLOR if s.step == 0 else DECODE_COLOR for s in steps], size=5),
         customdata=[[repr(s.text), s.kv_tokens] for s in steps],
@@ -81,7 +87,7 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[di
     xs = list(range(x0, x0 + len(points) + 1))
     phases = ["start"] + ["prefill" if isinstance(p, PrefillChunk) else "decode" for p in points]
     traces = [dict(
-        type="scatter", mode="lines+markers", name=f"turn {number}", showlegend=False, x=xs,
+        type="scatter", mode=_mode(len(xs)), name=f"turn {number}", showlegend=False, x=xs,
         y=[0.0] + [p.kv_bytes / 1e6 for p in points], line=dict(color=DECODE_COLOR, width=1.5, shape="hv"),
         marker=dict(color=[DECODE_COLOR if ph == "decode" else PREFILL_COLOR for ph in phases], size=5),
         customdata=[[tokens, phase] for tokens, phase in zip([0] + [p.kv_tokens for p in points], phases)],

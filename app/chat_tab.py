@@ -13,8 +13,10 @@ from . import charts, panels
 from .session import ActiveRequests, ChatSession, ReplyWorker
 from .trace import ReplyTrace
 
-TEXT_EVERY_S = 0.1  # how often the reply text and tiles are sent to the browser
-PLOT_EVERY_S = 0.4  # how often the figures are rebuilt (the final figure always holds every step)
+TEXT_EVERY_S = 0.25  # how often the reply text and tiles are sent to the browser (4/s)
+# how often a figure is redrawn, the two taking turns; the final figures always hold every step.
+# Each redraw costs the browser a full Plotly relayout, which on a 2-core machine competes with decode.
+PLOT_EVERY_S = 0.5
 
 RecorderFactory = Callable[[ChatSession, list[dict], SamplingParams, ReplyTrace], Callable[[Event], None]]
 
@@ -37,18 +39,20 @@ class ChatTab:
                 self.kv_check, self.session]
 
 
-def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, plots: bool = True) -> tuple:
-    """Every output of the tab, for one moment of a chat; plots=False leaves the figures as they are."""
+def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
+           plots: tuple[bool, bool] = (True, True)) -> tuple:
+    """Every output of the tab, for one moment of a chat; plots says which of the (latency, KV)
+    figures to redraw, the others are left as they are."""
     metrics = trace.metrics() if trace else None
-    latency = charts.latency_figure(trace.events if trace else []) if plots else gr.skip()
-    kv = charts.kv_figure([t.events for t in session.traces]) if plots else gr.skip()
+    latency = charts.latency_figure(trace.events if trace else []) if plots[0] else gr.skip()
+    kv = charts.kv_figure([t.events for t in session.traces]) if plots[1] else gr.skip()
     return (session.display, gr.skip(), panels.phase_html(trace), panels.kpi_html(trace),
             panels.time_split_html(metrics if trace and trace.steps else None), latency, kv,
             panels.kv_measured_html(trace, engine.info), session)
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams:
-    seed = None if seed in (None, "") else int(seed)
+    seed = None if seed in (None, "") or int(seed) < 0 else int(seed)
     return SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
                           top_k=int(top_k), seed=seed)
 
@@ -83,7 +87,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             active.finish(session.id)
             session.pending = ""
             session.show_error(str(exc))
-            yield render(session, engine, None, plots=False)
+            yield render(session, engine, None, plots=(False, False))
             return
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
@@ -91,14 +95,15 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         active.start(session.id, request)
         worker = ReplyWorker(engine, request, trace, hooks)
         try:
-            last_plot = 0.0
+            last_plot, turn = 0.0, 0
             while worker.is_running:
                 worker.wait(TEXT_EVERY_S)
                 session.show_reply(trace)
-                plots_due = time.monotonic() - last_plot >= PLOT_EVERY_S
-                if plots_due:
-                    last_plot = time.monotonic()
-                yield render(session, engine, trace, plots=plots_due)
+                plots = (False, False)
+                if time.monotonic() - last_plot >= PLOT_EVERY_S:  # one figure at a time, in turn
+                    last_plot, turn = time.monotonic(), turn + 1
+                    plots = (turn % 2 == 1, turn % 2 == 0)
+                yield render(session, engine, trace, plots=plots)
         finally:
             if worker.is_running:  # the browser went away: stop generating for nobody
                 request.cancel()
@@ -142,7 +147,7 @@ def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | No
                 temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)", elem_id="ps-temperature")
                 top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top-p")
                 top_k = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
-                seed = gr.Number(label="Seed (empty = random)", value=None, precision=0, minimum=0)
+                seed = gr.Number(label="Seed (-1 = random)", value=-1, precision=0, minimum=-1, elem_id="ps-seed")
                 prefill_chunk = gr.Slider(0, 1024, value=0, step=16, label="Prefill chunk (tokens, 0 = whole prompt)",
                                           elem_id="ps-prefill-chunk")
             gr.HTML(panels.model_html(engine.info))

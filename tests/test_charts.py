@@ -124,3 +124,10 @@ def test_stop_reaches_a_waiting_chat_and_a_running_one(tiny_engine):
     assert not other.is_cancelled and active.cancel("a") and other.is_cancelled
     active.finish("a", other)
     assert not active.cancel("a")
+
+
+@pytest.mark.parametrize("seed, expected", [(-1, None), (None, None), (0, 0), (42, 42)])
+def test_seed_setting(seed, expected):
+    from app.chat_tab import _settings
+
+    assert expected == _settings(16, 0.7, 1.0, 0, seed).seed
