@@ -43,6 +43,8 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
            plots: tuple[bool, bool] = (True, True)) -> tuple:
     """Every output of the tab, for one moment of a chat; plots says which of the (latency, KV)
     figures to redraw, the others are left as they are."""
+    while session.warnings:
+        gr.Warning(session.warnings.pop(0))
     metrics = trace.metrics() if trace else None
     latency = charts.latency_figure(trace.events if trace else []) if plots[0] else gr.skip()
     kv = charts.kv_figure([t.events for t in session.traces]) if plots[1] else gr.skip()
@@ -91,7 +93,12 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             return
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
-        hooks = [recorder(session, messages, sampling, trace)] if recorder else []
+        hooks = []
+        if recorder:
+            try:
+                hooks.append(recorder(session, messages, sampling, trace))
+            except Exception as exc:  # a full disk or a broken database must not stop the chat
+                session.warn(f"this reply will not be saved to the history: {exc}")
         active.start(session.id, request)
         worker = ReplyWorker(engine, request, trace, hooks)
         try:

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(ui)
     ui.add_argument("--host", default=DEFAULT_HOST)
     ui.add_argument("--port", type=int, default=DEFAULT_PORT)
-    ui.add_argument("--db", default=os.environ.get("PHASESCOPE_DB"), help="history database (env PHASESCOPE_DB)")
+    _add_db_option(ui)
     ui.add_argument("--open", action="store_true", help="open the default browser on the app")
 
     generate = commands.add_parser("generate", help="answer one prompt and print the reply or its events")
@@ -51,7 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="chat in the terminal, with a timing line after each reply")
     _add_model_options(chat)
     _add_sampling_options(chat, max_new_tokens=512)
+
+    sessions = commands.add_parser("sessions", help="list the chat sessions in the history")
+    _add_db_option(sessions)
+    sessions.add_argument("--search", default="", help="only sessions whose title or messages contain this")
+
+    export = commands.add_parser("export", help="export sessions' timing logs as CSV, JSON or a Chrome trace")
+    _add_db_option(export)
+    scope = export.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--session", type=int, help="the session id (see `phasescope sessions`)")
+    scope.add_argument("--all", action="store_true", help="every session")
+    export.add_argument("--format", choices=["csv", "json", "trace"], required=True)
+    export.add_argument("-o", "--output", help="the file to write (default: standard output)")
+    export.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
     return parser
+
+
+def _add_db_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", default=os.environ.get("PHASESCOPE_DB"),
+                        help="history database (default ~/.local/share/phasescope/history.db; env PHASESCOPE_DB)")
 
 
 def _engine(args: argparse.Namespace):
@@ -163,10 +181,44 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from app.store import Store
+
+    store = Store.open(args.db)
+    rows = store.sessions(args.search)
+    if not rows:
+        print("no sessions" + (f" matching {args.search!r}" if args.search else ""))
+        return 0
+    print(f"{'id':>5}  {'updated':<19}  {'turns':>5}  {'TTFT ms':>8}  {'TPOT ms':>8}  {'model':<24}  title")
+    for row in rows:
+        ttft = f"{row['mean_ttft_ms']:.0f}" if row["mean_ttft_ms"] is not None else "-"
+        tpot = f"{row['mean_tpot_ms']:.1f}" if row["mean_tpot_ms"] is not None else "-"
+        print(f"{row['id']:>5}  {row['updated_at'][:19].replace('T', ' '):<19}  {row['turns']:>5}  {ttft:>8}  "
+              f"{tpot:>8}  {row['model'][:24]:<24}  {row['title']}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from app.export import render, write_export
+    from app.store import Store
+
+    store = Store.open(args.db)
+    if args.output:
+        path = write_export(store, args.format, Path(args.output), args.session, force=args.force)
+        print(f"wrote {path}", file=sys.stderr)
+    else:
+        sys.stdout.write(render(store, args.format, args.session))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "ui": cmd_ui,
     "generate": cmd_generate,
     "chat": cmd_chat,
+    "sessions": cmd_sessions,
+    "export": cmd_export,
 }
 
 
@@ -176,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["ui", *argv]  # `phasescope` alone starts the app
     args = parser.parse_args(argv)
+    from app.store import StoreError
     from engine import ModelError
 
     try:
         return COMMANDS[args.command](args)
-    except (ModelError, ValueError, OSError) as exc:
+    except (ModelError, StoreError, ValueError, OSError) as exc:
         print(f"phasescope: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

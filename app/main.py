@@ -9,21 +9,26 @@ import gradio as gr
 
 from engine import Engine, EngineConfig
 
-from . import chat_tab
+from . import chat_tab, history_tab
+from .history import make_recorder
 from .session import ActiveRequests
+from .store import Store
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 TITLE = "PhaseScope"
 
 
-def build_app(engine: Engine) -> gr.Blocks:
+def build_app(engine: Engine, store: Store) -> gr.Blocks:
     active = ActiveRequests()
     with gr.Blocks(title=TITLE) as app:
         gr.HTML(f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> '
                 '<span class="ps-tagline">watch the prompt being read in one burst (<b class="ps-p-fg">prefill</b>) '
                 'and the reply come token by token (<b class="ps-d-fg">decode</b>)</span></div>')
-        with gr.Tab("Chat"):
-            chat_tab.build(engine, active)
+        with gr.Tabs() as tabs:
+            with gr.Tab("Chat", id="chat"):
+                chat = chat_tab.build(engine, active, make_recorder(store, engine.info))
+            with gr.Tab("History", id="history", elem_id="ps-history-tab"):
+                history_tab.build(engine, store, chat, tabs)
     app.queue(default_concurrency_limit=1)
     return app
 
@@ -34,11 +39,13 @@ def launch_options() -> dict:
 
 def launch(model: str | None = None, device: str = "auto", dtype: str = "auto", host: str = "127.0.0.1",
            port: int = 7860, db_path: str | None = None, open_browser: bool = False) -> None:
+    store = Store.open(db_path)  # first: a bad --db fails before the model loads
+    print(f"History: {store.path}", file=sys.stderr, flush=True)
     print("Loading the model…", file=sys.stderr, flush=True)
     engine = Engine.from_config(EngineConfig(model=model, device=device, dtype=dtype))
     info = engine.info
     print(f"{info.name} on {info.device} ({info.dtype}, {info.model_path})", file=sys.stderr, flush=True)
-    app = build_app(engine)
+    app = build_app(engine, store)
     url = f"http://{host}:{port}"
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:

@@ -49,7 +49,8 @@ def phase_html(trace: ReplyTrace | None) -> str:
     if phase == "error":
         return (f'<div class="ps-phase ps-error" data-phase="error"><b>Error</b> — '
                 f'{escape(trace.finished.error or "")}</div>')
-    why = {"eos": "the model ended its reply", "length": "max new tokens reached", "stop": "stop string"}
+    why = {"eos": "the model ended its reply", "length": "max new tokens reached", "stop": "stop string",
+           "interrupted": "interrupted: the app closed mid-reply"}
     return (f'<div class="ps-phase ps-done" data-phase="done"><b>Done</b> — {count:,} tokens · '
             f'{why.get(reason, escape(reason))}</div>')
 
@@ -93,8 +94,8 @@ def stats_line(metrics: RequestMetrics, reason: str) -> str:
     """The small line under each assistant message."""
     parts = [f"{metrics.num_prompt_tokens:,} prompt tok", f"TTFT {_num(metrics.ttft_ms, 0)} ms",
              f"decode {_num(metrics.decode_tokens_per_s)} tok/s", f"{metrics.num_generated_tokens} tok"]
-    if reason == "cancelled":
-        parts.append("stopped")
+    if reason in ("cancelled", "interrupted"):
+        parts.append("stopped" if reason == "cancelled" else "interrupted")
     return " · ".join(parts)
 
 

@@ -26,6 +26,7 @@ class ChatSession:
     traces: list[ReplyTrace] = field(default_factory=list)  # one per assistant reply
     store_id: int | None = None  # the history database's session id, once saved
     pending: str = ""  # a message accepted and waiting for the engine
+    warnings: list[str] = field(default_factory=list)  # e.g. the history could not be saved
 
     def accept(self, user_text: str) -> None:
         """Show the user's message at once, with a placeholder reply, until the engine takes it."""
@@ -39,6 +40,18 @@ class ChatSession:
         elif trace.finished:
             content += f'\n\n<span class="ps-stats">{stats_line(trace.finished.metrics, trace.finished.reason)}</span>'
         self.display[-1] = {"role": "assistant", "content": content or "…"}
+
+    def restore_exchange(self, user_text: str, trace: ReplyTrace) -> None:
+        """Add a stored exchange: shown as it was, and part of the conversation unless it failed."""
+        self.accept(user_text)
+        self.pending = ""
+        self.traces.append(trace)
+        self.show_reply(trace)
+        if trace.finished is None or trace.finished.reason != "error":
+            self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": trace.text}]
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
 
     def show_error(self, error: str) -> None:
         self.display[-1] = {"role": "assistant", "content": f"⚠️ {as_text(error)}"}

@@ -94,3 +94,17 @@ def plot_traces(page, elem_id: str) -> dict[str, int]:
         if (!plot) return {{}};
         return Object.fromEntries(plot.data.map(t => [t.name, (t.x || []).filter(v => v !== null).length]));
     }}""")
+
+
+HISTORY_CELLS = "#ps-history-table .virtual-row .body-cell"
+
+
+def open_history(page) -> None:
+    page.get_by_role("tab", name="History").click()
+    page.locator(HISTORY_CELLS).first.wait_for()
+
+
+def history_titles(page) -> list[str]:
+    """The title column of the History table (the second of seven columns)."""
+    cells = page.locator(HISTORY_CELLS).all_inner_texts()
+    return [cells[i] for i in range(1, len(cells), 7)]

@@ -46,3 +46,29 @@ def tiny_engine(tiny) -> Engine:
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+@pytest.fixture
+def store():
+    from app.store import Store
+
+    return Store.memory()
+
+
+def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None, hooks=()):
+    """Run one chat turn through the engine with the history recorder attached, as the app does."""
+    from app.history import make_recorder
+    from app.session import ChatSession
+    from app.trace import ReplyTrace
+    from engine import SamplingParams
+
+    session = session or ChatSession()
+    sampling = sampling or SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    messages = session.messages + [{"role": "user", "content": text}]
+    trace = ReplyTrace(turn=len(session.traces) + 1)
+    session.traces.append(trace)
+    hook = make_recorder(store, engine.info)(session, messages, sampling, trace)
+    request = engine.new_request(messages, sampling)
+    events = list(engine.run(request, hooks=[hook, trace.add, *hooks]))
+    session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+    return session, events, hook

@@ -1,6 +1,7 @@
 """The app in a real browser: Debian's Chromium driven by Playwright against `phasescope ui`."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -142,3 +143,63 @@ def test_two_tabs_chat_at_once_without_cross_talk(browser, app_url, tmp_path):
     finally:
         first.close()
         second.close()
+
+
+def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
+    from browser import HISTORY_CELLS, history_titles, open_history
+
+    db = tmp_path / "history.db"
+    process, url = start_app("--db", str(db))
+    try:
+        page = open_chat(browser, url)
+        set_setting(page, "ps-max-new", 10)
+        send(page, "What is prefill?")
+        wait_phase(page, "done")
+        send(page, "And what is decode?")
+        page.wait_for_selector("#ps-chatbot [data-testid=user] >> nth=1")
+        wait_phase(page, "done")
+        page.wait_for_timeout(500)
+        before = (page.locator("#ps-chatbot [data-testid=bot]").all_inner_texts(), plot_traces(page, "ps-kv"),
+                  plot_traces(page, "ps-latency"))
+        page.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+    process, url = start_app("--db", str(db))
+    try:
+        page = open_chat(browser, url)
+        open_history(page)
+        assert ["What is prefill?"] == history_titles(page)
+        page.locator(HISTORY_CELLS, has_text="What is prefill?").first.click()
+        page.wait_for_selector("#ps-history-selected b")
+        with page.expect_download() as download:
+            page.click("#ps-export-json")
+        exported = json.loads(Path(download.value.path()).read_text())
+        assert download.value.suggested_filename == "phasescope-session-1.json"
+        assert 4 == len(exported["sessions"][0]["messages"])
+        page.click("#ps-history-open")
+        page.wait_for_selector("#ps-chatbot [data-testid=user] >> nth=1")
+        page.wait_for_timeout(500)
+        after = (page.locator("#ps-chatbot [data-testid=bot]").all_inner_texts(), plot_traces(page, "ps-kv"),
+                 plot_traces(page, "ps-latency"))
+        assert before == after  # the same replies, stats lines and charts
+        assert "Done" in page.inner_text("#ps-phase")
+        send(page, "One more?")  # the restored chat continues, in the same session
+        page.wait_for_selector("#ps-chatbot [data-testid=user] >> nth=2")
+        wait_phase(page, "done")
+        open_history(page)
+        page.locator(HISTORY_CELLS, has_text="What is prefill?").first.click()
+        page.fill("#ps-history-title textarea, #ps-history-title input", "Phases")
+        page.click("#ps-history-rename")
+        page.wait_for_function("() => document.querySelector('#ps-history-table').innerText.includes('Phases')")
+        assert ["Phases"] == history_titles(page)
+        assert "3" in page.locator(HISTORY_CELLS).all_inner_texts()[4]  # three turns now
+        page.locator(HISTORY_CELLS, has_text="Phases").first.click()
+        page.click("#ps-history-delete")
+        page.click("#ps-history-confirm")
+        page.wait_for_function("() => !document.querySelector('#ps-history-table').innerText.includes('Phases')")
+        page.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

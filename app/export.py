@@ -1,0 +1,133 @@
+"""Exports of stored sessions: CSV (one row per step), JSON (sessions → messages → steps, with
+summary metrics), and a Chrome Trace Event Format timeline that Perfetto and chrome://tracing open."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from datetime import datetime
+from pathlib import Path
+
+from engine.metrics import percentiles
+
+from .history import message_metrics
+from .store import Store
+
+FORMATS = ("csv", "json", "trace")
+CSV_COLUMNS = ["session_id", "message_id", "turn", "phase", "index", "start_ms", "latency_ms", "tokens",
+               "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob"]
+DEFINITIONS = {
+    "ttft_ms": "request submitted -> first generated token available",
+    "itl_ms": "gap between two successive generated tokens",
+    "tpot_ms": "(e2e_ms - ttft_ms) / (generated tokens - 1)",
+    "e2e_ms": "request submitted -> last token",
+    "prefill_tokens_per_s": "prompt tokens / prefill forward time",
+    "decode_tokens_per_s": "(generated tokens - 1) / (e2e_ms - ttft_ms)",
+    "start_ms": "step start, from the request's submission",
+}
+
+
+def export_filename(fmt: str, session_id: int | None) -> str:
+    """A file name with no user text in it: it cannot form a path."""
+    scope = f"session-{int(session_id)}" if session_id is not None else "all-sessions"
+    return f"phasescope-{scope}.{'trace.json' if fmt == 'trace' else fmt}"
+
+
+def _session_ids(store: Store, session_id: int | None) -> list[int]:
+    if session_id is not None:
+        store.session(session_id)  # raises StoreError for an unknown id
+        return [session_id]
+    return [row["id"] for row in reversed(store.sessions())]  # oldest first
+
+
+def to_csv(store: Store, session_id: int | None = None) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(CSV_COLUMNS)
+    for sid in _session_ids(store, session_id):
+        for message in store.messages(sid):
+            for step in store.steps(message["id"]):
+                writer.writerow([sid, message["id"], message["turn"], step["phase"], step["idx"],
+                                 step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
+                                 step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
+                                 step["token_prob"]])
+    return out.getvalue()
+
+
+def _message_json(message: dict, steps: list[dict]) -> dict:
+    m = message_metrics(message, steps)
+    summary = {"ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms,
+               "itl_ms": percentiles(m.itl_ms), "prefill_tokens_per_s": m.prefill_tokens_per_s,
+               "decode_tokens_per_s": m.decode_tokens_per_s, "num_prompt_tokens": m.num_prompt_tokens,
+               "num_generated_tokens": m.num_generated_tokens, "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
+    return {**message, "metrics": summary if message["role"] == "assistant" else None,
+            "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6} for s in steps]}
+
+
+def to_json(store: Store, session_id: int | None = None) -> dict:
+    sessions = []
+    for sid in _session_ids(store, session_id):
+        session = store.session(sid)
+        messages = [_message_json(m, store.steps(m["id"])) for m in store.messages(sid)]
+        sessions.append({**session, "settings": json.loads(session["settings"] or "{}"), "messages": messages})
+    return {"format": "phasescope-export", "version": 1, "definitions": DEFINITIONS, "sessions": sessions}
+
+
+def _epoch_us(stamp: str) -> float:
+    return datetime.fromisoformat(stamp).timestamp() * 1e6
+
+
+def _trace_events(session: dict, message: dict, steps: list[dict], origin_us: float) -> list[dict]:
+    pid, tid = session["id"], message["id"]
+    base_us = _epoch_us(message["created_at"]) - origin_us  # small numbers keep sub-microsecond precision
+    events = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+               "args": {"name": f"turn {message['turn']} · message {tid}"}}]
+    prefill_end_ns = 0
+    for step in steps:
+        start_ns, end_ns = step["start_ns"], step["start_ns"] + step["latency_ns"]
+        if step["phase"] == "prefill":
+            prefill_end_ns = end_ns
+            name, args = f"prefill chunk {step['idx']}", {"tokens": step["num_tokens"]}
+        else:
+            # token 1's latency is the TTFT; on the timeline it is the first sample, after the prefill
+            start_ns = max(start_ns, prefill_end_ns) if step["idx"] == 0 else start_ns
+            name, args = f"decode {step['idx']}", {"token_id": step["token_id"], "text": step["token_text"],
+                                                    "prob": step["token_prob"]}
+        ts, dur = base_us + start_ns / 1e3, (end_ns - start_ns) / 1e3
+        events.append({"name": name, "cat": step["phase"], "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": tid,
+                       "args": {**args, "latency_ms": step["latency_ns"] / 1e6, "kv_tokens": step["kv_tokens"],
+                                "kv_bytes": step["kv_bytes"]}})
+        events.append({"name": "KV cache bytes", "ph": "C", "ts": ts + dur, "pid": pid, "tid": tid,
+                       "args": {"kv_bytes": step["kv_bytes"]}})
+    return events
+
+
+def to_trace(store: Store, session_id: int | None = None) -> dict:
+    """Chrome Trace Event Format: a process per session, a thread per reply, steps as "X" events,
+    the KV cache size as a "C" counter. Timestamps are microseconds from the first exported message."""
+    sessions = [store.session(sid) for sid in _session_ids(store, session_id)]
+    replies = [(s, m) for s in sessions for m in store.messages(s["id"]) if m["role"] == "assistant"]
+    origin_us = min((_epoch_us(m["created_at"]) for _, m in replies), default=0.0)
+    events = [{"name": "process_name", "ph": "M", "pid": s["id"], "tid": 0,
+               "args": {"name": f"session {s['id']}: {s['title']}"}} for s in sessions]
+    for session, message in replies:
+        events += _trace_events(session, message, store.steps(message["id"]), origin_us)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": "PhaseScope", "origin": "first exported message"}}
+
+
+def render(store: Store, fmt: str, session_id: int | None = None) -> str:
+    if fmt == "csv":
+        return to_csv(store, session_id)
+    data = to_json(store, session_id) if fmt == "json" else to_trace(store, session_id)
+    return json.dumps(data, ensure_ascii=False, indent=1 if fmt == "json" else None)
+
+
+def write_export(store: Store, fmt: str, path: Path, session_id: int | None = None, force: bool = False) -> Path:
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force to overwrite it")
+    text = render(store, fmt, session_id)  # before opening the file: an unknown session leaves no file
+    path.write_text(text, encoding="utf-8", newline="")
+    return path

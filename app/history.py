@@ -1,0 +1,147 @@
+"""Between the engine's events and the history database: the recorder hook, and the way back.
+
+A reply's steps are written in batches while it generates (not one transaction per token, not only at
+the end), so Stop, an error or a killed process keeps every step up to the last batch.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
+from engine.metrics import RequestMetrics, request_metrics
+
+from .session import ChatSession
+from .store import FINAL_STATUS, Store, StoreError
+from .trace import ReplyTrace
+
+BATCH_STEPS = 32  # steps per write
+BATCH_SECONDS = 0.5  # or sooner, when a write is this old (a slow prefill chunk is kept promptly)
+
+
+def step_row(event: PrefillChunk | DecodeStep) -> dict:
+    latency_ns = round(event.latency_ms * 1e6)
+    row = dict(idx=event.chunk_index if isinstance(event, PrefillChunk) else event.step,
+               start_ns=round(event.t_ms * 1e6) - latency_ns, latency_ns=latency_ns,
+               kv_tokens=event.kv_tokens, kv_bytes=event.kv_bytes)
+    if isinstance(event, PrefillChunk):
+        return dict(phase="prefill", num_tokens=event.end - event.start, token_id=None, token_text=None,
+                    token_prob=None, **row)
+    return dict(phase="decode", num_tokens=1, token_id=event.token_id, token_text=event.text,
+                token_prob=event.prob, **row)
+
+
+class MessageRecorder:
+    """An engine hook that writes one assistant message and its steps to the store."""
+
+    def __init__(self, store: Store, message_id: int, on_error: Callable[[str], None] | None = None) -> None:
+        self.store, self.message_id, self.on_error = store, message_id, on_error
+        self._pending: list[dict] = []
+        self._text = ""
+        self._last_write = time.monotonic()
+        self.error: str | None = None
+
+    def __call__(self, event: Event) -> None:
+        if self.error:
+            return  # the database failed once: keep generating, stop writing
+        try:
+            self._record(event)
+        except (StoreError, OSError, Exception) as exc:  # sqlite3 errors (disk full, locked) included
+            self.error = f"the reply could not be saved to the history: {exc}"
+            if self.on_error:
+                self.on_error(self.error)
+
+    def _record(self, event: Event) -> None:
+        if isinstance(event, (PrefillChunk, DecodeStep)):
+            self._pending.append(step_row(event))
+            if isinstance(event, DecodeStep):
+                self._text += event.text
+            if len(self._pending) >= BATCH_STEPS or time.monotonic() - self._last_write >= BATCH_SECONDS:
+                self._flush(content=self._text)
+        elif isinstance(event, Started):
+            self.store.update_message(self.message_id, prompt_tokens=event.num_prompt_tokens,
+                                      kv_capacity_tokens=event.kv_capacity_tokens,
+                                      kv_capacity_bytes=event.kv_capacity_bytes)
+        elif isinstance(event, FirstToken):
+            self.store.update_message(self.message_id, tokenize_ms=event.tokenize_ms, queue_ms=event.queue_ms)
+        elif isinstance(event, Finished):
+            m = event.metrics
+            self._flush(content=event.text, status=FINAL_STATUS.get(event.reason, "complete"),
+                        finish_reason=event.reason, error=event.error, prompt_tokens=m.num_prompt_tokens,
+                        cached_prompt_tokens=m.num_cached_tokens, generated_tokens=m.num_generated_tokens,
+                        ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms, prefill_ms=m.prefill_ms)
+
+    def _flush(self, **message_fields) -> None:
+        rows, self._pending = self._pending, []
+        self.store.add_steps(self.message_id, rows, **message_fields)
+        self._last_write = time.monotonic()
+
+
+def make_recorder(store: Store, info: ModelInfo):
+    """The chat tab's recorder factory: saves the session and the user's message, then returns the
+    hook that records the assistant's reply."""
+    def recorder(session: ChatSession, messages: list[dict], sampling: SamplingParams, trace: ReplyTrace):
+        user_text = messages[-1]["content"]
+        if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
+            settings = {name: getattr(sampling, name) for name in sampling.__slots__}
+            session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
+                                                    info.name, info.device, info.dtype, settings)
+        store.add_message(session.store_id, trace.turn, "user", user_text)
+        message_id = store.add_message(session.store_id, trace.turn, "assistant", "", status="in_progress")
+        return MessageRecorder(store, message_id, on_error=session.warn)
+
+    return recorder
+
+
+# --- the way back: rows to events, for charts, restored chats and exports --------------------------
+
+def message_events(message: dict, steps: list[dict]) -> list[Event]:
+    """Rebuild a reply's events from its stored rows (top-5 alternatives are not stored)."""
+    request_id, prompt = str(message["id"]), message["prompt_tokens"] or 0
+    events: list[Event] = []
+    if message.get("kv_capacity_tokens") is not None:
+        events.append(Started(request_id, 0.0, prompt, 0, message["kv_capacity_tokens"],
+                              message["kv_capacity_bytes"], ""))
+    position = 0
+    for row in steps:
+        t_ms, latency_ms = (row["start_ns"] + row["latency_ns"]) / 1e6, row["latency_ns"] / 1e6
+        if row["phase"] == "prefill":
+            events.append(PrefillChunk(request_id, t_ms, row["idx"], position, position + row["num_tokens"], prompt,
+                                       latency_ms, row["kv_tokens"], row["kv_bytes"]))
+            position += row["num_tokens"]
+        else:
+            events.append(DecodeStep(request_id, t_ms, row["idx"], row["token_id"], row["token_text"] or "",
+                                     latency_ms, row["kv_tokens"], row["kv_bytes"], row["token_prob"], ()))
+    if message["status"] != "in_progress":
+        reason = message["finish_reason"] or "interrupted"
+        events.append(Finished(request_id, events[-1].t_ms if events else 0.0, reason, message["content"],
+                               message_metrics(message, steps), message.get("error")))
+    return events
+
+
+def message_metrics(message: dict, steps: list[dict]) -> RequestMetrics:
+    """The summary metrics of a stored reply, by the engine's definitions, from its steps."""
+    decode = [s for s in steps if s["phase"] == "decode"]
+    prefill = [s for s in steps if s["phase"] == "prefill"]
+    last = steps[-1] if steps else None
+    return request_metrics(
+        submit_ns=0, token_ns=[s["start_ns"] + s["latency_ns"] for s in decode],
+        end_ns=(last["start_ns"] + last["latency_ns"]) if last else 0,
+        prefill_ms=sum(s["latency_ns"] for s in prefill) / 1e6,
+        num_prompt_tokens=message["prompt_tokens"] or sum(s["num_tokens"] for s in prefill),
+        num_cached_tokens=message["cached_prompt_tokens"] or 0,
+        kv_tokens=last["kv_tokens"] if last else 0, kv_bytes=last["kv_bytes"] if last else 0)
+
+
+def load_chat(store: Store, session_id: int) -> ChatSession:
+    """A stored session as the chat tab holds it, to show it again and continue it."""
+    session = ChatSession(store_id=session_id)
+    messages = store.messages(session_id)
+    questions = {m["turn"]: m["content"] for m in messages if m["role"] == "user"}
+    for message in messages:
+        if message["role"] == "assistant":
+            trace = ReplyTrace(turn=message["turn"])
+            for event in message_events(message, store.steps(message["id"])):
+                trace.add(event)
+            session.restore_exchange(questions.get(message["turn"], ""), trace)
+    return session

@@ -1,0 +1,202 @@
+"""The history database: sessions, their messages, and every prefill chunk and decode step.
+
+One SQLite file in WAL mode, so that a reader never blocks the writer and a killed process loses at
+most the batch of steps it had not yet written. The schema is versioned with `PRAGMA user_version`
+and brought up to date by the migrations below, in order. A file that is not SQLite, or that a
+newer PhaseScope wrote, is refused and left untouched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlite_utils import Database
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+FINAL_STATUS = {"eos": "complete", "length": "complete", "stop": "complete", "cancelled": "stopped",
+                "error": "error"}
+
+
+class StoreError(Exception):
+    """A history database that cannot be used; the message is one line for the user."""
+
+
+def default_db_path() -> Path:
+    if os.environ.get("PHASESCOPE_DB"):
+        return Path(os.environ["PHASESCOPE_DB"]).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "phasescope" / "history.db"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _v1(db: Database) -> None:
+    """The first schema: sessions, messages, steps."""
+    db["sessions"].create({"id": int, "title": str, "created_at": str, "updated_at": str, "model": str,
+                           "device": str, "dtype": str, "settings": str}, pk="id")
+    db["messages"].create({"id": int, "session_id": int, "turn": int, "role": str, "content": str, "status": str,
+                           "created_at": str, "prompt_tokens": int, "cached_prompt_tokens": int,
+                           "generated_tokens": int, "ttft_ms": float, "tpot_ms": float, "e2e_ms": float,
+                           "finish_reason": str}, pk="id", foreign_keys=[("session_id", "sessions", "id")])
+    db["steps"].create({"message_id": int, "phase": str, "idx": int, "start_ns": int, "latency_ns": int,
+                        "num_tokens": int, "kv_tokens": int, "kv_bytes": int, "token_id": int, "token_text": str,
+                        "token_prob": float}, pk=("message_id", "phase", "idx"),
+                       foreign_keys=[("message_id", "messages", "id")])
+
+
+def _v2(db: Database) -> None:
+    """What the charts and exports need beyond v1: the KV capacity, the TTFT breakdown, the error."""
+    for column, kind in [("kv_capacity_tokens", int), ("kv_capacity_bytes", int), ("tokenize_ms", float),
+                         ("queue_ms", float), ("prefill_ms", float), ("error", str)]:
+        db["messages"].add_column(column, kind)
+    db["messages"].create_index(["session_id", "turn"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2]
+LATEST_VERSION = len(MIGRATIONS)
+
+
+def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise StoreError(f"history database {path} is a folder, not a file")
+    if path.exists() and path.stat().st_size > 0:
+        with path.open("rb") as f:
+            if f.read(16) != SQLITE_HEADER:
+                raise StoreError(f"{path} is not a SQLite database; it was left untouched (choose another with --db)")
+
+
+class Store:
+    """A thin class over sqlite-utils. Safe to share between threads (one lock around the connection)."""
+
+    def __init__(self, db: Database, path: Path | None = None) -> None:
+        self.db = db
+        self.path = path
+        self._lock = threading.RLock()
+
+    @classmethod
+    def open(cls, path: str | Path | None = None, upgrade: bool = True) -> Store:
+        """Open (creating if needed) the database at path, migrate it, and repair interrupted replies."""
+        path = Path(path).expanduser() if path else default_db_path()
+        _check_file(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            store = cls(Database(sqlite3.connect(path, check_same_thread=False, timeout=10)), path)
+            store._refuse_newer()
+            store.db.enable_wal()
+            store.db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable against a killed process
+            if upgrade:
+                store.migrate()
+                store.repair()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot use the history database {path}: {exc}") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot create the history database {path}: {exc.strerror or exc}") from exc
+        return store
+
+    @classmethod
+    def memory(cls) -> Store:
+        store = cls(Database(sqlite3.connect(":memory:", check_same_thread=False)))
+        store.migrate()
+        return store
+
+    @property
+    def version(self) -> int:
+        return self.db.execute("PRAGMA user_version").fetchone()[0]
+
+    def _refuse_newer(self) -> None:
+        if self.version > LATEST_VERSION:
+            raise StoreError(f"{self.path} was written by a newer PhaseScope (schema {self.version}, this one "
+                             f"knows {LATEST_VERSION}); it was left untouched")
+
+    def migrate(self) -> None:
+        self._refuse_newer()
+        with self._lock:
+            for version in range(self.version, LATEST_VERSION):
+                with self.db.atomic():
+                    MIGRATIONS[version](self.db)
+                    self.db.execute(f"PRAGMA user_version = {version + 1}")
+
+    def repair(self) -> int:
+        """Replies left in progress by a killed process become `stopped`, keeping their steps."""
+        with self._lock:
+            cursor = self.db.execute("UPDATE messages SET status = 'stopped', finish_reason = 'interrupted' "
+                                     "WHERE status = 'in_progress'")
+            return cursor.rowcount
+
+    # --- writing ----------------------------------------------------------------------------------
+
+    def create_session(self, title: str, model: str, device: str, dtype: str, settings: dict) -> int:
+        stamp = now_iso()
+        with self._lock:
+            return self.db["sessions"].insert(dict(title=title[:80], created_at=stamp, updated_at=stamp,
+                                                   model=model, device=device, dtype=dtype,
+                                                   settings=json.dumps(settings))).last_pk
+
+    def add_message(self, session_id: int, turn: int, role: str, content: str, status: str = "complete") -> int:
+        stamp = now_iso()
+        with self._lock, self.db.atomic():
+            self.db["sessions"].update(session_id, {"updated_at": stamp})
+            return self.db["messages"].insert(dict(session_id=session_id, turn=turn, role=role, content=content,
+                                                   status=status, created_at=stamp)).last_pk
+
+    def update_message(self, message_id: int, **fields) -> None:
+        with self._lock:
+            self.db["messages"].update(message_id, fields)
+
+    def add_steps(self, message_id: int, rows: Iterable[dict], **message_fields) -> None:
+        """Append steps (and update the message) in one transaction."""
+        with self._lock, self.db.atomic():
+            self.db["steps"].insert_all([{"message_id": message_id, **row} for row in rows])
+            if message_fields:
+                self.db["messages"].update(message_id, message_fields)
+
+    def rename_session(self, session_id: int, title: str) -> None:
+        self.session(session_id)
+        with self._lock:
+            self.db["sessions"].update(session_id, {"title": title.strip()[:80] or "Untitled"})
+
+    def delete_session(self, session_id: int) -> None:
+        self.session(session_id)
+        with self._lock, self.db.atomic():
+            self.db.execute("DELETE FROM steps WHERE message_id IN (SELECT id FROM messages WHERE session_id = ?)",
+                            [session_id])
+            self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
+            self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def _query(self, sql: str, params: list | dict | None = None) -> list[dict]:
+        with self._lock:
+            return list(self.db.query(sql, params))
+
+    def sessions(self, search: str = "") -> list[dict]:
+        """Newest first, with turns and mean TTFT/TPOT; search matches titles and message text."""
+        like = f"%{search.strip()}%"
+        return self._query(
+            "SELECT s.*, COUNT(m.id) AS turns, AVG(m.ttft_ms) AS mean_ttft_ms, AVG(m.tpot_ms) AS mean_tpot_ms "
+            "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id AND m.role = 'assistant' "
+            "WHERE ? = '%%' OR s.title LIKE ? OR EXISTS (SELECT 1 FROM messages x WHERE x.session_id = s.id "
+            "AND x.content LIKE ?) GROUP BY s.id ORDER BY s.updated_at DESC, s.id DESC", [like, like, like])
+
+    def session(self, session_id: int) -> dict:
+        rows = self._query("SELECT * FROM sessions WHERE id = ?", [session_id])
+        if not rows:
+            raise StoreError(f"no session with id {session_id}")
+        return rows[0]
+
+    def has_session(self, session_id: int) -> bool:
+        return bool(self._query("SELECT 1 FROM sessions WHERE id = ?", [session_id]))
+
+    def messages(self, session_id: int) -> list[dict]:
+        return self._query("SELECT * FROM messages WHERE session_id = ? ORDER BY turn, id", [session_id])
+
+    def steps(self, message_id: int) -> list[dict]:
+        return self._query("SELECT * FROM steps WHERE message_id = ? ORDER BY CASE phase WHEN 'prefill' THEN 0 "
+                           "ELSE 1 END, idx", [message_id])

@@ -1,0 +1,144 @@
+"""Exports parsed back and checked against the stored rows; the CLI's sessions and export."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from app.export import CSV_COLUMNS, export_filename, render, to_csv, to_json, to_trace, write_export
+from app.store import Store, StoreError
+from conftest import record
+from engine import Engine
+
+
+@pytest.fixture
+def filled(tiny, store) -> Store:
+    engine = Engine(tiny)
+    session, _, _ = record(engine, store, 'Quote "this", please')
+    record(engine, store, "Second turn", session=session)
+    record(engine, store, "Another chat")
+    # a token text that needs quoting in CSV
+    message_id = store.messages(1)[1]["id"]
+    store.db.execute("UPDATE steps SET token_text = ? WHERE message_id = ? AND phase = 'decode' AND idx = 0",
+                     ['a,"b"\nc', message_id])
+    return store
+
+
+def all_steps(store: Store) -> list[tuple[dict, dict, dict]]:
+    return [(s, m, st) for s in reversed(store.sessions()) for m in store.messages(s["id"])
+            for st in store.steps(m["id"])]
+
+
+def test_csv_has_one_row_per_step(filled):
+    rows = list(csv.DictReader(io.StringIO(to_csv(filled))))
+    expected = all_steps(filled)
+    assert len(expected) == len(rows) and len(rows) > 20
+    assert CSV_COLUMNS == list(rows[0])
+    for row, (session, message, step) in zip(rows, expected):
+        assert (str(session["id"]), str(message["id"]), step["phase"], str(step["idx"])) == (
+            row["session_id"], row["message_id"], row["phase"], row["index"])
+        assert float(row["latency_ms"]) == pytest.approx(step["latency_ns"] / 1e6)
+        assert (str(step["kv_bytes"]), step["token_text"] or "") == (row["kv_bytes"], row["token_text"])
+    assert 'a,"b"\nc' in [r["token_text"] for r in rows]
+
+
+def test_csv_of_one_session(filled):
+    rows = list(csv.DictReader(io.StringIO(to_csv(filled, 2))))
+    assert {"2"} == {r["session_id"] for r in rows}
+
+
+def test_json_nests_sessions_messages_steps_with_metrics(filled):
+    data = json.loads(render(filled, "json"))
+    assert ("phasescope-export", [1, 2]) == (data["format"], [s["id"] for s in data["sessions"]])
+    first = data["sessions"][0]
+    assert [m["id"] for m in filled.messages(1)] == [m["id"] for m in first["messages"]]
+    reply = first["messages"][1]
+    stored = filled.steps(reply["id"])
+    assert [(s["phase"], s["idx"], s["kv_bytes"]) for s in stored] == [(s["phase"], s["idx"], s["kv_bytes"])
+                                                                       for s in reply["steps"]]
+    metrics = reply["metrics"]
+    assert metrics["ttft_ms"] == pytest.approx(filled.messages(1)[1]["ttft_ms"])
+    assert metrics["tpot_ms"] == pytest.approx(filled.messages(1)[1]["tpot_ms"])
+    assert {"p50", "p90", "p99"} == set(metrics["itl_ms"])
+    assert metrics["prefill_tokens_per_s"] > 0 and metrics["decode_tokens_per_s"] > 0
+    assert "ttft_ms" in data["definitions"]
+    assert first["messages"][0]["metrics"] is None  # the user's message
+
+
+def test_trace_follows_the_trace_event_format(filled):
+    data = json.loads(render(filled, "trace"))
+    events = data["traceEvents"]
+    for event in events:
+        assert {"name", "ph", "pid"} <= set(event), event
+        assert event["ph"] in ("X", "C", "M")
+        if event["ph"] == "X":
+            assert {"ts", "dur", "tid"} <= set(event) and event["dur"] >= 0
+        if event["ph"] == "C":
+            assert isinstance(event["args"]["kv_bytes"], int) and "ts" in event
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(all_steps(filled)) == len(complete)
+    assert {"prefill", "decode"} == {e["cat"] for e in complete}
+    assert len(complete) == len([e for e in events if e["ph"] == "C"])
+    tracks = {(e["pid"], e["tid"]) for e in complete}
+    assert len(tracks) == 3  # one track per assistant message
+    for track in tracks:  # on each track: prefill chunks, then decode steps, in time order, not overlapping
+        steps = [e for e in complete if (e["pid"], e["tid"]) == track]
+        assert steps[0]["cat"] == "prefill" and steps[-1]["cat"] == "decode"
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(steps, steps[1:]))
+
+
+def test_export_file_names_carry_no_user_text():
+    assert "phasescope-session-3.csv" == export_filename("csv", 3)
+    assert "phasescope-all-sessions.trace.json" == export_filename("trace", None)
+
+
+def test_write_refuses_to_overwrite_without_force(filled, tmp_path):
+    path = tmp_path / "out.csv"
+    path.write_text("keep me")
+    with pytest.raises(FileExistsError, match="pass --force"):
+        write_export(filled, "csv", path)
+    assert "keep me" == path.read_text()
+    write_export(filled, "csv", path, force=True)
+    assert path.read_text().startswith("session_id,")
+
+
+def test_unknown_session_is_an_error(filled, tmp_path):
+    with pytest.raises(StoreError, match="no session with id 99"):
+        write_export(filled, "json", tmp_path / "x.json", session_id=99)
+    assert not (tmp_path / "x.json").exists()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_sessions_and_export(tiny, tmp_path):
+    path = tmp_path / "h.db"
+    store = Store.open(path)
+    record(Engine(tiny), store, "CLI question")
+    listing = cli("sessions", "--db", str(path))
+    assert 0 == listing.returncode and "CLI question" in listing.stdout and "tiny-llama" in listing.stdout
+    out = tmp_path / "s.json"
+    assert 0 == cli("export", "--db", str(path), "--session", "1", "--format", "json", "-o", str(out)).returncode
+    assert "CLI question" == json.loads(out.read_text())["sessions"][0]["title"]
+    again = cli("export", "--db", str(path), "--session", "1", "--format", "json", "-o", str(out))
+    assert (2, True) == (again.returncode, "pass --force" in again.stderr)
+    stdout = cli("export", "--db", str(path), "--all", "--format", "csv")
+    assert stdout.stdout.startswith("session_id,message_id")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["export", "--session", "42", "--format", "csv"], "no session with id 42"),
+    (["sessions"], "is not a SQLite database"),
+])
+def test_cli_store_errors_exit_2(tmp_path, args, message):
+    db = tmp_path / ("bad.db" if args == ["sessions"] else "h.db")
+    if args == ["sessions"]:
+        db.write_text("not a database")
+    result = cli(*args, "--db", str(db))
+    assert 2 == result.returncode and message in result.stderr
+    assert 1 == len(result.stderr.strip().splitlines())

@@ -1,0 +1,209 @@
+"""The history database: round trip, batched writes, Stop and errors, migrations, bad files."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from app.history import BATCH_STEPS, load_chat, message_events
+from app.store import LATEST_VERSION, MIGRATIONS, Store, StoreError
+from conftest import record
+from engine import DecodeStep, Engine, PrefillChunk, SamplingParams
+
+
+def comparable(events) -> list[tuple]:
+    out = []
+    for e in events:
+        if isinstance(e, PrefillChunk):
+            out.append(("prefill", e.chunk_index, e.start, e.end, e.kv_tokens, e.kv_bytes, round(e.latency_ms, 6),
+                        round(e.t_ms, 6)))
+        elif isinstance(e, DecodeStep):
+            out.append(("decode", e.step, e.token_id, e.text, e.kv_tokens, e.kv_bytes, round(e.latency_ms, 6),
+                        round(e.t_ms, 6), round(e.prob, 6)))
+    return out
+
+
+def test_round_trip_keeps_every_step(tiny, store):
+    engine = Engine(tiny)
+    session, events, _ = record(engine, store, "Hello there")
+    [user, assistant] = store.messages(session.store_id)
+    assert ("user", "Hello there", "assistant", "complete", "length") == (
+        user["role"], user["content"], assistant["role"], assistant["status"], assistant["finish_reason"])
+    finished = events[-1]
+    assert (finished.text, 6, finished.metrics.ttft_ms) == (
+        assistant["content"], assistant["generated_tokens"], assistant["ttft_ms"])
+    restored = message_events(assistant, store.steps(assistant["id"]))
+    assert comparable(events) == comparable(restored)
+    assert restored[-1].metrics.tpot_ms == pytest.approx(finished.metrics.tpot_ms)
+
+
+def test_steps_are_written_while_generating(tiny, store):
+    engine = Engine(tiny)
+    seen_in_db = []
+
+    def look(event):
+        if isinstance(event, DecodeStep) and event.step == BATCH_STEPS + 5:
+            message = store.messages(1)[-1]
+            seen_in_db.append((message["status"], len(store.steps(message["id"]))))
+
+    record(engine, store, sampling=SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True), hooks=[look])
+    status, count = seen_in_db[0]
+    assert "in_progress" == status
+    assert BATCH_STEPS <= count < BATCH_STEPS + 7  # a batch was written, the rest was still pending
+
+
+def test_stop_keeps_the_partial_reply_and_its_steps(tiny, store):
+    engine = Engine(tiny)
+    holder = {}
+
+    def cancel_at_5(event):
+        if isinstance(event, DecodeStep) and event.step == 5:
+            holder["request"].cancel()
+
+    original_new_request = engine.new_request
+    engine.new_request = lambda *a, **k: holder.setdefault("request", original_new_request(*a, **k))
+    session, events, _ = record(engine, store, sampling=SamplingParams(max_new_tokens=50, ignore_eos=True),
+                                hooks=[cancel_at_5])
+    message = store.messages(session.store_id)[-1]
+    assert ("stopped", "cancelled", events[-1].text) == (message["status"], message["finish_reason"],
+                                                         message["content"])
+    assert [("prefill", 0)] + [("decode", i) for i in range(6)] == [(s["phase"], s["idx"]) for s in
+                                                                     store.steps(message["id"])]
+
+
+def test_a_failed_reply_is_stored_as_error(tiny, store, monkeypatch):
+    engine = Engine(tiny)
+    monkeypatch.setattr(engine.runner, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    session, _, _ = record(engine, store)
+    message = store.messages(session.store_id)[-1]
+    assert ("error", "RuntimeError: boom") == (message["status"], message["error"])
+
+
+def test_a_broken_database_does_not_stop_the_reply(tiny, store):
+    engine = Engine(tiny)
+    session, events, hook = record(engine, store)
+
+    def fail_writes_mid_reply(event):  # like a disk that fills up while the reply streams
+        if isinstance(event, DecodeStep) and event.step == 1:
+            store.db.execute("PRAGMA query_only = ON")
+
+    _, events, hook = record(engine, store, session=session, hooks=[fail_writes_mid_reply])
+    store.db.execute("PRAGMA query_only = OFF")
+    assert "length" == events[-1].reason  # generation went on
+    assert "could not be saved" in hook.error and "readonly" in hook.error
+    assert session.warnings == [hook.error]
+    assert 2 == len(store.messages(session.store_id)) // 2  # both turns' rows, the first one complete
+    assert "complete" == store.messages(session.store_id)[1]["status"]
+
+
+def test_second_turn_goes_to_the_same_session_and_restores(tiny, store):
+    engine = Engine(tiny)
+    session, _, _ = record(engine, store, "First question")
+    record(engine, store, "Second question", session=session)
+    restored = load_chat(store, session.store_id)
+    assert session.messages == restored.messages
+    assert [1, 2] == [t.turn for t in restored.traces]
+    assert ["First question", "Second question"] == [d["content"] for d in restored.display if d["role"] == "user"]
+    assert all("prompt tok · TTFT" in d["content"] for d in restored.display if d["role"] == "assistant")
+
+
+def test_sessions_list_search_rename_delete(tiny, store):
+    engine = Engine(tiny)
+    first, _, _ = record(engine, store, "About penguins")
+    second, _, _ = record(engine, store, "About elephants")
+    assert [second.store_id, first.store_id] == [s["id"] for s in store.sessions()]  # newest first
+    [row] = store.sessions("penguin")
+    assert (first.store_id, "About penguins", 1) == (row["id"], row["title"], row["turns"])
+    assert row["mean_ttft_ms"] > 0 and row["mean_tpot_ms"] > 0
+    store.rename_session(first.store_id, "Birds")
+    assert "Birds" == store.session(first.store_id)["title"]
+    store.delete_session(first.store_id)
+    assert [second.store_id] == [s["id"] for s in store.sessions()]
+    assert [] == store._query("SELECT * FROM steps WHERE message_id NOT IN (SELECT id FROM messages)")
+    with pytest.raises(StoreError, match=f"no session with id {first.store_id}"):
+        store.delete_session(first.store_id)
+
+
+def test_repair_marks_interrupted_replies_stopped(tmp_path):
+    path = tmp_path / "h.db"
+    store = Store.open(path)
+    sid = store.create_session("t", "m", "cpu", "float32", {})
+    mid = store.add_message(sid, 1, "assistant", "partial", status="in_progress")
+    store.add_steps(mid, [dict(phase="decode", idx=0, start_ns=0, latency_ns=5, num_tokens=1, kv_tokens=3,
+                               kv_bytes=30, token_id=1, token_text="x", token_prob=0.5)])
+    Store.open(path)
+    [message] = store.messages(sid)
+    assert ("stopped", "interrupted", 1) == (message["status"], message["finish_reason"], len(store.steps(mid)))
+
+
+def test_new_file_is_created_at_the_latest_version_in_wal_mode(tmp_path):
+    store = Store.open(tmp_path / "new" / "history.db")
+    assert LATEST_VERSION == store.version
+    assert "wal" == store.db.journal_mode
+    assert {"sessions", "messages", "steps"} <= set(store.db.table_names())
+
+
+def test_migrates_an_empty_file(tmp_path):
+    path = tmp_path / "empty.db"
+    path.touch()
+    assert LATEST_VERSION == Store.open(path).version
+
+
+def test_migrates_the_first_schema_version_keeping_data(tmp_path):
+    from sqlite_utils import Database
+
+    path = tmp_path / "v1.db"
+    db = Database(path)
+    MIGRATIONS[0](db)
+    db.execute("PRAGMA user_version = 1")
+    db["sessions"].insert(dict(id=1, title="old chat", created_at="2026-01-01T00:00:00+00:00",
+                               updated_at="2026-01-01T00:00:00+00:00", model="m", device="cpu", dtype="float32",
+                               settings="{}"))
+    db["messages"].insert(dict(id=1, session_id=1, turn=1, role="assistant", content="hello", status="complete",
+                               created_at="2026-01-01T00:00:00+00:00", prompt_tokens=3, generated_tokens=1))
+    db.conn.close()
+    store = Store.open(path)
+    assert LATEST_VERSION == store.version
+    [message] = store.messages(1)
+    assert ("hello", None, None) == (message["content"], message["kv_capacity_tokens"], message["error"])
+    assert "old chat" == store.session(1)["title"]
+
+
+def test_a_file_that_is_not_sqlite_is_refused_and_untouched(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"my precious notes\n" * 100)
+    with pytest.raises(StoreError, match="is not a SQLite database; it was left untouched"):
+        Store.open(path)
+    assert b"my precious notes\n" * 100 == path.read_bytes()
+
+
+def test_a_newer_schema_is_refused_and_untouched(tmp_path):
+    path = tmp_path / "future.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE future (x)")
+    conn.execute("PRAGMA user_version = 99")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match=r"newer PhaseScope \(schema 99, this one knows 2\)"):
+        Store.open(path)
+    assert before == path.read_bytes()
+
+
+def test_an_unwritable_location_names_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StoreError, match=f"cannot create the history database {blocker}/sub/history.db"):
+        Store.open(blocker / "sub" / "history.db")
+
+
+def test_a_read_only_folder_names_the_path(tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    with pytest.raises(StoreError, match=str(folder / "history.db")):
+        Store.open(folder / "history.db")
