@@ -16,7 +16,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="a local Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct; "
                              "env PHASESCOPE_MODEL)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (see --precision)")
+    parser.add_argument("--precision", default=os.environ.get("PHASESCOPE_PRECISION", "auto"),
+                        help="auto, fp32, fp16, bf16 or int8 (weights int8, lean path on CPU; env "
+                             "PHASESCOPE_PRECISION)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -64,6 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["csv", "json", "trace"], required=True)
     export.add_argument("-o", "--output", help="the file to write (default: standard output)")
     export.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
+    bench = commands.add_parser("bench", help="prefill and decode speed of each mode vs transformers (and llama.cpp)")
+    bench.add_argument("--model", default=os.environ.get("PHASESCOPE_MODEL"))
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--modes", default="fp32,int8", help="comma-separated precisions: fp32, fp16, bf16, int8")
+    bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default 512)")
+    bench.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (default 128)")
+    bench.add_argument("-r", "--repetitions", type=int, default=3)
+    bench.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
+    bench.add_argument("--llama-bench", help="path to llama.cpp's llama-bench (default: found on PATH)")
+    bench.add_argument("--output", choices=["md", "csv", "json"], default="md")
+    bench.add_argument("--quick", action="store_true", help="a smoke run: pp32, tg8, one repetition")
     return parser
 
 
@@ -75,7 +89,7 @@ def _add_db_option(parser: argparse.ArgumentParser) -> None:
 def _engine(args: argparse.Namespace):
     from engine import Engine, EngineConfig
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision,
                           prefill_chunk=getattr(args, "prefill_chunk", 0))
     return Engine.from_config(config)
 
@@ -137,7 +151,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     engine = _engine(args)
     info = engine.info
-    print(f"{info.name} on {info.device} ({info.dtype}, {info.model_path}). "
+    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}). "
           "Type /clear for a new chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
     messages = _conversation(args.system)
     while True:
@@ -175,9 +189,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from app.main import launch
+    from engine import EngineConfig
 
-    launch(model=args.model, device=args.device, dtype=args.dtype, host=args.host, port=args.port,
-           db_path=args.db, open_browser=args.open)
+    launch(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision),
+           host=args.host, port=args.port, db_path=args.db, open_browser=args.open)
     return 0
 
 
@@ -213,7 +228,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from app import bench
+
+    if args.quick:
+        args.n_prompt, args.n_gen, args.repetitions = 32, 8, 1
+    if min(args.n_prompt, args.n_gen, args.repetitions) < 1:
+        raise ValueError("-p, -n and -r must be at least 1")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    print(f"phasescope bench: pp{args.n_prompt}, tg{args.n_gen}, {args.repetitions} repetitions, modes "
+          f"{', '.join(modes)}", file=sys.stderr)
+    report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
+                       baseline=not args.no_baseline, llama_bench_path=args.llama_bench,
+                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bench.render(report, args.output))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "bench": cmd_bench,
     "ui": cmd_ui,
     "generate": cmd_generate,
     "chat": cmd_chat,

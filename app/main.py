@@ -37,14 +37,14 @@ def launch_options() -> dict:
     return dict(theme=gr.themes.Soft(primary_hue="blue"), css_paths=[STATIC / "app.css"])
 
 
-def launch(model: str | None = None, device: str = "auto", dtype: str = "auto", host: str = "127.0.0.1",
-           port: int = 7860, db_path: str | None = None, open_browser: bool = False) -> None:
+def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,
+           open_browser: bool = False) -> None:
     store = Store.open(db_path)  # first: a bad --db fails before the model loads
     print(f"History: {store.path}", file=sys.stderr, flush=True)
     print("Loading the model…", file=sys.stderr, flush=True)
-    engine = Engine.from_config(EngineConfig(model=model, device=device, dtype=dtype))
+    engine = Engine.from_config(config)
     info = engine.info
-    print(f"{info.name} on {info.device} ({info.dtype}, {info.model_path})", file=sys.stderr, flush=True)
+    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path})", file=sys.stderr, flush=True)
     app = build_app(engine, store)
     url = f"http://{host}:{port}"
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)

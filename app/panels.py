@@ -101,9 +101,10 @@ def stats_line(metrics: RequestMetrics, reason: str) -> str:
 
 def model_html(info: ModelInfo) -> str:
     element = info.kv_bytes_per_token // (2 * info.num_layers * info.num_kv_heads * info.head_dim)
+    weights = info.precision if info.precision == "int8" else info.dtype
     formula = (f"2 × {info.num_layers} layers × {info.num_kv_heads} KV heads × {info.head_dim} head dim × "
                f"{element} B = {info.kv_bytes_per_token:,} B/token")
-    return (f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · {escape(info.dtype)} · '
+    return (f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · weights {escape(weights)} · '
             f'forward: {escape(info.model_path)} · context {info.context_window:,} tokens<br>'
             f'KV cache formula: {formula}</div>')
 

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8")
+PRECISION_DTYPES = {"fp32": "float32", "int8": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -51,12 +53,16 @@ class EngineConfig:
     """Which model to run, where, and how prefill is split.
 
     model: None for the bundled SmolLM2-135M-Instruct, else a local Hugging Face folder or a .gguf file.
+    precision: the weights' number format: fp32 (the reference), fp16, bf16, int8 (weights int8,
+        activations quantized per call; lean path on CPU), or auto (dtype decides: fp32 on CPU,
+        bf16 on CUDA).
     prefill_chunk: prompt tokens per prefill forward pass; 0 means the whole prompt in one pass.
     """
 
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    precision: str = "auto"
     prefill_chunk: int = 0
     cache_dir: str | None = None
     kv_block_tokens: int = 256  # the KV cache is sized in blocks of this many tokens
@@ -66,7 +72,14 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {self.prefill_chunk!r}")
         if self.kv_block_tokens < 1:
             raise ValueError(f"kv_block_tokens must be >= 1, got {self.kv_block_tokens!r}")
+
+    @property
+    def load_dtype(self) -> str:
+        """The dtype the weights are loaded in: the precision's, else the dtype setting."""
+        return PRECISION_DTYPES.get(self.precision, self.dtype)

@@ -43,6 +43,7 @@ class ModelInfo:
     device: str
     dtype: str
     model_path: str  # which forward runs: "lean-llama" or "transformers"
+    precision: str  # fp32, fp16, bf16 or int8
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -81,7 +82,7 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        self.runner = runner or make_runner(loaded.model)
+        self.runner = runner or make_runner(loaded.model, self.config.precision)
         self.eos_ids = _eos_ids(loaded)
         self._lock = threading.Lock()  # one request runs at a time; others wait (queue time)
         self._hooks: list[Hook] = []
@@ -90,7 +91,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        return cls(load_model(config.model, config.device, config.dtype, config.cache_dir), config)
+        return cls(load_model(config.model, config.device, config.load_dtype, config.cache_dir), config)
 
     @property
     def context_window(self) -> int:
@@ -103,7 +104,7 @@ class Engine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         element = torch.tensor([], dtype=self.loaded.dtype).element_size()
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
-                         str(self.loaded.dtype).removeprefix("torch."), self.runner.name,
+                         str(self.loaded.dtype).removeprefix("torch."), self.runner.name, self.runner.precision,
                          config.num_hidden_layers, kv_heads, head_dim, self.context_window,
                          kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1))
 
@@ -130,7 +131,16 @@ class Engine:
         prefill_chunk overrides the engine's chunk size for this request (0: the whole prompt)."""
         submit_ns = self._now_ns()
         check_messages(messages)
-        prompt_ids = render_prompt(self.tokenizer, messages)
+        return self.new_request_from_ids(render_prompt(self.tokenizer, messages), sampling, prefill_chunk,
+                                         messages=messages, submit_ns=submit_ns)
+
+    def new_request_from_ids(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                             prefill_chunk: int | None = None, messages: list[dict] | None = None,
+                             submit_ns: int | None = None) -> Request:
+        """A request for raw prompt token ids (benchmarks, completions); no chat template."""
+        submit_ns = self._now_ns() if submit_ns is None else submit_ns
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.context_window:
             raise PromptTooLong(len(prompt_ids), self.context_window)
         sampling = sampling or SamplingParams()
@@ -139,7 +149,7 @@ class Engine:
         chunk = self.config.prefill_chunk if prefill_chunk is None else prefill_chunk
         if chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {chunk!r}")
-        return Request(f"req-{next(self._ids)}", list(messages), sampling, prompt_ids, max_new,
+        return Request(f"req-{next(self._ids)}", list(messages or []), sampling, list(prompt_ids), max_new,
                        submit_ns=submit_ns, tokenized_ns=self._now_ns(), prefill_chunk=chunk)
 
     def stream(self, messages: list[dict], sampling: SamplingParams | None = None,

@@ -51,6 +51,7 @@ class TransformersRunner:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.precision = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model.dtype, "")
         self.context_window = getattr(model.config, "max_position_embeddings", 2048)
         self.device = model.device
         # transformers 5.x renamed `past_key_values` to `cache`; accept either.
@@ -68,10 +69,13 @@ class TransformersRunner:
         return out.logits[0, -1] if need_logits else None
 
 
-def make_runner(model: torch.nn.Module, prefer_lean: bool = True):
+def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bool = True):
     """The lean Llama path when the architecture allows it, else transformers' forward."""
     from .llama import LeanLlama
 
     if prefer_lean and LeanLlama.supports(model):
-        return LeanLlama(model)
+        return LeanLlama(model, precision)
+    if precision == "int8":
+        raise ValueError(f"precision int8 needs the lean Llama-family path; {model.config.model_type} models "
+                         "run on transformers' forward in fp32, fp16 or bf16")
     return TransformersRunner(model)

@@ -1,8 +1,8 @@
 """A lean forward pass for Llama-family models (Llama, SmolLM, Mistral, Qwen2 with its QKV bias).
 
-It reads the weights of a loaded transformers model once, fuses Q/K/V and gate/up into single matrices,
-and writes keys and values into our own KVCache. One call runs T tokens at positions [pos, pos+T):
-T = chunk length in prefill, T = 1 in decode.
+It reads the weights of a loaded transformers model once, fuses Q/K/V and gate/up into single
+matrices (dense, or int8 with `precision="int8"`), and writes keys and values into our own KVCache.
+One call runs T tokens at positions [pos, pos+T): T = chunk length in prefill, T = 1 in decode.
 """
 from __future__ import annotations
 
@@ -12,51 +12,31 @@ import torch
 import torch.nn.functional as F
 
 from .kv_cache import KVCache
+from .quantize import linear_factory
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+def _fused(make, *linears: torch.nn.Linear):
+    """One linear computing several, their outputs concatenated."""
+    weight = torch.cat([lin.weight for lin in linears]).detach()
     biases = [lin.bias for lin in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b if b is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=lin.weight.device)
-                      for b, lin in zip(biases, linears)]).detach()
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else weight.new_zeros(lin.out_features)
+                          for b, lin in zip(biases, linears)]).detach()
+    return make(weight, bias)
 
 
 @dataclass(slots=True)
 class _Layer:
-    w_qkv: torch.Tensor  # [(H + 2*KV) * D, C]
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # [C, H * D]
-    b_o: torch.Tensor | None
-    w_gate_up: torch.Tensor  # [2 * I, C]
-    b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # [C, I]
-    b_down: torch.Tensor | None
+    qkv: object  # x [T, C] -> [T, (H + 2*KV) * D]
+    o: object  # [T, H*D] -> [T, C]
+    gate_up: object  # [T, C] -> [T, 2*I]
+    down: object  # [T, I] -> [T, C]
     attn_norm: torch.Tensor  # [C]
     mlp_norm: torch.Tensor  # [C]
-
-
-def _layer_from_hf(layer: torch.nn.Module) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    return _Layer(
-        w_qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-        b_qkv=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        w_o=attn.o_proj.weight.detach(),
-        b_o=attn.o_proj.bias,
-        w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-        b_gate_up=_cat_bias(mlp.gate_proj, mlp.up_proj),
-        w_down=mlp.down_proj.weight.detach(),
-        b_down=mlp.down_proj.bias,
-        attn_norm=layer.input_layernorm.weight.detach(),
-        mlp_norm=layer.post_attention_layernorm.weight.detach(),
-    )
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanLlama:
@@ -68,29 +48,50 @@ class LeanLlama:
     def supports(model: torch.nn.Module) -> bool:
         return getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
 
-    def __init__(self, model: torch.nn.Module, max_positions: int = 32768) -> None:
+    def __init__(self, model: torch.nn.Module, precision: str = "auto", max_positions: int = 32768) -> None:
         config = model.config
+        self.device, self.dtype = model.device, model.dtype
+        self.precision = DTYPE_NAMES.get(self.dtype, str(self.dtype)) if precision in ("auto", "fp32", "fp16",
+                                                                                         "bf16") else precision
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.context_window = min(config.max_position_embeddings, max_positions)
-        self.dtype = model.dtype
-        self.device = model.device
-        self.layers = [_layer_from_hf(layer) for layer in model.model.layers]
+        make = linear_factory(self.precision, self.device)
+        self.layers = [self._layer(make, layer) for layer in model.model.layers]
         self.embed = model.model.embed_tokens.weight.detach()
         self.final_norm = model.model.norm.weight.detach()
-        self.lm_head = model.lm_head.weight.detach()
+        self.lm_head = make(model.lm_head.weight.detach(), None)
         self.cos, self.sin = self._rope_tables(model, self.context_window)
+        self.fast_decode_attention = True  # plain GQA matmuls for one query; SDPA otherwise
+
+    @staticmethod
+    def _layer(make, layer: torch.nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(qkv=_fused(make, attn.q_proj, attn.k_proj, attn.v_proj), o=_fused(make, attn.o_proj),
+                      gate_up=_fused(make, mlp.gate_proj, mlp.up_proj), down=_fused(make, mlp.down_proj),
+                      attn_norm=layer.input_layernorm.weight.detach(),
+                      mlp_norm=layer.post_attention_layernorm.weight.detach())
 
     def _rope_tables(self, model: torch.nn.Module, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # The model's own rotary module knows its rope type and scaling; tables are [positions, D].
+        # The model's own rotary module knows its rope type and scaling. Tables are [positions, 1, D];
+        # the sine's first half is negated so that rotate_half(x) * sin == x.roll(D/2) * sin.
         positions = torch.arange(num_positions, device=self.device)[None]
         probe = torch.zeros(1, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             cos, sin = model.model.rotary_emb(probe, positions)
-        return cos[0], sin[0]
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        return cos[0, :, None, :].contiguous(), sin[:, None, :].contiguous()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward pass reads (the embedding reads only the rows it needs)."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        norms = sum(layer.attn_norm.nbytes + layer.mlp_norm.nbytes for layer in self.layers)
+        return sum(lin.nbytes for lin in linears) + self.lm_head.nbytes + norms + self.final_norm.nbytes
 
     def new_cache(self, capacity_tokens: int) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity_tokens, self.dtype, self.device)
@@ -100,16 +101,18 @@ class LeanLlama:
         """ids: [T] token ids at positions [pos, pos+T). Returns logits [vocab] of the last one."""
         num_tokens = ids.shape[0]
         x = F.embedding(ids, self.embed)  # [T, C]
-        cos, sin = self.cos[pos:pos + num_tokens], self.sin[pos:pos + num_tokens]  # [T, D]
+        cos, sin = self.cos[pos:pos + num_tokens], self.sin[pos:pos + num_tokens]  # [T, 1, D]
         mask = self._causal_mask(pos, num_tokens)
+        shape = x.shape[-1:]
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, F.rms_norm(x, x.shape[-1:], layer.attn_norm, self.eps),
-                                    pos, cos, sin, cache, mask)
-            x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.mlp_norm, self.eps))
+            h = F.rms_norm(x, shape, layer.attn_norm, self.eps)
+            x = x + self._attention(index, layer, h, pos, cos, sin, cache, mask)
+            h = F.rms_norm(x, shape, layer.mlp_norm, self.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, I] each
+            x = x + layer.down(F.silu(gate) * up)
         if not need_logits:
             return None
-        last = F.rms_norm(x[-1], x.shape[-1:], self.final_norm, self.eps)
-        return F.linear(last, self.lm_head)  # [vocab]
+        return self.lm_head(F.rms_norm(x[-1:], shape, self.final_norm, self.eps))[0]  # [vocab]
 
     def _causal_mask(self, pos: int, num_tokens: int) -> torch.Tensor | None:
         if num_tokens == 1:
@@ -123,19 +126,24 @@ class LeanLlama:
                    sin: torch.Tensor, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
         num_tokens = h.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(h, layer.w_qkv, layer.b_qkv)  # [T, (H + 2KV) * D]
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q = q.view(num_tokens, heads, head_dim).transpose(0, 1)  # [H, T, D]
-        k = k.view(num_tokens, kv_heads, head_dim).transpose(0, 1)  # [KV, T, D]
-        v = v.view(num_tokens, kv_heads, head_dim).transpose(0, 1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys, values = cache.update(index, pos, k, v)  # [KV, pos+T, D]
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
-                                             enable_gqa=heads != kv_heads)  # [1, H, T, D]
-        out = out[0].transpose(0, 1).reshape(num_tokens, heads * head_dim)
-        return F.linear(out, layer.w_o, layer.b_o)
+        qkv = layer.qkv(h)  # [T, (H + 2KV) * D]
+        qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin  # rotary embedding of q and k at once
+        q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+        keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))  # [KV, pos+T, D]
+        if num_tokens == 1 and self.fast_decode_attention:
+            out = self._decode_attention(q[0], keys, values)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                                 enable_gqa=heads != kv_heads)  # [1, H, T, D]
+            out = out[0].transpose(0, 1)
+        return layer.o(out.reshape(num_tokens, heads * head_dim))
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """One query per head against the whole cache: q [H, D], keys/values [KV, S, D] -> [H, D].
+        Query heads that share a KV head are batched together, without copying the cache."""
+        kv_heads, head_dim = keys.shape[0], keys.shape[-1]
+        q = q.view(kv_heads, -1, head_dim)  # [KV, G, D]
+        scores = torch.bmm(q * head_dim ** -0.5, keys.transpose(1, 2))  # [KV, G, S]
+        return torch.bmm(scores.softmax(dim=-1), values).reshape(-1, head_dim)  # [H, D]

@@ -1,0 +1,218 @@
+"""`phasescope bench`: prefill and decode speed of each engine mode, and of transformers' `generate`,
+in one run on one machine, modelled on llama-bench: pp{N} (prefill N tokens), tg{N} (generate N
+tokens), pp{N}+tg{M}; each the mean ± std over repetitions after a warm-up, in tokens/s.
+
+Also measured: the cost of hooks and of the history store while generating (ratios within the run),
+decode's achieved memory bandwidth and prefill's achieved FLOP/s, int8's quality against fp32, and
+the cold start from the converted-weights cache. llama.cpp's `llama-bench` is run on the same GGUF
+when it is found on PATH or given with --llama-bench.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine.hf_runner import make_runner
+
+from .bench_extras import cold_start_s, hook_costs, int8_quality, llama_bench, prefill_flops
+
+
+@dataclass
+class Result:
+    engine: str  # "phasescope", "transformers", "llama.cpp"
+    mode: str  # e.g. "lean-llama int8"
+    test: str  # "pp512", "tg128", "pp512+tg128"
+    samples: list[float] = field(default_factory=list)  # tokens/s, one per repetition
+    note: str = ""
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples) if self.samples else float("nan")
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
+
+
+def tests_for(pp: int, tg: int) -> list[tuple[str, int, int]]:
+    return [(f"pp{pp}", pp, 0), (f"tg{tg}", 0, tg), (f"pp{pp}+tg{tg}", pp, tg)]
+
+
+def bench_prompt(num_tokens: int, vocab: int, bos: int | None) -> list[int]:
+    """Random token ids, as llama-bench uses; tg starts from one token (BOS) like it does."""
+    if num_tokens == 0:
+        return [bos if bos is not None else 1]
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(100, vocab, (num_tokens,), generator=generator).tolist()
+
+
+def engine_run(engine: Engine, prompt: list[int], num_gen: int, hooks=()) -> object:
+    sampling = SamplingParams(max_new_tokens=max(num_gen, 1), temperature=0, ignore_eos=True)
+    *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling), hooks=hooks)
+    return finished
+
+
+def engine_tokens_per_s(engine: Engine, prompt: list[int], num_prompt: int, num_gen: int) -> float:
+    m = engine_run(engine, prompt, num_gen).metrics
+    if num_gen == 0:
+        return m.prefill_tokens_per_s
+    if num_prompt == 0:
+        return m.decode_tokens_per_s
+    return (num_prompt + num_gen) * 1000 / m.e2e_ms  # llama-bench's pp+tg: all tokens / total time
+
+
+def hf_tokens_per_s(model: torch.nn.Module, prompt: list[int], num_prompt: int, num_gen: int) -> float:
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        if num_gen == 0:
+            model(input_ids=ids)
+        else:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_gen,
+                           min_new_tokens=num_gen, do_sample=False)
+        elapsed = time.perf_counter() - start
+    return (num_prompt + num_gen) / elapsed if num_prompt else num_gen / elapsed
+
+
+def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
+    engines = {}
+    for precision in modes:
+        model = loaded.model
+        if precision in ("fp16", "bf16"):
+            model = copy.deepcopy(loaded.model).to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision]))
+        runner = make_runner(model, precision)
+        engines[f"{runner.name} {runner.precision}"] = Engine(loaded, EngineConfig(precision=precision), runner=runner)
+    return engines
+
+
+def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] = ("fp32", "int8"), pp: int = 512,
+        tg: int = 128, repetitions: int = 3, baseline: bool = True, llama_bench_path: str | None = None,
+        log=print) -> dict:
+    loaded = load_model(model, device=device, dtype="float32")
+    engines = mode_engines(loaded, list(modes))
+    vocab, bos = loaded.model.config.vocab_size, loaded.tokenizer.bos_token_id
+    contenders = [("phasescope", name, lambda p, n, g, e=e: engine_tokens_per_s(e, p, n, g))
+                  for name, e in engines.items()]
+    if baseline:
+        contenders.append(("transformers", f"eager generate {str(loaded.dtype).removeprefix('torch.')}",
+                           lambda p, n, g: hf_tokens_per_s(loaded.model, p, n, g)))
+    results = []
+    for test, num_prompt, num_gen in tests_for(pp, tg):
+        prompt = bench_prompt(num_prompt, vocab, bos)
+        for engine_name, mode, measure in contenders:
+            measure(prompt, num_prompt, num_gen)  # warm-up, left out of the figures
+            result = Result(engine_name, mode, test, [measure(prompt, num_prompt, num_gen) for _ in range(repetitions)])
+            results.append(result)
+            log(f"  {engine_name:<12} {mode:<24} {test:<14} {result.mean:8.1f} ± {result.std:.1f} tok/s")
+    best_name = max(engines, key=lambda name: _mean(results, name, f"tg{tg}"))
+    best = engines[best_name]
+    _annotate(results, engines, pp, tg)
+    summary = {"machine": _machine(loaded), "model": loaded.name, "best_mode": best_name}
+    summary["hooks"] = hook_costs(best, bench_prompt(0, vocab, bos), tg, repetitions, Path(tempfile.mkdtemp()))
+    log(f"  hooks: {summary['hooks']}")
+    if "lean-llama int8" in engines and "lean-llama fp32" in engines:
+        summary["int8_quality"] = int8_quality(engines["lean-llama fp32"].runner, engines["lean-llama int8"].runner,
+                                               loaded.tokenizer)
+        log(f"  int8 quality: {summary['int8_quality']}")
+    if "lean-llama fp32" in engines and baseline:
+        summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
+    summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
+    log(f"  cold start: {summary['cold_start_s']}")
+    results += [Result("llama.cpp", mode, test, samples)
+                for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log)]
+    return {"results": results, "summary": summary, "tests": [t for t, _, _ in tests_for(pp, tg)]}
+
+
+def _mean(results: list[Result], mode: str, test: str) -> float:
+    return next((r.mean for r in results if r.mode == mode and r.test == test), 0.0)
+
+
+def _annotate(results: list[Result], engines: dict[str, Engine], pp: int, tg: int) -> None:
+    """Achieved decode bandwidth (weight bytes read per step / step time) and prefill FLOP/s."""
+    for result in results:
+        engine = engines.get(result.mode)
+        runner = engine.runner if engine else None
+        if runner is None or not hasattr(runner, "weight_bytes"):
+            continue
+        if result.test == f"tg{tg}":
+            result.note = f"{runner.weight_bytes * result.mean / 1e9:.1f} GB/s of weights"
+        elif result.test == f"pp{pp}":
+            result.note = f"{prefill_flops(runner, pp) * result.mean / pp / 1e9:.0f} GFLOP/s"
+
+
+def _same_greedy(engine: Engine, loaded, num_tokens: int) -> bool:
+    prompt = loaded.tokenizer("The two phases of inference are")["input_ids"]
+    request = engine.new_request_from_ids(prompt, SamplingParams(max_new_tokens=num_tokens, temperature=0,
+                                                                 ignore_eos=True))
+    list(engine.run(request))
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        expected = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                                         min_new_tokens=num_tokens, do_sample=False)[0, len(prompt):].tolist()
+    return expected == request.generated_ids
+
+
+def _machine(loaded) -> str:
+    import platform
+
+    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {loaded.device}"
+
+
+# --- output -----------------------------------------------------------------------------------------
+
+def _ratios(results: list[Result], result: Result) -> tuple[str, str]:
+    def versus(engine: str) -> str:
+        other = next((r for r in results if r.engine == engine and r.test == result.test), None)
+        return f"{result.mean / other.mean:.2f}×" if other and other.mean > 0 and other is not result else ""
+
+    return versus("transformers"), versus("llama.cpp")
+
+
+def to_markdown(report: dict) -> str:
+    results, summary = report["results"], report["summary"]
+    lines = ["| engine | mode | test | tokens/s | vs transformers | vs llama.cpp | achieved |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for r in results:
+        vs_hf, vs_llama = _ratios(results, r)
+        lines.append(f"| {r.engine} | {r.mode} | {r.test} | {r.mean:.1f} ± {r.std:.1f} | {vs_hf} | {vs_llama} | "
+                     f"{r.note} |")
+    lines.append("")
+    lines.append(f"machine: {summary['machine']}; model: {summary['model']}; best mode: {summary['best_mode']}")
+    for key, value in summary.items():
+        if key not in ("machine", "model", "best_mode"):
+            lines.append(f"- {key}: {json.dumps(value)}")
+    return "\n".join(lines)
+
+
+def to_rows(report: dict) -> list[dict]:
+    rows = []
+    for r in report["results"]:
+        vs_hf, vs_llama = _ratios(report["results"], r)
+        rows.append({"engine": r.engine, "mode": r.mode, "test": r.test, "tokens_per_s": round(r.mean, 2),
+                     "std": round(r.std, 2), "samples": [round(s, 2) for s in r.samples], "vs_transformers": vs_hf,
+                     "vs_llama_cpp": vs_llama, "achieved": r.note})
+    return rows
+
+
+def render(report: dict, output: str) -> str:
+    if output == "json":
+        return json.dumps({"results": to_rows(report), "summary": report["summary"]}, indent=1)
+    if output == "csv":
+        import csv
+        import io
+
+        out = io.StringIO()
+        rows = to_rows(report)
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**row, "samples": " ".join(map(str, row["samples"]))} for row in rows)
+        return out.getvalue()
+    return to_markdown(report)

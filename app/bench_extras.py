@@ -1,0 +1,142 @@
+"""The benchmark's side measurements: hook and store costs, int8 quality, cold start, llama-bench."""
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from engine import Engine, SamplingParams
+
+QUALITY_TEXTS = [
+    "The capital of France is Paris, and the capital of Germany is Berlin. The KV cache stores keys and values.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "北京是中国的首都，也是一座历史悠久的城市。",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+]
+
+
+def prefill_flops(runner, num_tokens: int) -> float:
+    """Floating-point operations of one prefill of num_tokens: 2 per weight per token in the layers'
+    matmuls, the causal attention (QK^T and PV), and the lm_head for the last token only."""
+    layer = runner.layers[0]
+    hidden = runner.embed.shape[1]
+    heads, kv_heads, head_dim = runner.num_heads, runner.num_kv_heads, runner.head_dim
+    intermediate = _out_features(layer.gate_up) // 2
+    per_token = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * intermediate
+    attention = 2 * heads * head_dim * num_tokens * num_tokens  # causal: half of 2 * 2 * N^2 * D per head
+    vocab = runner.embed.shape[0]
+    return runner.num_layers * (2 * per_token * num_tokens + attention) + 2 * hidden * vocab
+
+
+def _out_features(linear) -> int:
+    weight = getattr(linear, "weight", None)
+    if weight is not None:
+        return weight.shape[0]
+    return linear._packed.unpack()[0].shape[0]  # int8: read it off the packed weight
+
+
+def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int, folder: Path) -> dict:
+    """Decode tok/s with no hooks, with the UI's hooks (trace + JSON), and with those plus the history
+    store writing to a real SQLite file; runs interleaved so that drift hits all three alike."""
+    from .history import make_recorder
+    from .session import ChatSession
+    from .store import Store
+    from .trace import ReplyTrace
+
+    store = Store.open(folder / "bench-history.db")
+    recorder = make_recorder(store, engine.info)
+    sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
+
+    def ui_hooks():
+        trace = ReplyTrace(turn=1)
+        return [trace.add, lambda event: json.dumps(event.to_dict())]
+
+    def store_hooks():
+        session = ChatSession()
+        trace = ReplyTrace(turn=1)
+        return ui_hooks() + [recorder(session, [{"role": "user", "content": "bench"}], sampling, trace)]
+
+    configs = {"none": lambda: [], "hooks": ui_hooks, "hooks+store": store_hooks}
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for repetition in range(repetitions + 1):
+        for name, make_hooks in configs.items():
+            request = engine.new_request_from_ids(prompt, sampling)
+            *_, finished = engine.run(request, hooks=make_hooks())
+            if repetition > 0:  # the first round is a warm-up
+                samples[name].append(finished.metrics.decode_tokens_per_s)
+    base = statistics.median(samples["none"])
+    return {name: {"decode_tokens_per_s": round(statistics.median(values), 2),
+                   "vs_none": round(statistics.median(values) / base, 4)} for name, values in samples.items()}
+
+
+@torch.inference_mode()
+def int8_quality(reference, quantized, tokenizer) -> dict:
+    """Top-1 agreement of int8 with fp32 on every position of a fixed text set, and the largest
+    difference of any logit."""
+    agree = total = 0
+    max_diff = 0.0
+    for text in QUALITY_TEXTS:
+        ids = torch.tensor(tokenizer(text)["input_ids"])
+        cache_a, cache_b = reference.new_cache(len(ids) + 1), quantized.new_cache(len(ids) + 1)
+        for pos in range(len(ids)):
+            a = reference.forward(ids[pos:pos + 1], pos, cache_a)
+            b = quantized.forward(ids[pos:pos + 1], pos, cache_b)
+            agree += int(a.argmax() == b.argmax())
+            total += 1
+            max_diff = max(max_diff, float((a - b).abs().max()))
+    return {"top1_agreement": round(agree / total, 4), "positions": total, "max_logit_diff": round(max_diff, 3)}
+
+
+COLD_START = textwrap.dedent("""
+    import sys, time
+    start = time.perf_counter()
+    from engine import Engine, EngineConfig, SamplingParams
+    imported = time.perf_counter()
+    engine = Engine.from_config(EngineConfig(model=sys.argv[1] or None, precision=sys.argv[2]))
+    loaded = time.perf_counter()
+    request = engine.new_request_from_ids([1, 2, 3], SamplingParams(max_new_tokens=1))
+    list(engine.run(request))
+    done = time.perf_counter()
+    print(f"{imported - start:.2f} {loaded - imported:.2f} {done - start:.2f}")
+""")
+
+
+def cold_start_s(model: str | None, precision: str) -> dict:
+    """A fresh process: imports, model load (+ int8 packing) from the converted cache, first token."""
+    out = subprocess.run([sys.executable, "-c", COLD_START, model or "", precision], capture_output=True,
+                         text=True, timeout=300)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
+    imports, load, total = (float(v) for v in out.stdout.split())
+    return {"imports_s": imports, "load_s": load, "to_first_token_s": total, "precision": precision}
+
+
+def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
+                log) -> list[tuple[str, str, list[float]]]:
+    """llama.cpp's own benchmark on the same GGUF and thread count, when a llama-bench binary is at
+    hand: (mode, test, tokens/s samples) for each of its tests."""
+    binary = path or shutil.which("llama-bench")
+    if not binary or not str(gguf).endswith(".gguf"):
+        log("  llama.cpp: llama-bench not found (give it with --llama-bench PATH); not compared")
+        return []
+    threads = str(torch.get_num_threads())
+    out = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-pg", f"{pp},{tg}",
+                          "-r", str(repetitions), "-t", threads, "-o", "json"], capture_output=True, text=True,
+                         timeout=1800)
+    if out.returncode != 0:
+        log(f"  llama.cpp: llama-bench failed: {out.stderr.strip()[-300:]}")
+        return []
+    results = []
+    for row in json.loads(out.stdout):
+        test = (f"pp{row['n_prompt']}+tg{row['n_gen']}" if row["n_prompt"] and row["n_gen"]
+                else f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}")
+        mode = f"{row.get('model_type', 'gguf')}, {threads} threads"
+        results.append((mode, test, list(row.get("samples_ts") or [row["avg_ts"]])))
+        log(f"  llama.cpp    {mode:<24} {test:<14} {row['avg_ts']:8.1f} ± {row['stddev_ts']:.1f} tok/s")
+    return results
