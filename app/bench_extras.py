@@ -35,9 +35,10 @@ def prefill_flops(runner, num_tokens: int) -> float:
 
 
 def _out_features(linear) -> int:
-    weight = getattr(linear, "weight", None)
-    if weight is not None:
-        return weight.shape[0]
+    if hasattr(linear, "weight_t"):
+        return linear.weight_t.shape[1]
+    if hasattr(linear, "weight"):
+        return linear.weight.shape[0]
     return linear._packed.unpack()[0].shape[0]  # int8: read it off the packed weight
 
 

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="prefill and decode speed of each mode vs transformers (and llama.cpp)")
     bench.add_argument("--model", default=os.environ.get("PHASESCOPE_MODEL"))
     bench.add_argument("--device", default="auto")
-    bench.add_argument("--modes", default="fp32,int8", help="comma-separated precisions: fp32, fp16, bf16, int8")
+    bench.add_argument("--modes", default="fp32,fp16,int8", help="comma-separated precisions: fp32, fp16, bf16, int8")
     bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default 512)")
     bench.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (default 128)")
     bench.add_argument("-r", "--repetitions", type=int, default=3)

@@ -25,6 +25,22 @@ class DenseLinear:
         return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
+class TransposedLinear:
+    """y = x W^T + b with W stored transposed ([in, out], contiguous). On CPU, fp32 matrix-vector
+    products with this layout stream the weights at about twice the bandwidth of F.linear's (measured:
+    21 vs 11 GB/s on the 2-core development machine), which is what decode is bound by."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight_t, self.bias = weight.t().contiguous(), bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_t.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
 class Int8Linear:
     """int8 weights with one fp32 scale per output channel; x stays fp32 and is quantized per call."""
 
@@ -56,4 +72,6 @@ def linear_factory(precision: str, device: torch.device):
         if device.type != "cpu" or not int8_available():
             raise ValueError("precision int8 needs a CPU with FBGEMM (x86 with AVX2); use fp32, fp16 or bf16 here")
         return Int8Linear
+    if precision == "fp32" and device.type == "cpu":
+        return TransposedLinear  # (fp16 is the other way round: F.linear is fast, the transpose slow)
     return DenseLinear

@@ -113,7 +113,8 @@ def test_empty_and_too_long_messages(page):
     page.wait_for_timeout(800)
     assert 0 == page.locator("#ps-chatbot [data-testid=user]").count()
     send(page, "word " * 9000)
-    page.wait_for_selector("#ps-chatbot [data-testid=bot]")
+    page.wait_for_function("() => { const bots = document.querySelectorAll('#ps-chatbot [data-testid=bot]'); "
+                           "return bots.length && bots[bots.length - 1].innerText.includes('context window'); }")
     error = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
     assert re.search(r"conversation is [\d,]+ tokens, but the model's context window is 8,192 tokens", error)
     set_setting(page, "ps-max-new", 4)
@@ -124,9 +125,10 @@ def test_empty_and_too_long_messages(page):
 def test_two_tabs_chat_at_once_without_cross_talk(browser, app_url, tmp_path):
     first, second = open_chat(browser, app_url), open_chat(browser, app_url)
     try:
+        set_setting(first, "ps-temperature", 0)  # greedy: this prompt runs past 40 tokens, no early EOS
         set_setting(first, "ps-max-new", 40)
         set_setting(second, "ps-max-new", 6)
-        send(first, "Tell me about elephants.")
+        send(first, "Write a long story about a lighthouse keeper.")
         first.wait_for_selector("#ps-phase [data-phase=decode]", timeout=60_000)
         send(second, "Tell me about penguins.")
         second.wait_for_selector("#ps-phase [data-phase=queued]", timeout=10_000)
@@ -137,7 +139,8 @@ def test_two_tabs_chat_at_once_without_cross_talk(browser, app_url, tmp_path):
         assert "Queued — 1 reply ahead of yours" in queued
         first_users = first.locator("#ps-chatbot [data-testid=user]").all_inner_texts()
         second_users = second.locator("#ps-chatbot [data-testid=user]").all_inner_texts()
-        assert (["Tell me about elephants."], ["Tell me about penguins."]) == (first_users, second_users)
+        assert (["Write a long story about a lighthouse keeper."], ["Tell me about penguins."]) == (
+            first_users, second_users)
         # each tab kept its own settings
         assert int(kpi(second, "generated_tokens")) <= 6 and int(kpi(first, "generated_tokens")) <= 40
     finally:
