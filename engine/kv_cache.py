@@ -19,13 +19,13 @@ def round_up(num_tokens: int, block: int) -> int:
 
 
 class KVCache:
-    """Preallocated keys and values for one sequence: k, v are [layers, kv_heads, capacity, head_dim]."""
+    """Preallocated keys and values for one sequence, in one tensor kv: [layers, 2, kv_heads, capacity,
+    head_dim]; k and v are its halves, [layers, kv_heads, capacity, head_dim] each."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_tokens: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, num_kv_heads, capacity_tokens, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((num_layers, 2, num_kv_heads, capacity_tokens, head_dim), dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self._filled = [0] * num_layers  # tokens written per layer
 
     @property
@@ -48,7 +48,7 @@ class KVCache:
 
     @property
     def bytes_allocated(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
     def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ([kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer and return
@@ -58,5 +58,14 @@ class KVCache:
             raise ValueError(f"KV cache full: {end} tokens do not fit in {self.capacity_tokens}")
         self.k[layer, :, pos:end] = k
         self.v[layer, :, pos:end] = v
+        self._filled[layer] = end
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def update_kv(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same with keys and values together, kv: [2, kv_heads, T, head_dim], in one copy."""
+        end = pos + kv.shape[2]
+        if end > self.capacity_tokens:
+            raise ValueError(f"KV cache full: {end} tokens do not fit in {self.capacity_tokens}")
+        self.kv[layer, :, :, pos:end] = kv
         self._filled[layer] = end
         return self.k[layer, :, :end], self.v[layer, :, :end]

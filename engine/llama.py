@@ -18,15 +18,27 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _fused(make, *linears: torch.nn.Linear):
-    """One linear computing several, their outputs concatenated."""
-    weight = torch.cat([lin.weight for lin in linears]).detach()
-    biases = [lin.bias for lin in linears]
+def _fused(make, *parts: tuple[torch.Tensor, torch.Tensor | None]):
+    """One linear computing several (weight, bias) pairs, their outputs concatenated."""
+    weight = torch.cat([w for w, _ in parts]).detach()
     bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else weight.new_zeros(lin.out_features)
-                          for b, lin in zip(biases, linears)]).detach()
+    if any(b is not None for _, b in parts):
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts]).detach()
     return make(weight, bias)
+
+
+def _params(linear: torch.nn.Linear, pair_heads: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear's (weight, bias); with pair_heads, rows reordered within each head from the halves
+    layout (x_i, x_{i+D/2}) to adjacent pairs, so that the rotary embedding is a complex product.
+    Q and K reordered alike leave every attention score unchanged."""
+    weight, bias = linear.weight.detach(), linear.bias
+    if not pair_heads:
+        return weight, bias
+
+    def reorder(t: torch.Tensor) -> torch.Tensor:  # [H*D, ...] -> [H, 2, D/2, ...] -> [H, D/2, 2, ...]
+        return t.reshape(pair_heads, 2, t.shape[0] // pair_heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+    return reorder(weight), None if bias is None else reorder(bias.detach())
 
 
 @dataclass(slots=True)
@@ -60,18 +72,24 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self.context_window = min(config.max_position_embeddings, max_positions)
         make = linear_factory(self.precision, self.device)
-        self.layers = [self._layer(make, layer) for layer in model.model.layers]
+        # fp32 activations (fp32, int8): rotary embedding as one in-place complex product on paired q/k
+        # rows; half precision keeps the halves layout (complex half ops are thin on CPU)
+        self.pair_rope = self.dtype == torch.float32
+        self.layers = [self._layer(make, layer, self.pair_rope) for layer in model.model.layers]
         self.embed = model.model.embed_tokens.weight.detach()
         self.final_norm = model.model.norm.weight.detach()
         self.lm_head = make(model.lm_head.weight.detach(), None)
         self.cos, self.sin = self._rope_tables(model, self.context_window)
-        self.fast_decode_attention = True  # plain GQA matmuls for one query; SDPA otherwise
+        half = self.head_dim // 2  # cos + i sin per position and pair (the stored sine's first half is negated)
+        self.rotations = torch.complex(self.cos[..., :half], -self.sin[..., :half]) if self.pair_rope else None
 
-    @staticmethod
-    def _layer(make, layer: torch.nn.Module) -> _Layer:
+    def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        return _Layer(qkv=_fused(make, attn.q_proj, attn.k_proj, attn.v_proj), o=_fused(make, attn.o_proj),
-                      gate_up=_fused(make, mlp.gate_proj, mlp.up_proj), down=_fused(make, mlp.down_proj),
+        heads, kv_heads = (self.num_heads, self.num_kv_heads) if pair_rope else (0, 0)
+        qkv = _fused(make, _params(attn.q_proj, heads), _params(attn.k_proj, kv_heads), _params(attn.v_proj))
+        return _Layer(qkv=qkv, o=_fused(make, _params(attn.o_proj)),
+                      gate_up=_fused(make, _params(mlp.gate_proj), _params(mlp.up_proj)),
+                      down=_fused(make, _params(mlp.down_proj)),
                       attn_norm=layer.input_layernorm.weight.detach(),
                       mlp_norm=layer.post_attention_layernorm.weight.detach())
 
@@ -126,24 +144,21 @@ class LeanLlama:
                    sin: torch.Tensor, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
         num_tokens = h.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = layer.qkv(h)  # [T, (H + 2KV) * D]
-        qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
-        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin  # rotary embedding of q and k at once
-        q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
-        v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
-        keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))  # [KV, pos+T, D]
-        if num_tokens == 1 and self.fast_decode_attention:
-            out = self._decode_attention(q[0], keys, values)
+        qkv = layer.qkv(h)  # [T, (H + 2KV) * D]: q, k, v side by side
+        if self.pair_rope:
+            qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
+            torch.view_as_complex(qk).mul_(self.rotations[pos:pos + num_tokens])  # rotary embedding, in place
+            kv = qkv[:, heads * head_dim:].view(num_tokens, 2, kv_heads, head_dim).permute(1, 2, 0, 3)
+            keys, values = cache.update_kv(index, pos, kv)  # [KV, pos+T, D] each, one copy in
+            q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         else:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                                 enable_gqa=heads != kv_heads)  # [1, H, T, D]
-            out = out[0].transpose(0, 1)
-        return layer.o(out.reshape(num_tokens, heads * head_dim))
-
-    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """One query per head against the whole cache: q [H, D], keys/values [KV, S, D] -> [H, D].
-        Query heads that share a KV head are batched together, without copying the cache."""
-        kv_heads, head_dim = keys.shape[0], keys.shape[-1]
-        q = q.view(kv_heads, -1, head_dim)  # [KV, G, D]
-        scores = torch.bmm(q * head_dim ** -0.5, keys.transpose(1, 2))  # [KV, G, S]
-        return torch.bmm(scores.softmax(dim=-1), values).reshape(-1, head_dim)  # [H, D]
+            qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+            qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin  # rotary embedding of q and k at once
+            q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
+            v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+            keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                             enable_gqa=heads != kv_heads)  # [1, H, T, D]
+        if num_tokens == 1:
+            return layer.o(out.view(1, heads * head_dim))
+        return layer.o(out[0].transpose(0, 1).reshape(num_tokens, heads * head_dim))
