@@ -65,7 +65,8 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
 
     configs = {"none": lambda: [], "hooks": ui_hooks, "hooks+store": store_hooks}
     samples: dict[str, list[float]] = {name: [] for name in configs}
-    for repetition in range(repetitions + 1):
+    rounds = max(repetitions, 5)  # the effect is ~1%: fewer rounds cannot tell it from run-to-run noise
+    for repetition in range(rounds + 1):
         for name, make_hooks in configs.items():
             request = engine.new_request_from_ids(prompt, sampling)
             *_, finished = engine.run(request, hooks=make_hooks())
@@ -73,7 +74,8 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
                 samples[name].append(finished.metrics.decode_tokens_per_s)
     base = statistics.median(samples["none"])
     return {name: {"decode_tokens_per_s": round(statistics.median(values), 2),
-                   "vs_none": round(statistics.median(values) / base, 4)} for name, values in samples.items()}
+                   "vs_none": round(statistics.median(values) / base, 4), "rounds": len(values)}
+            for name, values in samples.items()}
 
 
 @torch.inference_mode()
