@@ -3,7 +3,7 @@ in one run on one machine, modelled on llama-bench: pp{N} (prefill N tokens), tg
 tokens), pp{N}+tg{M}; each the mean ± std over repetitions after a warm-up, in tokens/s.
 
 Also measured: the cost of hooks and of the history store while generating (ratios within the run),
-decode's achieved memory bandwidth and prefill's achieved FLOP/s, int8's quality against fp32, and
+decode's achieved memory bandwidth and prefill's achieved FLOP/s, each mode's quality against fp32, and
 the cold start from the converted-weights cache. llama.cpp's `llama-bench` is run on the same GGUF
 when it is found on PATH or given with --llama-bench.
 """
@@ -22,7 +22,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.hf_runner import make_runner
 
-from .bench_extras import cold_start_s, hook_costs, int8_quality, llama_bench, prefill_flops
+from .bench_extras import cold_start_s, hook_costs, llama_bench, prefill_flops, quality_vs
 
 
 @dataclass
@@ -118,10 +118,11 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     summary = {"machine": _machine(loaded), "model": loaded.name, "best_mode": best_name}
     summary["hooks"] = hook_costs(best, bench_prompt(0, vocab, bos), tg, repetitions, Path(tempfile.mkdtemp()))
     log(f"  hooks: {summary['hooks']}")
-    if "lean-llama int8" in engines and "lean-llama fp32" in engines:
-        summary["int8_quality"] = int8_quality(engines["lean-llama fp32"].runner, engines["lean-llama int8"].runner,
-                                               loaded.tokenizer)
-        log(f"  int8 quality: {summary['int8_quality']}")
+    if "lean-llama fp32" in engines:
+        reference = engines["lean-llama fp32"].runner
+        summary["quality_vs_fp32"] = {engine.runner.precision: quality_vs(reference, engine.runner, loaded.tokenizer)
+                                      for name, engine in engines.items() if engine.runner is not reference}
+        log(f"  quality vs fp32: {summary['quality_vs_fp32']}")
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)

@@ -10,7 +10,7 @@ import gradio as gr
 from engine import Engine, Event, SamplingParams
 
 from . import charts, panels
-from .session import ActiveRequests, ChatSession, ReplyWorker
+from .session import ActiveRequests, ChatSession, EngineThread, ReplyWorker
 from .trace import ReplyTrace
 
 TEXT_EVERY_S = 0.25  # how often the reply text and tiles are sent to the browser (4/s)
@@ -73,7 +73,8 @@ def make_accept(active: ActiveRequests):
     return accept
 
 
-def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None):
+def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None,
+                 runner: EngineThread):
     """The queued second step: run the accepted message and stream the reply and the live panel."""
     def respond(session, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
         text = session.pending if session else ""
@@ -100,7 +101,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             except Exception as exc:  # a full disk or a broken database must not stop the chat
                 session.warn(f"this reply will not be saved to the history: {exc}")
         active.start(session.id, request)
-        worker = ReplyWorker(engine, request, trace, hooks)
+        worker = ReplyWorker(engine, request, trace, runner, hooks)
         try:
             last_plot, turn = 0.0, 0
             while worker.is_running:
@@ -136,7 +137,8 @@ def new_chat(active: ActiveRequests):
     return handler
 
 
-def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None = None) -> ChatTab:
+def build(engine: Engine, active: ActiveRequests, runner: EngineThread,
+          recorder: RecorderFactory | None = None) -> ChatTab:
     session = gr.State(None)
     with gr.Row(equal_height=False):
         with gr.Column(scale=5, min_width=360):
@@ -167,7 +169,7 @@ def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | No
             kv_check = gr.HTML("", elem_id="ps-kv-check")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, latency, kv, kv_check)
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
-    accept, respond = make_accept(active), make_respond(engine, active, recorder)
+    accept, respond = make_accept(active), make_respond(engine, active, recorder, runner)
     replies = [
         trigger(accept, [message, session], [chatbot, message, phase, session], queue=False).then(
             respond, [session, *settings], tab.outputs, concurrency_limit=1, concurrency_id="engine",

@@ -11,14 +11,14 @@ from engine import Engine, EngineConfig
 
 from . import chat_tab, history_tab
 from .history import make_recorder
-from .session import ActiveRequests
+from .session import ActiveRequests, EngineThread
 from .store import Store
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 TITLE = "PhaseScope"
 
 
-def build_app(engine: Engine, store: Store) -> gr.Blocks:
+def build_app(engine: Engine, store: Store, runner: EngineThread) -> gr.Blocks:
     active = ActiveRequests()
     with gr.Blocks(title=TITLE) as app:
         gr.HTML(f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> '
@@ -26,7 +26,7 @@ def build_app(engine: Engine, store: Store) -> gr.Blocks:
                 'and the reply come token by token (<b class="ps-d-fg">decode</b>)</span></div>')
         with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
-                chat = chat_tab.build(engine, active, make_recorder(store, engine.info))
+                chat = chat_tab.build(engine, active, runner, make_recorder(store, engine.info))
             with gr.Tab("History", id="history", elem_id="ps-history-tab"):
                 history_tab.build(engine, store, chat, tabs)
     app.queue(default_concurrency_limit=1)
@@ -45,10 +45,17 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     engine = Engine.from_config(config)
     info = engine.info
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path})", file=sys.stderr, flush=True)
-    app = build_app(engine, store)
+    runner = EngineThread()
+    app = build_app(engine, store, runner)
+    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
+               prevent_thread_lock=True, **launch_options())
     url = f"http://{host}:{port}"
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:
         webbrowser.open(url)
-    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
-               **launch_options())
+    try:
+        runner.serve_forever()  # generation runs here, on the thread that loaded the model
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.close()

@@ -2,7 +2,8 @@
 
 Starts `phasescope ui`, drives Debian's Chromium with Playwright, and alternates with
 `phasescope generate --json` on the same prompt (greedy, so both produce the same tokens).
-Prints the medians and their ratio. Usage: .venv/bin/python scripts/ui_stream_bench.py [--rounds 3]
+Prints the medians and their ratio.
+Usage: .venv/bin/python scripts/ui_stream_bench.py [--rounds 3] [--precision int8]
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from browser import kpi, launch_browser, open_chat, send, set_setting, start_app
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def cli_run(max_new_tokens: int) -> tuple[float, int]:
+def cli_run(max_new_tokens: int, precision: str) -> tuple[float, int]:
     out = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--prompt", PROMPT, "--temperature", "0",
-                          "--max-new-tokens", str(max_new_tokens), "--json"], capture_output=True, text=True,
-                         check=True).stdout
+                          "--max-new-tokens", str(max_new_tokens), "--precision", precision, "--json"],
+                         capture_output=True, text=True, check=True).stdout
     metrics = json.loads(out.splitlines()[-1])["metrics"]
     return metrics["decode_tokens_per_s"], metrics["num_generated_tokens"]
 
@@ -41,10 +42,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--precision", default="auto")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
-    process, url = start_app()
+    process, url = start_app("--precision", args.precision)
     cli, web = [], []
     try:
         with sync_playwright() as playwright:
@@ -52,7 +54,7 @@ def main() -> None:
             page = open_chat(browser, url)
             browser_run(page, 8)  # warm-up
             for _ in range(args.rounds):
-                cli.append(cli_run(args.max_new_tokens))
+                cli.append(cli_run(args.max_new_tokens, args.precision))
                 web.append(browser_run(page, args.max_new_tokens))
                 print(f"cli {cli[-1][0]:.2f} tok/s ({cli[-1][1]} tok)   browser {web[-1][0]:.2f} tok/s "
                       f"({web[-1][1]} tok)", flush=True)

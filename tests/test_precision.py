@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from app.bench_extras import QUALITY_TEXTS, int8_quality
+from app.bench_extras import QUALITY_TEXTS, quality_vs
 from conftest import tiny_model
 from engine import Engine, EngineConfig, SamplingParams
 from engine.hf_runner import make_runner
@@ -63,8 +63,9 @@ def test_unknown_precision_is_refused():
 @pytest.mark.model
 def test_bundled_int8_quality_and_kv_cache(bundled):
     reference, quantized = make_runner(bundled.model, "fp32"), make_runner(bundled.model, "int8")
-    quality = int8_quality(reference, quantized, bundled.tokenizer)
+    quality = quality_vs(reference, quantized, bundled.tokenizer)
     assert quality["top1_agreement"] >= 0.8, quality  # measured 0.88 on these texts
+    assert 0 < quality["mean_kl_nats"] < 0.2, quality  # measured 0.048
     assert quality["positions"] == sum(len(bundled.tokenizer(t)["input_ids"]) for t in QUALITY_TEXTS)
     assert 135_000_000 < quantized.weight_bytes < 140_000_000  # int8 weights, fp32 scales and norms
     assert 3.9 < reference.weight_bytes / quantized.weight_bytes < 4.0
@@ -92,6 +93,7 @@ def test_bench_quick_produces_a_well_formed_table():
     summary = report["summary"]
     assert {"none", "hooks", "hooks+store"} == set(summary["hooks"])
     assert summary["fp32_greedy_equals_transformers"] is True
+    assert {"fp16", "int8"} == set(summary["quality_vs_fp32"])
     assert summary["cold_start_s"]["to_first_token_s"] > 0
     markdown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--no-baseline", "--modes", "int8"],
                               capture_output=True, text=True, timeout=600).stdout
