@@ -42,20 +42,15 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     store = Store.open(db_path)  # first: a bad --db fails before the model loads
     print(f"History: {store.path}", file=sys.stderr, flush=True)
     print("Loading the model…", file=sys.stderr, flush=True)
-    engine = Engine.from_config(config)
+    # the engine thread loads the model and runs every reply: one OpenMP team (see EngineThread)
+    runner = EngineThread().start()
+    engine = runner.call(lambda: Engine.from_config(config))
     info = engine.info
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path})", file=sys.stderr, flush=True)
-    runner = EngineThread()
     app = build_app(engine, store, runner)
-    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
-               prevent_thread_lock=True, **launch_options())
     url = f"http://{host}:{port}"
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:
         webbrowser.open(url)
-    try:
-        runner.serve_forever()  # generation runs here, on the thread that loaded the model
-    except KeyboardInterrupt:
-        pass
-    finally:
-        app.close()
+    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
+               **launch_options())

@@ -109,7 +109,7 @@ class EngineThread:
     PyTorch's OpenMP keeps a team of worker threads for each thread that calls it. A second calling
     thread on a 2-core machine doubles the teams and libgomp then sleeps between parallel regions;
     a decode step is hundreds of small ones, and it ran about 40% slower (int8: 48 vs 80 tok/s).
-    The app serves jobs on its main thread (serve_forever); tests and scripts may start() a thread.
+    The app start()s one and loads the model on it with call(); scripts may serve_forever() instead.
     """
 
     def __init__(self) -> None:
@@ -131,6 +131,21 @@ class EngineThread:
                 job()
             finally:
                 done.set()
+
+    def call(self, job: Callable[[], object]) -> object:
+        """Run job on the engine thread and return its result (or raise its exception) here."""
+        outcome: dict = {}
+
+        def capture() -> None:
+            try:
+                outcome["value"] = job()
+            except BaseException as exc:  # handed back to the caller
+                outcome["error"] = exc
+
+        self.submit(capture).wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def start(self) -> EngineThread:
         threading.Thread(target=self.serve_forever, name="engine", daemon=True).start()
