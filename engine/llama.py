@@ -119,12 +119,11 @@ class LeanLlama:
         """ids: [T] token ids at positions [pos, pos+T). Returns logits [vocab] of the last one."""
         num_tokens = ids.shape[0]
         x = F.embedding(ids, self.embed)  # [T, C]
-        cos, sin = self.cos[pos:pos + num_tokens], self.sin[pos:pos + num_tokens]  # [T, 1, D]
         mask = self._causal_mask(pos, num_tokens)
         shape = x.shape[-1:]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, shape, layer.attn_norm, self.eps)
-            x = x + self._attention(index, layer, h, pos, cos, sin, cache, mask)
+            x = x + self._attention(index, layer, h, pos, cache, mask)
             h = F.rms_norm(x, shape, layer.mlp_norm, self.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, I] each
             x = x + layer.down(F.silu(gate) * up)
@@ -140,8 +139,8 @@ class LeanLlama:
         queries = torch.arange(pos, pos + num_tokens, device=self.device)
         return keys[None, :] <= queries[:, None]
 
-    def _attention(self, index: int, layer: _Layer, h: torch.Tensor, pos: int, cos: torch.Tensor,
-                   sin: torch.Tensor, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
+    def _attention(self, index: int, layer: _Layer, h: torch.Tensor, pos: int, cache: KVCache,
+                   mask: torch.Tensor | None) -> torch.Tensor:
         num_tokens = h.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(h)  # [T, (H + 2KV) * D]: q, k, v side by side
@@ -153,6 +152,7 @@ class LeanLlama:
             q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         else:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+            cos, sin = self.cos[pos:pos + num_tokens], self.sin[pos:pos + num_tokens]  # [T, 1, D]
             qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin  # rotary embedding of q and k at once
             q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
