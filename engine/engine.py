@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -97,8 +98,9 @@ class Engine:
     def context_window(self) -> int:
         return self.runner.context_window
 
-    @property
+    @cached_property
     def info(self) -> ModelInfo:
+        """What runs: the model, device, precision, and its KV-cache sizes (computed once)."""
         config = self.loaded.model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
