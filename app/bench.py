@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine.config import PRECISION_DTYPES
 from engine.hf_runner import make_runner
 
 from .bench_extras import cold_start_s, hook_costs, llama_bench, prefill_flops, quality_vs
@@ -87,7 +88,7 @@ def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
     for precision in modes:
         model = loaded.model
         if precision in ("fp16", "bf16"):
-            model = copy.deepcopy(loaded.model).to(getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision]))
+            model = copy.deepcopy(loaded.model).to(getattr(torch, PRECISION_DTYPES[precision]))
         runner = make_runner(model, precision)
         engines[f"{runner.name} {runner.precision}"] = Engine(loaded, EngineConfig(precision=precision), runner=runner)
     return engines

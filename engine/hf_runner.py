@@ -9,6 +9,8 @@ import inspect
 
 import torch
 
+from .llama import DTYPE_NAMES, LeanLlama
+
 
 class DynamicKVCache:
     def __init__(self, model: torch.nn.Module) -> None:
@@ -51,7 +53,7 @@ class TransformersRunner:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.precision = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model.dtype, "")
+        self.precision = DTYPE_NAMES.get(model.dtype, "")
         self.context_window = getattr(model.config, "max_position_embeddings", 2048)
         self.device = model.device
         # transformers 5.x renamed `past_key_values` to `cache`; accept either.
@@ -71,8 +73,6 @@ class TransformersRunner:
 
 def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bool = True):
     """The lean Llama path when the architecture allows it, else transformers' forward."""
-    from .llama import LeanLlama
-
     if prefer_lean and LeanLlama.supports(model):
         return LeanLlama(model, precision)
     if precision == "int8":
