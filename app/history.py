@@ -9,11 +9,11 @@ import time
 from collections.abc import Callable
 
 from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
-from engine.metrics import RequestMetrics, request_metrics
+from engine.metrics import RequestMetrics
 
 from .session import ChatSession
 from .store import FINAL_STATUS, Store, StoreError
-from .trace import ReplyTrace
+from .trace import ReplyTrace, summary_metrics
 
 BATCH_STEPS = 32  # steps per write
 BATCH_SECONDS = 0.5  # or sooner, when a write is this old (a slow prefill chunk is kept promptly)
@@ -95,42 +95,47 @@ def make_recorder(store: Store, info: ModelInfo):
 
 # --- the way back: rows to events, for charts, restored chats and exports --------------------------
 
-def message_events(message: dict, steps: list[dict]) -> list[Event]:
-    """Rebuild a reply's events from its stored rows (top-5 alternatives are not stored)."""
+def _points(message: dict, steps: list[dict]) -> list[PrefillChunk | DecodeStep]:
+    """A stored reply's steps as the events they were written from."""
     request_id, prompt = str(message["id"]), message["prompt_tokens"] or 0
-    events: list[Event] = []
-    if message.get("kv_capacity_tokens") is not None:
-        events.append(Started(request_id, 0.0, prompt, 0, message["kv_capacity_tokens"],
-                              message["kv_capacity_bytes"], ""))
+    points: list[PrefillChunk | DecodeStep] = []
     position = 0
     for row in steps:
         t_ms, latency_ms = (row["start_ns"] + row["latency_ns"]) / 1e6, row["latency_ns"] / 1e6
         if row["phase"] == "prefill":
-            events.append(PrefillChunk(request_id, t_ms, row["idx"], position, position + row["num_tokens"], prompt,
+            points.append(PrefillChunk(request_id, t_ms, row["idx"], position, position + row["num_tokens"], prompt,
                                        latency_ms, row["kv_tokens"], row["kv_bytes"]))
             position += row["num_tokens"]
         else:
-            events.append(DecodeStep(request_id, t_ms, row["idx"], row["token_id"], row["token_text"] or "",
+            points.append(DecodeStep(request_id, t_ms, row["idx"], row["token_id"], row["token_text"] or "",
                                      latency_ms, row["kv_tokens"], row["kv_bytes"], row["token_prob"], ()))
-    if message["status"] != "in_progress":
-        reason = message["finish_reason"] or "interrupted"
-        events.append(Finished(request_id, events[-1].t_ms if events else 0.0, reason, message["content"],
-                               message_metrics(message, steps), message.get("error")))
-    return events
+    return points
+
+
+def _metrics(message: dict, points: list[PrefillChunk | DecodeStep]) -> RequestMetrics:
+    prefilled = sum(p.num_tokens for p in points if isinstance(p, PrefillChunk))
+    return summary_metrics(points, message["prompt_tokens"] or prefilled, message["cached_prompt_tokens"] or 0)
 
 
 def message_metrics(message: dict, steps: list[dict]) -> RequestMetrics:
     """The summary metrics of a stored reply, by the engine's definitions, from its steps."""
-    decode = [s for s in steps if s["phase"] == "decode"]
-    prefill = [s for s in steps if s["phase"] == "prefill"]
-    last = steps[-1] if steps else None
-    return request_metrics(
-        submit_ns=0, token_ns=[s["start_ns"] + s["latency_ns"] for s in decode],
-        end_ns=(last["start_ns"] + last["latency_ns"]) if last else 0,
-        prefill_ms=sum(s["latency_ns"] for s in prefill) / 1e6,
-        num_prompt_tokens=message["prompt_tokens"] or sum(s["num_tokens"] for s in prefill),
-        num_cached_tokens=message["cached_prompt_tokens"] or 0,
-        kv_tokens=last["kv_tokens"] if last else 0, kv_bytes=last["kv_bytes"] if last else 0)
+    return _metrics(message, _points(message, steps))
+
+
+def message_events(message: dict, steps: list[dict]) -> list[Event]:
+    """Rebuild a reply's events from its stored rows (top-5 alternatives are not stored)."""
+    request_id = str(message["id"])
+    events: list[Event] = []
+    if message.get("kv_capacity_tokens") is not None:
+        events.append(Started(request_id, 0.0, message["prompt_tokens"] or 0, 0, message["kv_capacity_tokens"],
+                              message["kv_capacity_bytes"], ""))
+    points = _points(message, steps)
+    events += points
+    if message["status"] != "in_progress":
+        reason = message["finish_reason"] or "interrupted"
+        events.append(Finished(request_id, events[-1].t_ms if events else 0.0, reason, message["content"],
+                               _metrics(message, points), message.get("error")))
+    return events
 
 
 def load_chat(store: Store, session_id: int) -> ChatSession:

@@ -5,10 +5,25 @@ appends, so a reader sees a consistent prefix.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine import DecodeStep, Event, Finished, FirstToken, PrefillChunk, RequestMetrics, Started
 from engine.metrics import request_metrics
+
+
+def summary_metrics(points: Sequence[PrefillChunk | DecodeStep], num_prompt_tokens: int,
+                    num_cached_tokens: int = 0) -> RequestMetrics:
+    """The engine's definitions (engine/metrics.py) over a reply's prefill chunks and decode steps,
+    in order, timed from the request's submission: for a reply still running, or one read back."""
+    chunks = [p for p in points if isinstance(p, PrefillChunk)]
+    steps = [p for p in points if isinstance(p, DecodeStep)]
+    last = points[-1] if points else None
+    return request_metrics(submit_ns=0, token_ns=[round(s.t_ms * 1e6) for s in steps],
+                           end_ns=round(last.t_ms * 1e6) if last else 0,
+                           prefill_ms=sum(c.latency_ms for c in chunks), num_prompt_tokens=num_prompt_tokens,
+                           num_cached_tokens=num_cached_tokens, kv_tokens=last.kv_tokens if last else 0,
+                           kv_bytes=last.kv_bytes if last else 0)
 
 
 @dataclass
@@ -66,10 +81,5 @@ class ReplyTrace:
         """The engine's own summary once finished; the same definitions on the events so far before."""
         if self.finished:
             return self.finished.metrics
-        steps, chunks = list(self.steps), list(self.chunks)
-        kv_tokens, kv_bytes = self.kv
-        last_t = (steps[-1].t_ms if steps else chunks[-1].t_ms if chunks else 0.0)
-        return request_metrics(submit_ns=0, token_ns=[round(s.t_ms * 1e6) for s in steps],
-                               end_ns=round(last_t * 1e6), prefill_ms=sum(c.latency_ms for c in chunks),
-                               num_prompt_tokens=sum(c.num_tokens for c in chunks), num_cached_tokens=0,
-                               kv_tokens=kv_tokens, kv_bytes=kv_bytes)
+        chunks = list(self.chunks)
+        return summary_metrics([*chunks, *list(self.steps)], sum(c.num_tokens for c in chunks))
