@@ -117,7 +117,8 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     best = engines[best_name]
     _annotate(results, engines, pp, tg)
     summary = {"machine": _machine(loaded), "model": loaded.name, "best_mode": best_name}
-    summary["hooks"] = hook_costs(best, bench_prompt(0, vocab, bos), tg, repetitions, Path(tempfile.mkdtemp()))
+    with tempfile.TemporaryDirectory(prefix="phasescope-bench-") as folder:  # its history file goes with it
+        summary["hooks"] = hook_costs(best, bench_prompt(0, vocab, bos), tg, repetitions, Path(folder))
     log(f"  hooks: {summary['hooks']}")
     if "lean-llama fp32" in engines:
         reference = engines["lean-llama fp32"].runner
@@ -130,7 +131,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     log(f"  cold start: {summary['cold_start_s']}")
     results += [Result("llama.cpp", mode, test, samples)
                 for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log)]
-    return {"results": results, "summary": summary, "tests": [t for t, _, _ in tests_for(pp, tg)]}
+    return {"results": results, "summary": summary}
 
 
 def _mean(results: list[Result], mode: str, test: str) -> float:
