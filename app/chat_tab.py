@@ -117,6 +117,8 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
                 request.cancel()
                 worker.wait()
             active.finish(session.id, request)
+            if worker.error:
+                session.warn(f"the reply ended early: {worker.error}")
             session.pending = ""
             if trace.finished and trace.finished.reason != "error":
                 session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]

@@ -162,7 +162,6 @@ class ReplyWorker:
     def __init__(self, engine: Engine, request: Request, trace: ReplyTrace, runner: EngineThread,
                  hooks: Iterable[Callable[[Event], None]] = ()) -> None:
         self._events = engine.run(request, hooks=[trace.add, *hooks])
-        self.request = request
         self.error: str | None = None
         self._done = runner.submit(self._run)
 

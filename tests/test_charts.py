@@ -131,3 +131,25 @@ def test_seed_setting(seed, expected):
     from app.chat_tab import _settings
 
     assert expected == _settings(16, 0.7, 1.0, 0, seed).seed
+
+
+def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
+    from app.chat_tab import make_respond
+    from app.session import ChatSession, EngineThread
+
+    def recorder(session, messages, sampling, trace):
+        def hook(event):
+            if isinstance(event, DecodeStep) and event.step == 2:
+                raise RuntimeError("hook broke")
+        return hook
+
+    runner = EngineThread().start()
+    session = ChatSession()
+    session.accept("Hi")
+    # outside a browser request, gr.Warning is a Python warning
+    with pytest.warns(UserWarning, match="^the reply ended early: RuntimeError: hook broke$"):
+        list(make_respond(tiny_engine, ActiveRequests(), recorder, runner)(session, "", 50, 0, 1.0, 0, -1, 0))
+    runner.stop()
+    assert [] == session.warnings  # delivered to the page
+    assert "cancelled" == session.traces[-1].finished.reason  # the engine ended it; the thread lives on
+    assert "" == session.pending
