@@ -24,7 +24,7 @@ from .hf_runner import make_runner
 from .kv_cache import kv_bytes_formula, round_up
 from .loader import LoadedModel, load_model
 from .request import Request, Status
-from .sampling import make_generator, sample
+from .sampling import make_generator, sample, top_logits
 from .text import TextStream
 
 ROLES = ("system", "user", "assistant")
@@ -83,7 +83,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        self.runner = runner or make_runner(loaded.model, self.config.precision)
+        self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir)
+        self.top_logits = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
         self.eos_ids = _eos_ids(loaded)
         self._lock = threading.Lock()  # one request runs at a time; others wait (queue time)
         self._hooks: list[Hook] = []
@@ -245,7 +246,8 @@ class Engine:
                     reason = "cancelled"
                     break
                 logits = self.decode_step(r)
-            picked = sample(logits, r.sampling, generator, r.prompt_ids + r.generated_ids if penalize else ())
+            picked = sample(logits, r.sampling, generator, r.prompt_ids + r.generated_ids if penalize else (),
+                            top_fn=self.top_logits)
             now_ns = self._now_ns()
             r.generated_ids.append(picked.token_id)
             r.token_ns.append(now_ns)

@@ -8,7 +8,7 @@ server after a device synchronize. Subscribers are plain callables taking one ev
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .metrics import RequestMetrics
 
@@ -23,7 +23,18 @@ class Event:
         return type(self).__name__
 
     def to_dict(self) -> dict:
-        return {"type": self.type, **asdict(self)}
+        """Plain JSON-ready data (dataclasses.asdict deep-copies: ~10x slower, and this runs per token)."""
+        return {"type": self.type, **_plain(self)}
+
+
+def _plain(value):
+    if hasattr(value, "__dataclass_fields__"):
+        return {name: _plain(getattr(value, name)) for name in value.__dataclass_fields__}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 @dataclass(frozen=True, slots=True)

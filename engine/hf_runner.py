@@ -71,10 +71,11 @@ class TransformersRunner:
         return out.logits[0, -1] if need_logits else None
 
 
-def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bool = True):
+def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bool = True,
+                cache_dir: str | None = None):
     """The lean Llama path when the architecture allows it, else transformers' forward."""
     if prefer_lean and LeanLlama.supports(model):
-        return LeanLlama(model, precision)
+        return LeanLlama(model, precision, cache_dir=cache_dir)
     if precision == "int8":
         raise ValueError(f"precision int8 needs the lean Llama-family path; {model.config.model_type} models "
                          "run on transformers' forward in fp32, fp16 or bf16")

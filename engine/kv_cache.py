@@ -61,6 +61,10 @@ class KVCache:
         self._filled[layer] = end
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
+    def mark_written(self, end: int) -> None:
+        """Positions [0, end) are now filled in every layer (by a kernel writing kv directly)."""
+        self._filled = [end] * len(self._filled)
+
     def update_kv(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same with keys and values together, kv: [2, kv_heads, T, head_dim], in one copy."""
         end = pos + kv.shape[2]

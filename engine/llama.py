@@ -11,8 +11,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fused import load_fused_decode
 from .kv_cache import KVCache
+from .loader import cache_root
 from .quantize import linear_factory
+from .sampling import top_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -60,7 +63,8 @@ class LeanLlama:
     def supports(model: torch.nn.Module) -> bool:
         return getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
 
-    def __init__(self, model: torch.nn.Module, precision: str = "auto", max_positions: int = 32768) -> None:
+    def __init__(self, model: torch.nn.Module, precision: str = "auto", max_positions: int = 32768,
+                 cache_dir: str | None = None) -> None:
         config = model.config
         self.device, self.dtype = model.device, model.dtype
         self.precision = DTYPE_NAMES.get(self.dtype, str(self.dtype)) if precision in ("auto", "fp32", "fp16",
@@ -82,6 +86,15 @@ class LeanLlama:
         self.cos, self.sin = self._rope_tables(model, self.context_window)
         half = self.head_dim // 2  # cos + i sin per position and pair (the stored sine's first half is negated)
         self.rotations = torch.complex(self.cos[..., :half], -self.sin[..., :half]) if self.pair_rope else None
+        # decode (T = 1) as one native call where it can be built: fp32 or int8 weights on CPU
+        is_native = self.pair_rope and self.device.type == "cpu" and self.precision in ("fp32", "int8")
+        self.fused = load_fused_decode(self, cache_root(cache_dir)) if is_native else None
+        self.top_logits = self.fused.top_logits if self.fused is not None else top_logits
+
+    @property
+    def decode_path(self) -> str:
+        """How a decode step runs: one native call, or PyTorch ops."""
+        return "fused C++" if self.fused is not None else "PyTorch ops"
 
     def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -118,6 +131,8 @@ class LeanLlama:
     def forward(self, ids: torch.Tensor, pos: int, cache: KVCache, need_logits: bool = True) -> torch.Tensor | None:
         """ids: [T] token ids at positions [pos, pos+T). Returns logits [vocab] of the last one."""
         num_tokens = ids.shape[0]
+        if num_tokens == 1 and self.fused is not None and pos < self.fused.num_positions:
+            return self.fused(int(ids[0]), pos, cache)  # a decode step
         x = F.embedding(ids, self.embed)  # [T, C]
         mask = self._causal_mask(pos, num_tokens)
         shape = x.shape[-1:]

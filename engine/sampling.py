@@ -2,7 +2,8 @@
 with a repetition penalty, in the order transformers applies them."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,16 +52,26 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def top_logits(logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
+    """The k largest logits (ids, values; largest first) and logsumexp(logits): together they give
+    the top tokens' probabilities, exp(value - lse). (A runner may bring a faster one.)"""
+    top = torch.topk(logits, min(k, logits.shape[-1]))
+    return top.indices.tolist(), top.values.tolist(), float(torch.logsumexp(logits, -1))
+
+
+TopLogits = Callable[[torch.Tensor, int], tuple[list[int], list[float], float]]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-           seen_ids: Sequence[int] = (), num_top: int = 5) -> Sample:
+           seen_ids: Sequence[int] = (), num_top: int = 5, top_fn: TopLogits = top_logits) -> Sample:
     """logits: [vocab] for one position; seen_ids: prompt and generated ids, for the penalty."""
     logits = logits.float().cpu()
-    probs = logits.softmax(-1)
-    top = torch.topk(probs, min(num_top, probs.shape[-1]))
+    top_ids, top_values, lse = top_fn(logits, num_top)
     scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if params.is_greedy:
-        token_id = int(scores.argmax())
+        token_id = top_ids[0] if scores is logits else int(scores.argmax())
     else:
         scores = _filter_top_k_top_p(scores / params.temperature, params.top_k, params.top_p)
         token_id = int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
-    return Sample(token_id, float(probs[token_id]), top.indices.tolist(), top.values.tolist())
+    prob = math.exp(float(logits[token_id]) - lse)
+    return Sample(token_id, prob, top_ids, [math.exp(v - lse) for v in top_values])

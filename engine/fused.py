@@ -1,0 +1,146 @@
+"""The decode step as one native call (engine/csrc/decode_step.cpp), for the lean path on CPU.
+
+A decode step reads every weight once for one token, so it should run at memory bandwidth; in eager
+PyTorch most of it went to ~25 small ops per layer. The C++ file has no torch headers: it is built once
+per machine with the system's C++ compiler (about a second), cached beside the converted weights, and
+called through ctypes with the addresses of the tensors LeanLlama already holds. Where it cannot be
+built (no compiler, not x86/ARM Linux or macOS), or PHASESCOPE_FUSED_DECODE=0, decode runs the PyTorch
+ops instead, with the same results.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .kv_cache import KVCache
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+class KernelUnavailable(RuntimeError):
+    """The native decode step could not be built or loaded here; the PyTorch ops are used instead."""
+
+
+def _cpu_signature() -> str:
+    try:  # -march=native: a library built here is only valid on a CPU with the same features
+        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))]
+        return flags[0] if flags else platform.processor()
+    except OSError:
+        return platform.processor()
+
+
+def build_library(cache_dir: Path) -> Path:
+    """Compile the decode step once per source, compiler and CPU; return the shared library's path."""
+    compiler = os.environ.get("CXX", "g++")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"no C++ compiler ({compiler}): {exc}") from None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    target = cache_dir / "kernels" / f"decode_step-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+                                timeout=300)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
+    return target
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    """Runs LeanLlama's T = 1 forward in one call. Holds the weight layouts the kernel reads:
+    input-major [in, out] matrices, fp32 or int8 with per-output-column scales."""
+
+    def __init__(self, lean, library: Path) -> None:
+        native = ctypes.CDLL(str(library))
+        self._fn = native.ps_decode_step
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._top = native.ps_top_logits
+        self._top.restype = ctypes.c_float
+        self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        self._lean = lean
+        self.is_int8 = lean.precision == "int8"
+        intermediate = lean.layers[0].down.input_features
+        if self.is_int8 and (lean.embed.shape[1] % 64 or intermediate % 64 or lean.num_heads * lean.head_dim % 64):
+            raise KernelUnavailable("int8 decode needs layer widths divisible by 64 (its activation blocks)")
+        self._keep: list[torch.Tensor] = []  # every tensor whose address the kernel holds
+        layer_ptrs = [self._linear_ptrs(lin) for layer in lean.layers
+                      for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        per_layer = [layer_ptrs[i:i + 4] for i in range(0, len(layer_ptrs), 4)]
+        rows = [sum(group, []) + [self._ptr(layer.attn_norm), self._ptr(layer.mlp_norm)]
+                for group, layer in zip(per_layer, lean.layers)]
+        self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
+        half = lean.head_dim // 2
+        cos = lean.rotations.real.reshape(-1, half).contiguous()
+        sin = lean.rotations.imag.reshape(-1, half).contiguous()
+        self._model_ptrs = torch.tensor([self._ptr(lean.embed.contiguous()), self._ptr(lean.final_norm),
+                                         *self._linear_ptrs(lean.lm_head), self._ptr(cos), self._ptr(sin)],
+                                        dtype=torch.int64)
+        self._dims = [lean.num_layers, lean.num_heads, lean.num_kv_heads, lean.head_dim, lean.embed.shape[1],
+                      intermediate, lean.lm_head.output_features, 0, int(self.is_int8)]
+        self.num_positions = cos.shape[0]
+
+    def _ptr(self, t: torch.Tensor | None) -> int:
+        if t is not None:
+            assert t.is_contiguous() and t.device.type == "cpu"
+            self._keep.append(t)
+        return _address(t)
+
+    def _linear_ptrs(self, linear) -> list[int]:
+        weight, scale, bias = linear.input_major()
+        expected = torch.int8 if self.is_int8 else torch.float32
+        assert weight.dtype == expected, (weight.dtype, expected)
+        return [self._ptr(weight), self._ptr(scale), self._ptr(None if bias is None else bias.float().contiguous())]
+
+    def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
+        """sampling.top_logits, natively: the k largest logits' ids and values, and logsumexp."""
+        logits = logits.float().contiguous()
+        k = min(k, logits.shape[-1])
+        ids, values = (ctypes.c_int64 * k)(), (ctypes.c_float * k)()
+        lse = self._top(logits.data_ptr(), logits.shape[-1], k, ids, values)
+        return list(ids), list(values), lse
+
+    def __call__(self, token: int, pos: int, cache: KVCache) -> torch.Tensor:
+        """Logits [vocab] after the token at position pos; its keys and values land in the cache."""
+        if pos >= cache.capacity_tokens:
+            raise ValueError(f"KV cache full: {pos + 1} tokens do not fit in {cache.capacity_tokens}")
+        assert cache.kv.dtype == torch.float32 and cache.kv.is_contiguous()
+        dims = torch.tensor(self._dims[:7] + [cache.capacity_tokens, self._dims[8], torch.get_num_threads()],
+                            dtype=torch.int64)
+        logits = torch.empty(self._dims[6], dtype=torch.float32)
+        status = self._fn(dims.data_ptr(), self._lean.eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
+                          cache.kv.data_ptr(), token, pos, logits.data_ptr())
+        if status != 0:
+            raise ValueError(f"decode step refused token {token} at position {pos}")
+        cache.mark_written(pos + 1)
+        return logits
+
+
+def load_fused_decode(lean, cache_dir: Path) -> FusedDecode | None:
+    """The native decode step for this model, or None (with a warning saying why) to use PyTorch ops."""
+    if os.environ.get("PHASESCOPE_FUSED_DECODE", "1") == "0":
+        return None
+    try:
+        return FusedDecode(lean, build_library(cache_dir))
+    except (KernelUnavailable, OSError) as exc:
+        warnings.warn(f"decode runs PyTorch ops: the native decode step is unavailable ({exc})", stacklevel=2)
+        return None

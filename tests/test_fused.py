@@ -1,0 +1,106 @@
+"""The native decode step (engine/csrc/decode_step.cpp) against the PyTorch ops it replaces."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from engine import Engine, EngineConfig, SamplingParams
+from engine.fused import KernelUnavailable, build_library
+from engine.hf_runner import make_runner
+from engine.llama import LeanLlama
+from engine.sampling import top_logits
+
+PROMPT = "Prefill reads the prompt; decode writes the reply."
+
+
+def decode_both_ways(loaded, precision: str, ids: torch.Tensor, num_steps: int = 6):
+    """Prefill ids, then decode num_steps fixed tokens, once natively and once with PyTorch ops:
+    (logits per step, KV cache) for each."""
+    runner = make_runner(loaded.model, precision)
+    assert "fused C++" == runner.decode_path
+    results = []
+    for fused in (runner.fused, None):
+        runner.fused = fused
+        cache = runner.new_cache(len(ids) + num_steps)
+        runner.forward(ids, 0, cache)
+        steps = [runner.forward(torch.tensor([7 + step]), len(ids) + step, cache) for step in range(num_steps)]
+        results.append((torch.stack(steps), cache))
+    return results
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_fp32_native_decode_equals_pytorch_ops(tokenizer, kind):
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    (native, native_cache), (ops, ops_cache) = decode_both_ways(tiny_model(tokenizer, kind), "fp32", ids)
+    assert (native - ops).abs().max() <= 1e-5 * ops.abs().max()
+    assert native_cache.num_tokens == ops_cache.num_tokens == len(ids) + 6
+    assert torch.allclose(native_cache.kv, ops_cache.kv, atol=1e-5)  # same keys and values, same slots
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_int8_native_decode_is_close_to_fp32(tokenizer, kind):
+    loaded = tiny_model(tokenizer, kind)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    (int8, _), _ = decode_both_ways(loaded, "int8", ids)
+    (fp32, _), _ = decode_both_ways(loaded, "fp32", ids)
+    assert (int8 - fp32).abs().max() <= 0.05 * fp32.abs().max()
+    assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.model
+def test_bundled_greedy_tokens_are_the_same_natively_and_with_pytorch_ops(bundled):
+    engine = Engine(bundled, EngineConfig())
+    assert "fused C++" == engine.runner.decode_path
+    messages = [{"role": "user", "content": "Name three colors."}]
+    sampling = SamplingParams(max_new_tokens=24, temperature=0)
+    native = engine.generate(messages, sampling).text
+    engine.runner.fused = None
+    engine.top_logits = top_logits
+    assert native == engine.generate(messages, sampling).text
+
+
+def test_top_logits_natively_and_with_torch(tokenizer):
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    logits = torch.randn(5000) * 4
+    logits[123] = logits[456] = logits.max() + 1  # a tie goes to the lower id, as argmax does
+    ids, values, lse = runner.top_logits(logits, 5)
+    expected_ids, expected_values, expected_lse = top_logits(logits, 5)
+    assert ids[0] == 123 == int(logits.argmax())
+    assert set(ids) == set(expected_ids) and ids[2:] == expected_ids[2:]
+    assert values == pytest.approx(expected_values) and lse == pytest.approx(expected_lse, rel=1e-6)
+
+
+def test_native_decode_refuses_a_full_cache(tokenizer):
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    cache = runner.new_cache(4)
+    runner.forward(torch.tensor([1, 2, 3, 4]), 0, cache)
+    with pytest.raises(ValueError, match="KV cache full: 5 tokens do not fit in 4"):
+        runner.forward(torch.tensor([5]), 4, cache)
+
+
+def test_without_a_compiler_decode_runs_pytorch_ops(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
+        build_library(tmp_path)
+    loaded = tiny_model(tokenizer)
+    with pytest.warns(UserWarning, match="decode runs PyTorch ops"):
+        runner = LeanLlama(loaded.model, "fp32", cache_dir=str(tmp_path))
+    assert "PyTorch ops" == runner.decode_path
+    finished = Engine(loaded, EngineConfig(), runner=runner).generate(
+        [{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    assert 5 == finished.metrics.num_generated_tokens
+
+
+def test_switched_off_by_environment(tokenizer, monkeypatch):
+    monkeypatch.setenv("PHASESCOPE_FUSED_DECODE", "0")
+    assert "PyTorch ops" == make_runner(tiny_model(tokenizer).model, "int8").decode_path
+
+
+def test_library_is_built_once_per_source_and_cpu(tmp_path):
+    first = build_library(tmp_path)
+    built_ns = os.stat(first).st_mtime_ns
+    assert first == build_library(tmp_path) and built_ns == os.stat(first).st_mtime_ns
+    assert [first.name] == [p.name for p in (tmp_path / "kernels").iterdir()]  # no leftovers from the build
