@@ -23,7 +23,7 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import make_runner
 
-from .bench_extras import cold_start_s, hook_costs, llama_bench, prefill_flops, quality_vs
+from .bench_extras import cold_start_s, hook_costs, llama_bench, native_vs_ops, prefill_flops, quality_vs
 
 
 @dataclass
@@ -120,6 +120,11 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     with tempfile.TemporaryDirectory(prefix="phasescope-bench-") as folder:  # its history file goes with it
         summary["hooks"] = hook_costs(best, bench_prompt(0, vocab, bos), tg, repetitions, Path(folder))
     log(f"  hooks: {summary['hooks']}")
+    summary["decode_paths"] = {name: e.info.decode_path for name, e in engines.items()}
+    summary["native_decode_vs_pytorch_ops"] = {
+        name: native_vs_ops(e, bench_prompt(0, vocab, bos), tg, repetitions)
+        for name, e in engines.items() if getattr(e.runner, "fused", None) is not None}
+    log(f"  native decode step vs PyTorch ops: {summary['native_decode_vs_pytorch_ops']}")
     if "lean-llama fp32" in engines:
         reference = engines["lean-llama fp32"].runner
         summary["quality_vs_fp32"] = {engine.runner.precision: quality_vs(reference, engine.runner, loaded.tokenizer)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine import Engine, SamplingParams
+from engine.sampling import top_logits
 
 QUALITY_TEXTS = [
     "The capital of France is Paris, and the capital of Germany is Berlin. The KV cache stores keys and values.",
@@ -27,19 +28,11 @@ def prefill_flops(runner, num_tokens: int) -> float:
     layer = runner.layers[0]
     hidden = runner.embed.shape[1]
     heads, kv_heads, head_dim = runner.num_heads, runner.num_kv_heads, runner.head_dim
-    intermediate = _out_features(layer.gate_up) // 2
+    intermediate = layer.gate_up.output_features // 2
     per_token = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * intermediate
     attention = 2 * heads * head_dim * num_tokens * num_tokens  # causal: half of 2 * 2 * N^2 * D per head
     vocab = runner.embed.shape[0]
     return runner.num_layers * (2 * per_token * num_tokens + attention) + 2 * hidden * vocab
-
-
-def _out_features(linear) -> int:
-    if hasattr(linear, "weight_t"):
-        return linear.weight_t.shape[1]
-    if hasattr(linear, "weight"):
-        return linear.weight.shape[0]
-    return linear._packed.unpack()[0].shape[0]  # int8: read it off the packed weight
 
 
 def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int, folder: Path) -> dict:
@@ -76,6 +69,27 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
     return {name: {"decode_tokens_per_s": round(statistics.median(values), 2),
                    "vs_none": round(statistics.median(values) / base, 4), "rounds": len(values)}
             for name, values in samples.items()}
+
+
+def native_vs_ops(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) -> dict:
+    """Decode tok/s with the native decode step and with the PyTorch ops it replaces, same engine,
+    interleaved (the step's gain, measured rather than claimed)."""
+    runner, native_top = engine.runner, engine.top_logits
+    native = runner.fused
+    sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
+    samples: dict[str, list[float]] = {"native": [], "ops": []}
+    try:
+        for repetition in range(repetitions + 1):
+            for name, values in samples.items():
+                runner.fused, engine.top_logits = (native, native_top) if name == "native" else (None, top_logits)
+                *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling))
+                if repetition > 0:  # the first round is a warm-up
+                    values.append(finished.metrics.decode_tokens_per_s)
+    finally:
+        runner.fused, engine.top_logits = native, native_top
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    return {"native_tokens_per_s": round(medians["native"], 1), "ops_tokens_per_s": round(medians["ops"], 1),
+            "speedup": round(medians["native"] / medians["ops"], 2)}
 
 
 @torch.inference_mode()

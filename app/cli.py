@@ -151,7 +151,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     engine = _engine(args)
     info = engine.info
-    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}). "
+    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}). "
           "Type /clear for a new chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
     messages = _conversation(args.system)
     while True:

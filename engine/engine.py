@@ -50,6 +50,7 @@ class ModelInfo:
     head_dim: int
     context_window: int
     kv_bytes_per_token: int  # by the formula
+    decode_path: str = ""  # how a decode step runs: "fused C++" (one native call) or "PyTorch ops"
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -109,7 +110,8 @@ class Engine:
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
                          str(self.loaded.dtype).removeprefix("torch."), self.runner.name, self.runner.precision,
                          config.num_hidden_layers, kv_heads, head_dim, self.context_window,
-                         kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1))
+                         kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1),
+                         getattr(self.runner, "decode_path", "PyTorch ops"))
 
     @contextmanager
     def hooks(self, *hooks: Hook) -> Iterator[None]:
