@@ -23,7 +23,8 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import make_runner
 
-from .bench_extras import cold_start_s, hook_costs, llama_bench, native_vs_ops, prefill_flops, quality_vs
+from .bench_extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, prefill_flops,
+                           quality_vs)
 
 
 @dataclass
@@ -129,6 +130,9 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         reference = engines["lean-llama fp32"].runner
         summary["quality_vs_fp32"] = {engine.runner.precision: quality_vs(reference, engine.runner, loaded.tokenizer)
                                       for name, engine in engines.items() if engine.runner is not reference}
+        if "lean-llama int8" in engines and engines["lean-llama int8"].runner.fused is not None:
+            summary["quality_vs_fp32"]["int8 prefill kernels"] = int8_prefill_quality(
+                reference, engines["lean-llama int8"].runner, loaded.tokenizer)
         log(f"  quality vs fp32: {summary['quality_vs_fp32']}")
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))

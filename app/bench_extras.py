@@ -114,6 +114,17 @@ def quality_vs(reference, other, tokenizer) -> dict:
             "mean_kl_nats": round(kl_sum / total, 4), "max_logit_diff": round(max_diff, 3)}
 
 
+def int8_prefill_quality(reference, int8_runner, tokenizer) -> dict:
+    """int8 prefill runs FBGEMM's kernels, whose activations are quantized per tensor rather than in
+    blocks of 64 like the native decode step's: its quality, measured through the same positions."""
+    native = int8_runner.fused
+    int8_runner.fused = None  # T = 1 through FBGEMM: the prefill's quantization
+    try:
+        return quality_vs(reference, int8_runner, tokenizer)
+    finally:
+        int8_runner.fused = native
+
+
 COLD_START = textwrap.dedent("""
     import sys, time
     start = time.perf_counter()
