@@ -144,8 +144,33 @@ void matvec_int8_rows(const QuantizedX &q, const int8_t *w, int64_t in, int64_t 
     }
 }
 
-// y = x W (* scale) (+ bias); output columns split evenly over the team, in 16-column units.
+// fp32 weights whose rows are only a few KB: split over the team by input rows instead, each thread
+// summing its stretch into partial sums that are added up at the end. Splitting columns there had both
+// threads reading halves of the same short rows, which streamed at half the bandwidth (measured).
+constexpr int64_t kNarrowColumns = 2048;
+
+void linear_split_inputs(const Dims &d, const Linear &lin, const float *x, int64_t in, int64_t out, float *y) {
+    std::vector<float> partial(d.threads * out, 0.0f);
+#pragma omp parallel num_threads(d.threads)
+    {
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t per = ((in + team - 1) / team + 3) / 4 * 4;
+        const int64_t i0 = std::min(in, t * per), i1 = std::min(in, i0 + per);
+        if (i0 < i1)
+            matvec_columns(x + i0, static_cast<const float *>(lin.weight) + i0 * out, i1 - i0, out, 0, out,
+                           partial.data() + t * out);
+    }
+    for (int64_t c = 0; c < out; c++) {
+        float total = lin.bias ? lin.bias[c] : 0.0f;
+        for (int64_t t = 0; t < d.threads; t++) total += partial[t * out + c];
+        y[c] = total;
+    }
+}
+
+// y = x W (* scale) (+ bias). Each thread streams one contiguous stretch of the weights: a range of
+// output rows (int8, output-major), a range of output columns (wide fp32), or of input rows (narrow fp32).
 void linear(const Dims &d, const Linear &lin, const float *x, int64_t in, int64_t out, float *y) {
+    if (!d.is_int8 && out < kNarrowColumns) return linear_split_inputs(d, lin, x, in, out, y);
     const QuantizedX q = d.is_int8 ? quantize_blocks(x, in) : QuantizedX{};
 #pragma omp parallel num_threads(d.threads)
     {
