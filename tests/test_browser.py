@@ -66,6 +66,7 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     kv_points = plot_traces(page, "ps-kv")["turn 1"]
     assert kv_points == 1 + 1 + generated  # the empty cache, the prefill jump, one point per token
     assert "46,080 B/token (formula: 46,080)" in page.inner_text("#ps-kv-check")
+    assert "decode: fused C++" in page.inner_text(".ps-model")  # the native decode step runs in the app
     page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
     if os.environ.get("PHASESCOPE_UPDATE_SCREENSHOT"):
         shutil.copy(tmp_path / "chat.png", ROOT / "docs" / "screenshot.png")
