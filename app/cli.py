@@ -132,8 +132,11 @@ def print_reply(events) -> object:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
-    engine = _engine(args)
     messages = _conversation(args.system) + [{"role": "user", "content": args.prompt}]
+    from engine import check_messages
+
+    check_messages(messages)  # before the model loads: an empty prompt is refused at once
+    engine = _engine(args)
     events = engine.stream(messages, sampling)
     if args.json:
         for event in events:

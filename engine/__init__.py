@@ -4,7 +4,7 @@ The app reaches the engine only through the names below. The engine never import
 charts or the store.
 """
 from .config import EngineConfig, SamplingParams
-from .engine import Engine, ModelInfo, PromptTooLong, render_prompt
+from .engine import Engine, ModelInfo, PromptTooLong, check_messages, render_prompt
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
 from .kv_cache import KVCache, kv_bytes_formula
 from .loader import LoadedModel, ModelError, default_model_path, load_model
@@ -14,6 +14,6 @@ from .request import Request, Status
 __all__ = [
     "DecodeStep", "Engine", "EngineConfig", "Event", "Finished", "FirstToken", "Hook", "KVCache",
     "LoadedModel", "ModelError", "ModelInfo", "PrefillChunk", "PromptTooLong", "Request",
-    "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "default_model_path",
+    "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary",
 ]

@@ -87,6 +87,7 @@ def test_cli_generate_json_prints_every_event():
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "the message is empty"),
+    (["--prompt", " ", "--model", "/no/such/model"], "the message is empty"),  # said before any model loads
     (["--prompt", "hi", "--model", "/no/such/model"], "model path not found: /no/such/model"),
     (["--prompt", "hi", "--top-p", "2"], "top_p must be in (0.0, 1.0], got 2.0"),
     (["--prompt", "word " * 9000], "context window is 8,192 tokens"),
