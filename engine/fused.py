@@ -65,8 +65,8 @@ def _address(t: torch.Tensor | None) -> int:
 
 
 class FusedDecode:
-    """Runs LeanLlama's T = 1 forward in one call. Holds the weight layouts the kernel reads:
-    input-major [in, out] matrices, fp32 or int8 with per-output-column scales."""
+    """Runs LeanLlama's T = 1 forward in one call, on the weights LeanLlama holds (each linear's
+    `native_layout()`: fp32 input-major [in, out], or int8 output-major [out, in] with per-row scales)."""
 
     def __init__(self, lean, library: Path) -> None:
         native = ctypes.CDLL(str(library))
@@ -77,27 +77,27 @@ class FusedDecode:
         self._top = native.ps_top_logits
         self._top.restype = ctypes.c_float
         self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        self._lean = lean
+        self._eps = lean.eps
         self.is_int8 = lean.precision == "int8"
-        intermediate = lean.layers[0].down.input_features
-        if self.is_int8 and (lean.embed.shape[1] % 64 or intermediate % 64 or lean.num_heads * lean.head_dim % 64):
+        hidden, intermediate = lean.embed.shape[1], lean.layers[0].down.input_features
+        if self.is_int8 and (hidden % 64 or intermediate % 64 or lean.num_heads * lean.head_dim % 64):
             raise KernelUnavailable("int8 decode needs layer widths divisible by 64 (its activation blocks)")
         self._keep: list[torch.Tensor] = []  # every tensor whose address the kernel holds
-        layer_ptrs = [self._linear_ptrs(lin) for layer in lean.layers
-                      for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        per_layer = [layer_ptrs[i:i + 4] for i in range(0, len(layer_ptrs), 4)]
-        rows = [sum(group, []) + [self._ptr(layer.attn_norm), self._ptr(layer.mlp_norm)]
-                for group, layer in zip(per_layer, lean.layers)]
-        self._layer_ptrs = torch.tensor(rows, dtype=torch.int64)
-        half = lean.head_dim // 2
+        self._layer_ptrs = torch.tensor([self._layer_row(layer) for layer in lean.layers], dtype=torch.int64)
+        half = lean.head_dim // 2  # rotations: cos + i sin per position and pair
         cos = lean.rotations.real.reshape(-1, half).contiguous()
         sin = lean.rotations.imag.reshape(-1, half).contiguous()
         self._model_ptrs = torch.tensor([self._ptr(lean.embed.contiguous()), self._ptr(lean.final_norm),
                                          *self._linear_ptrs(lean.lm_head), self._ptr(cos), self._ptr(sin)],
                                         dtype=torch.int64)
-        self._dims = [lean.num_layers, lean.num_heads, lean.num_kv_heads, lean.head_dim, lean.embed.shape[1],
-                      intermediate, lean.lm_head.output_features, 0, int(self.is_int8)]
+        self._dims = [lean.num_layers, lean.num_heads, lean.num_kv_heads, lean.head_dim, hidden, intermediate,
+                      lean.lm_head.output_features]
         self.num_positions = cos.shape[0]
+
+    def _layer_row(self, layer) -> list[int]:
+        """14 addresses, in the kernel's order: (weight, scale, bias) of qkv, o, gate_up, down; 2 norms."""
+        linears = [self._linear_ptrs(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(linears, []) + [self._ptr(layer.attn_norm), self._ptr(layer.mlp_norm)]
 
     def _ptr(self, t: torch.Tensor | None) -> int:
         if t is not None:
@@ -106,7 +106,7 @@ class FusedDecode:
         return _address(t)
 
     def _linear_ptrs(self, linear) -> list[int]:
-        weight, scale, bias = linear.input_major()
+        weight, scale, bias = linear.native_layout()
         expected = torch.int8 if self.is_int8 else torch.float32
         assert weight.dtype == expected, (weight.dtype, expected)
         return [self._ptr(weight), self._ptr(scale), self._ptr(None if bias is None else bias.float().contiguous())]
@@ -124,10 +124,10 @@ class FusedDecode:
         if pos >= cache.capacity_tokens:
             raise ValueError(f"KV cache full: {pos + 1} tokens do not fit in {cache.capacity_tokens}")
         assert cache.kv.dtype == torch.float32 and cache.kv.is_contiguous()
-        dims = torch.tensor(self._dims[:7] + [cache.capacity_tokens, self._dims[8], torch.get_num_threads()],
+        dims = torch.tensor(self._dims + [cache.capacity_tokens, int(self.is_int8), torch.get_num_threads()],
                             dtype=torch.int64)
-        logits = torch.empty(self._dims[6], dtype=torch.float32)
-        status = self._fn(dims.data_ptr(), self._lean.eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
+        logits = torch.empty(self._dims[-1], dtype=torch.float32)
+        status = self._fn(dims.data_ptr(), self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
                           cache.kv.data_ptr(), token, pos, logits.data_ptr())
         if status != 0:
             raise ValueError(f"decode step refused token {token} at position {pos}")

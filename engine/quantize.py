@@ -38,7 +38,7 @@ class TransposedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
-    def input_major(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    def native_layout(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
         """(W [in, out], no scales, bias) for the native decode step."""
         return self.weight_t, None, self.bias
 
@@ -50,8 +50,8 @@ class TransposedLinear:
 class Int8Linear:
     """int8 weights with one fp32 scale per output channel; x stays fp32 and is quantized per call.
 
-    The same int8 weights are also kept input-major ([in, out]) for the native decode step, which
-    multiplies them with fp32 activations (weight-only int8): FBGEMM's packed copy serves prefill."""
+    The same int8 weights are also kept as plain rows ([out, in]) for the native decode step, which
+    quantizes activations per block of 64 instead of per tensor; FBGEMM's packed copy serves prefill."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.detach().float().cpu()
@@ -63,15 +63,15 @@ class Int8Linear:
         self._packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.float().cpu())
         self._nbytes = weight.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
         self.output_features, self.input_features = weight.shape
-        self._input_major = (quantized.int_repr().contiguous(), scales.float().contiguous(),
+        self._native_layout = (quantized.int_repr().contiguous(), scales.float().contiguous(),
                              None if bias is None else bias.float().cpu().contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, self._packed)
 
-    def input_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(int8 W [in, out], fp32 scales [out], bias) for the native decode step."""
-        return self._input_major
+    def native_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(int8 W [out, in], fp32 scales [out], bias) for the native decode step."""
+        return self._native_layout
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@
 // thread and only the matrix-vector products use the OpenMP team (torch's own libgomp, already loaded).
 //
 // Layouts (made by engine/fused.py from the LeanLlama weights):
-//   linear weights input-major W[in][out] (fp32, or int8 with one fp32 scale per output column);
+//   fp32 linear weights input-major W[in][out]; int8 ones output-major W[out][in], one fp32 scale per row;
 //   q/k rows paired per head, (x_i, x_{i+D/2}) adjacent, so the rotary embedding is a complex product;
 //   kv cache [layers][2][kv_heads][capacity][head_dim] fp32, the same tensor the PyTorch path fills.
 // No torch headers: built with g++ in about a second and called through ctypes.
@@ -48,7 +48,7 @@ inline float fast_exp(float x) {
 }
 
 struct Linear {
-    const void *weight;  // [in][out], float or int8_t
+    const void *weight;  // float [in][out], or int8_t [out][in]
     const float *scale;  // [out] for int8, else null
     const float *bias;   // [out] or null
 };
