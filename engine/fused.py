@@ -117,6 +117,8 @@ class FusedDecode:
         k = min(k, logits.shape[-1])
         ids, values = (ctypes.c_int64 * k)(), (ctypes.c_float * k)()
         lse = self._top(logits.data_ptr(), logits.shape[-1], k, ids, values)
+        if ids[0] < 0:
+            raise ValueError("the model produced no finite logits")
         return list(ids), list(values), lse
 
     def __call__(self, token: int, pos: int, cache: KVCache) -> torch.Tensor:

@@ -73,6 +73,12 @@ def test_top_logits_natively_and_with_torch(tokenizer):
     assert values == pytest.approx(expected_values) and lse == pytest.approx(expected_lse, rel=1e-6)
 
 
+def test_top_logits_refuse_logits_that_are_all_nan(tokenizer):
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    with pytest.raises(ValueError, match="no finite logits"):
+        runner.top_logits(torch.full((100,), float("nan")), 5)
+
+
 def test_native_decode_refuses_a_full_cache(tokenizer):
     runner = make_runner(tiny_model(tokenizer).model, "fp32")
     cache = runner.new_cache(4)
