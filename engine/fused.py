@@ -143,6 +143,6 @@ def load_fused_decode(lean, cache_dir: Path) -> FusedDecode | None:
         return None
     try:
         return FusedDecode(lean, build_library(cache_dir))
-    except (KernelUnavailable, OSError) as exc:
+    except (KernelUnavailable, OSError, subprocess.SubprocessError) as exc:  # incl. a read-only cache, a timeout
         warnings.warn(f"decode runs PyTorch ops: the native decode step is unavailable ({exc})", stacklevel=2)
         return None

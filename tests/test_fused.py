@@ -110,3 +110,11 @@ def test_library_is_built_once_per_source_and_cpu(tmp_path):
     built_ns = os.stat(first).st_mtime_ns
     assert first == build_library(tmp_path) and built_ns == os.stat(first).st_mtime_ns
     assert [first.name] == [p.name for p in (tmp_path / "kernels").iterdir()]  # no leftovers from the build
+
+
+def test_a_cache_folder_that_cannot_be_written_falls_back(tokenizer, tmp_path):
+    blocker = tmp_path / "file-not-folder"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="decode runs PyTorch ops"):
+        runner = LeanLlama(tiny_model(tokenizer).model, "int8", cache_dir=str(blocker))
+    assert "PyTorch ops" == runner.decode_path
