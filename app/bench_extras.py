@@ -115,9 +115,9 @@ def native_vs_ops(engine: Engine, prompt: list[int], num_gen: int, repetitions: 
 
 @torch.inference_mode()
 def quality_vs(reference, other, tokenizer) -> dict:
-    """Top-1 agreement of a mode (int8, fp16...) with the reference (fp32) on every position of a fixed text set, the mean KL divergence
-    of its next-token distribution from fp32's (nats; steadier than agreement on a small set), and
-    the largest difference of any logit."""
+    """Top-1 agreement of a mode (int8, fp16...) with the reference (fp32) on every position of a fixed
+    text set (one decode step each), the mean KL divergence of its next-token distribution from
+    fp32's (nats; steadier than agreement on a small set), and the largest difference of any logit."""
     agree = total = 0
     max_diff = kl_sum = 0.0
     for text in QUALITY_TEXTS:

@@ -46,7 +46,8 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     runner = EngineThread().start()
     engine = runner.call(lambda: Engine.from_config(config))
     info = engine.info
-    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})", file=sys.stderr, flush=True)
+    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})",
+          file=sys.stderr, flush=True)
     app = build_app(engine, store, runner)
     url = f"http://{host}:{port}"
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)

@@ -105,7 +105,8 @@ def model_html(info: ModelInfo) -> str:
     formula = (f"2 × {info.num_layers} layers × {info.num_kv_heads} KV heads × {info.head_dim} head dim × "
                f"{element} B = {info.kv_bytes_per_token:,} B/token")
     return (f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · weights {escape(weights)} · '
-            f'forward: {escape(info.model_path)} · decode: {escape(info.decode_path)} · context {info.context_window:,} tokens<br>'
+            f'forward: {escape(info.model_path)} · decode: {escape(info.decode_path)} · '
+            f'context {info.context_window:,} tokens<br>'
             f'KV cache formula: {formula}</div>')
 
 

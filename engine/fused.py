@@ -32,7 +32,8 @@ class KernelUnavailable(RuntimeError):
 
 def _cpu_signature() -> str:
     try:  # -march=native: a library built here is only valid on a CPU with the same features
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))]
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = [line for line in lines if line.startswith(("flags", "Features"))]
         return flags[0] if flags else platform.processor()
     except OSError:
         return platform.processor()

@@ -139,7 +139,8 @@ void matvec_int8_rows(const QuantizedX &q, const int8_t *w, int64_t in, int64_t 
     for (int64_t r = r0; r < r1; r++) {
         const int8_t *row = w + r * in;
         float total = 0.0f;
-        for (int64_t b = 0; b < in / kBlock; b++) total += q.scale[b] * float(block_dot(q, b * kBlock, row + b * kBlock));
+        for (int64_t b = 0; b < in / kBlock; b++)
+            total += q.scale[b] * float(block_dot(q, b * kBlock, row + b * kBlock));
         y[r] = total;
     }
 }
