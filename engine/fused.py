@@ -124,8 +124,7 @@ class FusedDecode:
 
     def __call__(self, token: int, pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [vocab] after the token at position pos; its keys and values land in the cache."""
-        if pos >= cache.capacity_tokens:
-            raise ValueError(f"KV cache full: {pos + 1} tokens do not fit in {cache.capacity_tokens}")
+        end = cache.reserve(pos, 1)
         assert cache.kv.dtype == torch.float32 and cache.kv.is_contiguous()
         dims = torch.tensor(self._dims + [cache.capacity_tokens, int(self.is_int8), torch.get_num_threads()],
                             dtype=torch.int64)
@@ -134,7 +133,7 @@ class FusedDecode:
                           cache.kv.data_ptr(), token, pos, logits.data_ptr())
         if status != 0:
             raise ValueError(f"decode step refused token {token} at position {pos}")
-        cache.mark_written(pos + 1)
+        cache.mark_written(end)
         return logits
 
 

@@ -50,12 +50,17 @@ class KVCache:
     def bytes_allocated(self) -> int:
         return self.kv.nbytes
 
+    def reserve(self, pos: int, num_tokens: int) -> int:
+        """The end of positions [pos, pos + num_tokens), checked to fit in the cache."""
+        end = pos + num_tokens
+        if end > self.capacity_tokens:
+            raise ValueError(f"KV cache full: {end} tokens do not fit in {self.capacity_tokens}")
+        return end
+
     def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ([kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer and return
         that layer's keys and values for positions [0, pos+T)."""
-        end = pos + k.shape[1]
-        if end > self.capacity_tokens:
-            raise ValueError(f"KV cache full: {end} tokens do not fit in {self.capacity_tokens}")
+        end = self.reserve(pos, k.shape[1])
         self.k[layer, :, pos:end] = k
         self.v[layer, :, pos:end] = v
         self._filled[layer] = end
@@ -67,9 +72,7 @@ class KVCache:
 
     def update_kv(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same with keys and values together, kv: [2, kv_heads, T, head_dim], in one copy."""
-        end = pos + kv.shape[2]
-        if end > self.capacity_tokens:
-            raise ValueError(f"KV cache full: {end} tokens do not fit in {self.capacity_tokens}")
+        end = self.reserve(pos, kv.shape[2])
         self.kv[layer, :, :, pos:end] = kv
         self._filled[layer] = end
         return self.k[layer, :, :end], self.v[layer, :, :end]
