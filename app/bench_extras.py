@@ -8,12 +8,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from engine import Engine, SamplingParams
-from engine.sampling import top_logits
+
+T = TypeVar("T")
 
 QUALITY_TEXTS = [
     "The capital of France is Paris, and the capital of Germany is Berlin. The KV cache stores keys and values.",
@@ -57,25 +60,35 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
         trace = ReplyTrace(turn=1)
         return ui_hooks() + [recorder(session, [{"role": "user", "content": "bench"}], sampling, trace)]
 
-    configs = {"none": lambda: [], "hooks": ui_hooks, "hooks+store": store_hooks}
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    hook_us: dict[str, list[float]] = {name: [] for name in configs}
-    rounds = max(repetitions, 5)  # the effect is ~1%: fewer rounds cannot tell it from run-to-run noise
-    for repetition in range(rounds + 1):
-        for name, make_hooks in configs.items():
+    def measure(make_hooks) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:  # (decode tok/s, µs spent in the hooks per token)
             timed = _TimedHooks(make_hooks())
-            request = engine.new_request_from_ids(prompt, sampling)
-            *_, finished = engine.run(request, hooks=[timed])
-            if repetition > 0:  # the first round is a warm-up
-                samples[name].append(finished.metrics.decode_tokens_per_s)
-                hook_us[name].append(timed.ns / 1e3 / num_gen)
-    base = statistics.median(samples["none"])
-    step_us = 1e6 / base
-    return {name: {"decode_tokens_per_s": round(statistics.median(values), 2),
-                   "vs_none": round(statistics.median(values) / base, 4), "rounds": len(values),
-                   "hook_us_per_token": round(statistics.median(hook_us[name]), 1),
-                   "hook_share_of_step": round(statistics.median(hook_us[name]) / step_us, 4)}
-            for name, values in samples.items()}
+            *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling), hooks=[timed])
+            return finished.metrics.decode_tokens_per_s, timed.ns / 1e3 / num_gen
+        return run
+
+    configs = {"none": lambda: [], "hooks": ui_hooks, "hooks+store": store_hooks}
+    rounds = max(repetitions, 5)  # the effect is ~1%: fewer rounds cannot tell it from run-to-run noise
+    samples = _interleaved({name: measure(make_hooks) for name, make_hooks in configs.items()}, rounds)
+    speed = {name: statistics.median(tps for tps, _ in values) for name, values in samples.items()}
+    hook_us = {name: statistics.median(us for _, us in values) for name, values in samples.items()}
+    step_us = 1e6 / speed["none"]
+    return {name: {"decode_tokens_per_s": round(speed[name], 2), "vs_none": round(speed[name] / speed["none"], 4),
+                   "rounds": rounds, "hook_us_per_token": round(hook_us[name], 1),
+                   "hook_share_of_step": round(hook_us[name] / step_us, 4)}
+            for name in configs}
+
+
+def _interleaved(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+    """Each run once per round, in turn, after a warm-up round left out, so that drift on a shared
+    machine hits all of them alike; the results per run."""
+    samples: dict[str, list[T]] = {name: [] for name in runs}
+    for repetition in range(rounds + 1):
+        for name, run in runs.items():
+            result = run()
+            if repetition > 0:
+                samples[name].append(result)
+    return samples
 
 
 class _TimedHooks:
@@ -95,19 +108,17 @@ class _TimedHooks:
 def native_vs_ops(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) -> dict:
     """Decode tok/s with the native decode step and with the PyTorch ops it replaces, same engine,
     interleaved (the step's gain, measured rather than claimed)."""
-    runner, native_top = engine.runner, engine.top_logits
-    native = runner.fused
     sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
-    samples: dict[str, list[float]] = {"native": [], "ops": []}
-    try:
-        for repetition in range(repetitions + 1):
-            for name, values in samples.items():
-                runner.fused, engine.top_logits = (native, native_top) if name == "native" else (None, top_logits)
-                *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling))
-                if repetition > 0:  # the first round is a warm-up
-                    values.append(finished.metrics.decode_tokens_per_s)
-    finally:
-        runner.fused, engine.top_logits = native, native_top
+
+    def native() -> float:
+        *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling))
+        return finished.metrics.decode_tokens_per_s
+
+    def ops() -> float:
+        with engine.runner.pytorch_decode():
+            return native()
+
+    samples = _interleaved({"native": native, "ops": ops}, repetitions)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"native_tokens_per_s": round(medians["native"], 1), "ops_tokens_per_s": round(medians["ops"], 1),
             "speedup": round(medians["native"] / medians["ops"], 2)}
@@ -138,12 +149,8 @@ def quality_vs(reference, other, tokenizer) -> dict:
 def int8_prefill_quality(reference, int8_runner, tokenizer) -> dict:
     """int8 prefill runs FBGEMM's kernels, whose activations are quantized per tensor rather than in
     blocks of 64 like the native decode step's: its quality, measured through the same positions."""
-    native = int8_runner.fused
-    int8_runner.fused = None  # T = 1 through FBGEMM: the prefill's quantization
-    try:
+    with int8_runner.pytorch_decode():  # T = 1 through FBGEMM: the prefill's quantization
         return quality_vs(reference, int8_runner, tokenizer)
-    finally:
-        int8_runner.fused = native
 
 
 COLD_START = textwrap.dedent("""

@@ -44,13 +44,13 @@ class ModelInfo:
     device: str
     dtype: str
     model_path: str  # which forward runs: "lean-llama" or "transformers"
+    decode_path: str  # how a decode step runs: "fused C++" (one native call) or "PyTorch ops"
     precision: str  # fp32, fp16, bf16 or int8
     num_layers: int
     num_kv_heads: int
     head_dim: int
     context_window: int
     kv_bytes_per_token: int  # by the formula
-    decode_path: str = ""  # how a decode step runs: "fused C++" (one native call) or "PyTorch ops"
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -85,7 +85,6 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
         self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir)
-        self.top_logits = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
         self.eos_ids = _eos_ids(loaded)
         self._lock = threading.Lock()  # one request runs at a time; others wait (queue time)
         self._hooks: list[Hook] = []
@@ -108,10 +107,10 @@ class Engine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         element = torch.tensor([], dtype=self.loaded.dtype).element_size()
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
-                         str(self.loaded.dtype).removeprefix("torch."), self.runner.name, self.runner.precision,
+                         str(self.loaded.dtype).removeprefix("torch."), self.runner.name,
+                         getattr(self.runner, "decode_path", "PyTorch ops"), self.runner.precision,
                          config.num_hidden_layers, kv_heads, head_dim, self.context_window,
-                         kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1),
-                         getattr(self.runner, "decode_path", "PyTorch ops"))
+                         kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1))
 
     @contextmanager
     def hooks(self, *hooks: Hook) -> Iterator[None]:
@@ -240,6 +239,7 @@ class Engine:
         text = TextStream(self.tokenizer, r.sampling.stop)
         generator = make_generator(r.sampling.seed)
         penalize = r.sampling.repetition_penalty != 1.0
+        top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
         previous_ns = r.submit_ns  # so the first token's latency is its TTFT
         reason = "length"
         for step in range(r.max_new_tokens):
@@ -249,7 +249,7 @@ class Engine:
                     break
                 logits = self.decode_step(r)
             picked = sample(logits, r.sampling, generator, r.prompt_ids + r.generated_ids if penalize else (),
-                            top_fn=self.top_logits)
+                            top_fn=top_fn)
             now_ns = self._now_ns()
             r.generated_ids.append(picked.token_id)
             r.token_ns.append(now_ns)

@@ -6,6 +6,8 @@ One call runs T tokens at positions [pos, pos+T): T = chunk length in prefill, T
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,12 +91,25 @@ class LeanLlama:
         # decode (T = 1) as one native call where it can be built: fp32 or int8 weights on CPU
         is_native = self.pair_rope and self.device.type == "cpu" and self.precision in ("fp32", "int8")
         self.fused = load_fused_decode(self, cache_root(cache_dir)) if is_native else None
-        self.top_logits = self.fused.top_logits if self.fused is not None else top_logits
 
     @property
     def decode_path(self) -> str:
         """How a decode step runs: one native call, or PyTorch ops."""
         return "fused C++" if self.fused is not None else "PyTorch ops"
+
+    @contextmanager
+    def pytorch_decode(self) -> Iterator[None]:
+        """Within the block, decode runs the PyTorch ops even where the native step is built (to
+        compare the two, or to measure what the prefill kernels do at T = 1)."""
+        native, self.fused = self.fused, None
+        try:
+            yield
+        finally:
+            self.fused = native
+
+    def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
+        """sampling.top_logits, from the native library when decode uses it."""
+        return (self.fused.top_logits if self.fused is not None else top_logits)(logits, k)
 
     def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp

@@ -60,11 +60,11 @@ class Int8Linear:
         with warnings.catch_warnings():  # quantized tensor constructors are deprecated, not yet replaced
             warnings.simplefilter("ignore")
             quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.float().cpu())
+        bias = None if bias is None else bias.detach().float().cpu().contiguous()
+        self._packed = torch.ops.quantized.linear_prepack(quantized, bias)
         self._nbytes = weight.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
         self.output_features, self.input_features = weight.shape
-        self._native_layout = (quantized.int_repr().contiguous(), scales.float().contiguous(),
-                             None if bias is None else bias.float().cpu().contiguous())
+        self._native_layout = (quantized.int_repr().contiguous(), scales.float().contiguous(), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, self._packed)

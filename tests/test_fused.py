@@ -21,14 +21,16 @@ def decode_both_ways(loaded, precision: str, ids: torch.Tensor, num_steps: int =
     (logits per step, KV cache) for each."""
     runner = make_runner(loaded.model, precision)
     assert "fused C++" == runner.decode_path
-    results = []
-    for fused in (runner.fused, None):
-        runner.fused = fused
+
+    def run():
         cache = runner.new_cache(len(ids) + num_steps)
         runner.forward(ids, 0, cache)
         steps = [runner.forward(torch.tensor([7 + step]), len(ids) + step, cache) for step in range(num_steps)]
-        results.append((torch.stack(steps), cache))
-    return results
+        return torch.stack(steps), cache
+
+    native = run()
+    with runner.pytorch_decode():
+        return [native, run()]
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
@@ -57,9 +59,10 @@ def test_bundled_greedy_tokens_are_the_same_natively_and_with_pytorch_ops(bundle
     messages = [{"role": "user", "content": "Name three colors."}]
     sampling = SamplingParams(max_new_tokens=24, temperature=0)
     native = engine.generate(messages, sampling).text
-    engine.runner.fused = None
-    engine.top_logits = top_logits
-    assert native == engine.generate(messages, sampling).text
+    with engine.runner.pytorch_decode():
+        assert "PyTorch ops" == engine.runner.decode_path
+        assert native == engine.generate(messages, sampling).text
+    assert "fused C++" == engine.runner.decode_path
 
 
 def test_top_logits_natively_and_with_torch(tokenizer):
