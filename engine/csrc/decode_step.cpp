@@ -57,25 +57,23 @@ struct Dims {
     int64_t layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, capacity, is_int8, threads;
 };
 
-// y[c0:c1] = x . W[:, c0:c1] on one thread, four input rows at a time.
-template <typename W>
-void matvec_columns(const float *x, const W *w, int64_t in, int64_t out, int64_t c0, int64_t c1, float *y) {
+// y[c0:c1] = x . W[:, c0:c1] on one thread, W fp32 input-major [in][out], four input rows at a time.
+void matvec_columns(const float *x, const float *w, int64_t in, int64_t out, int64_t c0, int64_t c1, float *y) {
     float *acc = y + c0;
     const int64_t n = c1 - c0;
     std::fill(acc, acc + n, 0.0f);
     int64_t i = 0;
     for (; i + 4 <= in; i += 4) {
-        const W *w0 = w + i * out + c0, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
+        const float *w0 = w + i * out + c0, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
         const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
 #pragma omp simd
-        for (int64_t c = 0; c < n; c++)
-            acc[c] += x0 * float(w0[c]) + x1 * float(w1[c]) + x2 * float(w2[c]) + x3 * float(w3[c]);
+        for (int64_t c = 0; c < n; c++) acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
     }
     for (; i < in; i++) {
-        const W *w0 = w + i * out + c0;
+        const float *w0 = w + i * out + c0;
         const float x0 = x[i];
 #pragma omp simd
-        for (int64_t c = 0; c < n; c++) acc[c] += x0 * float(w0[c]);
+        for (int64_t c = 0; c < n; c++) acc[c] += x0 * w0[c];
     }
 }
 
