@@ -57,6 +57,13 @@ class EngineConfig:
         activations quantized per call; lean path on CPU), or auto (dtype decides: fp32 on CPU,
         bf16 on CUDA).
     prefill_chunk: prompt tokens per prefill forward pass; 0 means the whole prompt in one pass.
+    kv_cache_mb: the KV pool's size; None: an eighth of the machine's memory, at most 2 GiB.
+    kv_block_tokens: tokens per KV block (the unit of paging and of prefix reuse).
+    prefix_caching: reuse the KV of prompt prefixes already in the pool (earlier turns, shared system
+        prompts); off: every prompt is prefilled whole.
+    max_running: requests decoded together at most (the batch); more wait in line.
+    max_step_tokens: tokens one scheduler step runs at most (decodes + prefill chunks), so that a long
+        prompt is prefilled in chunks between the running requests' decode steps.
     """
 
     model: str | None = None
@@ -65,7 +72,11 @@ class EngineConfig:
     precision: str = "auto"
     prefill_chunk: int = 0
     cache_dir: str | None = None
-    kv_block_tokens: int = 256  # the KV cache is sized in blocks of this many tokens
+    kv_cache_mb: int | None = None
+    kv_block_tokens: int = 16
+    prefix_caching: bool = True
+    max_running: int = 16
+    max_step_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -76,8 +87,15 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {self.prefill_chunk!r}")
-        if self.kv_block_tokens < 1:
-            raise ValueError(f"kv_block_tokens must be >= 1, got {self.kv_block_tokens!r}")
+        for name in ("kv_block_tokens", "max_running", "max_step_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_step_tokens <= self.max_running:
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_running "
+                             f"({self.max_running}), or prompts could never be prefilled beside a full batch")
+        if self.kv_cache_mb is not None and (not isinstance(self.kv_cache_mb, int) or self.kv_cache_mb < 1):
+            raise ValueError(f"kv_cache_mb must be an integer >= 1 (MB), got {self.kv_cache_mb!r}")
 
     @property
     def load_dtype(self) -> str:

@@ -1,14 +1,19 @@
-"""The engine: one request runs as prefill chunks, then one decode step per new token.
+"""The engine: requests run as prefill chunks, then one decode step per new token, many at a time.
 
-    prefill(request, start, end)  one forward pass over prompt tokens [start, end)
-    decode_step(request)          one forward pass over exactly one new token
-    run(request)                  orchestrates them and yields an event after each
+    prefill(request, start, end)  one forward pass over prompt tokens [start, end) of one request
+    decode_step(requests)         one forward pass over exactly one new token of each running request
+    step()                        schedule -> run those -> postprocess (sample, events, finish)
+    submit(request) / run(request) queue a request; run also yields its events as they happen
 
-Every event also goes to the subscribed hooks, in order, before it is yielded.
+Each request's events go to its subscribers (hooks), in order: Started, PrefillChunk..., FirstToken,
+DecodeStep..., Finished. `serve_forever()` steps on a dedicated thread (the app); without it, `run()`
+steps on the caller's thread until its request is done (the CLI, tests, benchmarks).
 """
 from __future__ import annotations
 
 import itertools
+import os
+import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -21,10 +26,11 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
 from .hf_runner import make_runner
-from .kv_cache import kv_bytes_formula, round_up
+from .kv_pool import KVPoolTooSmall, PoolUsage, kv_bytes_formula
 from .loader import LoadedModel, load_model
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
+from .scheduler import Scheduler
 from .text import TextStream
 
 ROLES = ("system", "user", "assistant")
@@ -51,6 +57,15 @@ class ModelInfo:
     head_dim: int
     context_window: int
     kv_bytes_per_token: int  # by the formula
+
+
+def default_kv_budget_bytes(device: torch.device) -> int:
+    """An eighth of the machine's memory (of the GPU's free memory on CUDA), at most 2 GiB."""
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[0]
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(64 << 20, min(total // 8, 2 << 30))
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -86,9 +101,16 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir)
         self.eos_ids = _eos_ids(loaded)
-        self._lock = threading.Lock()  # one request runs at a time; others wait (queue time)
+        mb = self.config.kv_cache_mb
+        budget = mb * 1_000_000 if mb else default_kv_budget_bytes(loaded.device)
+        self.pool = self.runner.new_pool(budget, self.config.kv_block_tokens, self.config.prefix_caching)
+        self.scheduler = Scheduler(self.pool, self.config.max_running, self.config.max_step_tokens)
         self._hooks: list[Hook] = []
         self._ids = itertools.count(1)
+        self._step_lock = threading.Lock()  # one step at a time, whichever thread steps
+        self._wakeup = threading.Event()  # a request arrived for the serving loop
+        self._stopped = threading.Event()
+        self.is_serving = False
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> Engine:
@@ -112,9 +134,21 @@ class Engine:
                          config.num_hidden_layers, kv_heads, head_dim, self.context_window,
                          kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1))
 
+    def kv_usage(self) -> PoolUsage:
+        """The KV pool now: blocks held by running requests, kept for prefix reuse, and free."""
+        return self.pool.usage()
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) requests now."""
+        return self.scheduler.counts()
+
+    def place_in_line(self, request: Request) -> int | None:
+        """How many requests are ahead of a waiting one; None once it runs."""
+        return self.scheduler.place_in_line(request)
+
     @contextmanager
     def hooks(self, *hooks: Hook) -> Iterator[None]:
-        """Subscribe hooks to every request run inside the block; the previous set comes back after."""
+        """Subscribe hooks to every request submitted inside the block; the previous set comes back after."""
         previous = self._hooks
         self._hooks = [*previous, *hooks]
         try:
@@ -153,8 +187,48 @@ class Engine:
         chunk = self.config.prefill_chunk if prefill_chunk is None else prefill_chunk
         if chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {chunk!r}")
-        return Request(f"req-{next(self._ids)}", list(messages or []), sampling, list(prompt_ids), max_new,
-                       submit_ns=submit_ns, tokenized_ns=self._now_ns(), prefill_chunk=chunk)
+        request = Request(f"req-{next(self._ids)}", list(messages or []), sampling, list(prompt_ids), max_new,
+                          submit_ns=submit_ns, tokenized_ns=self._now_ns(), prefill_chunk=chunk)
+        self.pool.check_fits(request.num_kv_tokens)  # KVPoolTooSmall: it could never run
+        return request
+
+    def submit(self, request: Request, hooks: Iterable[Hook] = ()) -> Request:
+        """Queue a request (from any thread); its events go to the engine's hooks, then to these."""
+        request.subscribers = [*self._hooks, *hooks]
+        self.scheduler.add(request)
+        self._wakeup.set()
+        return request
+
+    def run(self, request: Request, hooks: Iterable[Hook] = ()) -> Iterator[Event]:
+        """Submit a request and yield its events as they happen, ending with Finished. Closing the
+        iterator early cancels the request (hooks still get its Finished event). A hook that raises
+        cancels its request, and the exception comes out here."""
+        inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.submit(request, [*hooks, inbox.put])
+        event = None
+        try:
+            while not isinstance(event, Finished):
+                event = self._next_event(inbox)
+                if isinstance(event, Finished) and request.hook_error is not None:
+                    raise request.hook_error
+                yield event
+        finally:
+            if not isinstance(event, Finished):  # closed early: end the request, and wait for its end
+                request.cancel()
+                while not isinstance(event, Finished):
+                    event = self._next_event(inbox)
+
+    def _next_event(self, inbox: queue.SimpleQueue) -> Event:
+        """The next event of a request: stepping here, or waiting for the serving thread to."""
+        while True:
+            try:
+                return inbox.get(timeout=0.05) if self.is_serving else inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if not self.is_serving:
+                with self._step_lock:
+                    if inbox.empty():
+                        self._step_unlocked()
 
     def stream(self, messages: list[dict], sampling: SamplingParams | None = None,
                hooks: Iterable[Hook] = ()) -> Iterator[Event]:
@@ -167,6 +241,33 @@ class Engine:
         *_, finished = self.stream(messages, sampling, hooks)
         return finished
 
+    def run_all(self, requests: list[Request], hooks: Iterable[Hook] = ()) -> list[Finished]:
+        """Submit several requests and step until all are done (benchmarks); their Finished events."""
+        done: dict[str, Finished] = {}
+        collect = lambda e: done.__setitem__(e.request_id, e) if isinstance(e, Finished) else None  # noqa: E731
+        for request in requests:
+            self.submit(request, [*hooks, collect])
+        while len(done) < len(requests):
+            self.step()
+        return [done[r.request_id] for r in requests]
+
+    # --- the serving loop -------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Step whenever there is work, until stop(); run it on the thread that loaded the model."""
+        self.is_serving = True
+        try:
+            while not self._stopped.is_set():
+                if not self.step():
+                    self._wakeup.wait(0.1)
+                    self._wakeup.clear()
+        finally:
+            self.is_serving = False
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+
     # --- the two phases ---------------------------------------------------------------------------
 
     def prefill(self, request: Request, start: int, end: int) -> torch.Tensor | None:
@@ -176,98 +277,115 @@ class Engine:
         ids = torch.tensor(request.prompt_ids[start:end], device=self.runner.device)
         return self.runner.forward(ids, start, request.kv_cache, need_logits=end == request.num_prompt_tokens)
 
-    def decode_step(self, request: Request) -> torch.Tensor:
-        """One forward pass over exactly one new token (the last generated), returning next logits."""
-        pos = request.kv_cache.num_tokens
-        assert pos == request.num_prompt_tokens + request.num_generated - 1, "decode runs one new token"
-        ids = torch.tensor(request.generated_ids[-1:], device=self.runner.device)
-        return self.runner.forward(ids, pos, request.kv_cache)
+    def decode_step(self, requests: list[Request]) -> torch.Tensor:
+        """One forward pass over exactly one new token (the last generated) of each request, all in one
+        batch: every weight is read once for all of them. Returns next-token logits [B, vocab]."""
+        for r in requests:
+            assert r.kv_cache.num_tokens == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
+        return self.runner.decode([r.generated_ids[-1] for r in requests],
+                                  [r.kv_cache.num_tokens for r in requests], [r.kv_cache for r in requests])
 
-    # --- orchestration ----------------------------------------------------------------------------
+    # --- one step: schedule -> run -> postprocess -------------------------------------------------
 
-    def run(self, request: Request, hooks: Iterable[Hook] = ()) -> Iterator[Event]:
-        """Run a request, yielding Started, PrefillChunk..., FirstToken, DecodeStep..., Finished.
-        Closing the iterator early cancels the request (hooks still get its Finished event)."""
-        subscribers = [*self._hooks, *hooks]
-        with self._lock:
-            request.started_ns = self._now_ns()
-            events = self._events(request)
-            try:
-                for event in events:
-                    for hook in subscribers:
-                        hook(event)
-                    yield event
-            finally:
-                events.close()
-                if not request.is_finished:  # the consumer stopped reading, or a hook raised
-                    finished = self._finish(request, "cancelled")
-                    for hook in subscribers:
-                        hook(finished)
-                request.kv_cache = None  # free the memory; the metrics already hold its size
+    def step(self) -> bool:
+        """Run one scheduler step; False when there was nothing to do."""
+        with self._step_lock:
+            return self._step_unlocked()
 
-    def _events(self, r: Request) -> Iterator[Event]:
+    def _step_unlocked(self) -> bool:
+        plan = self.scheduler.schedule()
+        for r in plan.cancelled:
+            self._finish(r, "cancelled")
+        for r in plan.admitted:
+            r.started_ns = self._now_ns()
+            kv = r.kv_cache
+            self._deliver(r, Started(r.request_id, self._t_ms(r, r.started_ns), r.num_prompt_tokens,
+                                     r.max_new_tokens, kv.capacity_tokens, kv.bytes_allocated, self.runner.name,
+                                     r.num_cached_tokens))
+        if plan.decodes:
+            self._run_decodes(plan.decodes)
+        for r, start, end in plan.prefills:
+            if not r.is_finished:  # a hook may have failed on its Started event
+                self._run_prefill(r, start, end)
+        return not plan.is_empty
+
+    def _run_prefill(self, r: Request, start: int, end: int) -> None:
+        begin_ns = self._now_ns()
         try:
-            yield from self._run_phases(r)
-        except Exception as exc:  # a failed forward ends this request, not the engine
-            yield self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
-
-    def _run_phases(self, r: Request) -> Iterator[Event]:
-        capacity = min(round_up(r.num_prompt_tokens + r.max_new_tokens, self.config.kv_block_tokens),
-                       self.context_window)
-        r.kv_cache = cache = self.runner.new_cache(capacity)
-        yield Started(r.request_id, self._t_ms(r, r.started_ns), r.num_prompt_tokens, r.max_new_tokens,
-                      cache.capacity_tokens, cache.bytes_allocated, self.runner.name)
-        r.status = Status.PREFILLING
-        logits = None
-        chunk = r.prefill_chunk or r.num_prompt_tokens
-        for index, start in enumerate(range(r.num_cached_tokens, r.num_prompt_tokens, chunk)):
-            if r.is_cancelled:
-                yield self._finish(r, "cancelled")
-                return
-            end = min(start + chunk, r.num_prompt_tokens)
-            begin_ns = self._now_ns()
             logits = self.prefill(r, start, end)
-            r.prefill_end_ns = self._now_ns()
-            r.prefill_ns += r.prefill_end_ns - begin_ns
-            yield PrefillChunk(r.request_id, self._t_ms(r, r.prefill_end_ns), index, start, end,
-                               r.num_prompt_tokens, (r.prefill_end_ns - begin_ns) / 1e6,
-                               cache.num_tokens, cache.bytes_used)
-        yield from self._decode_loop(r, logits)
+        except Exception as exc:  # a failed forward ends this request, not the engine
+            self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        r.prefill_end_ns = self._now_ns()
+        r.prefill_ns += r.prefill_end_ns - begin_ns
+        r.num_prefilled = end
+        r.num_prefill_chunks += 1
+        self._name_blocks(r)
+        cache = r.kv_cache
+        self._deliver(r, PrefillChunk(r.request_id, self._t_ms(r, r.prefill_end_ns), r.num_prefill_chunks - 1,
+                                      start, end, r.num_prompt_tokens, (r.prefill_end_ns - begin_ns) / 1e6,
+                                      cache.num_tokens, cache.bytes_used))
+        if end == r.num_prompt_tokens and not r.is_cancelled:
+            r.status = Status.DECODING
+            r.text_stream = TextStream(self.tokenizer, r.sampling.stop)
+            r.generator = make_generator(r.sampling.seed)
+            self._take_token(r, logits, batch_size=1)
 
-    def _decode_loop(self, r: Request, logits: torch.Tensor) -> Iterator[Event]:
-        r.status = Status.DECODING
-        text = TextStream(self.tokenizer, r.sampling.stop)
-        generator = make_generator(r.sampling.seed)
+    def _run_decodes(self, requests: list[Request]) -> None:
+        try:
+            logits = self.decode_step(requests)
+        except Exception as exc:  # a failed forward ends the requests in it, not the engine
+            for r in requests:
+                self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        for r, row in zip(requests, logits):
+            self._name_blocks(r)
+            if r.is_cancelled:
+                self._finish(r, "cancelled")
+            else:
+                self._take_token(r, row, batch_size=len(requests))
+
+    def _name_blocks(self, r: Request) -> None:
+        """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
+        cache = r.kv_cache
+        size = self.config.kv_block_tokens
+        if self.pool.prefix_caching and (cache.num_hashed_blocks + 1) * size <= cache.num_tokens:
+            self.pool.name_full_blocks(cache, r.prompt_ids + r.generated_ids)
+
+    def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int) -> None:
+        """Sample the next token from a request's logits, report it, and end the request if it is done."""
         penalize = r.sampling.repetition_penalty != 1.0
         top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
-        previous_ns = r.submit_ns  # so the first token's latency is its TTFT
-        reason = "length"
-        for step in range(r.max_new_tokens):
-            if step > 0:
-                if r.is_cancelled:
-                    reason = "cancelled"
-                    break
-                logits = self.decode_step(r)
-            picked = sample(logits, r.sampling, generator, r.prompt_ids + r.generated_ids if penalize else (),
-                            top_fn=top_fn)
-            now_ns = self._now_ns()
-            r.generated_ids.append(picked.token_id)
-            r.token_ns.append(now_ns)
-            if step == 0:
-                yield self._first_token(r, now_ns)
-            is_eos = picked.token_id in self.eos_ids and not r.sampling.ignore_eos
-            piece = "" if is_eos else text.push(picked.token_id)
-            r.text = text.text
-            yield self._decode_event(r, step, picked, piece, now_ns, previous_ns)
-            previous_ns = now_ns
-            if is_eos or text.is_stopped:
-                reason = "eos" if is_eos else "stop"
-                break
-        text.flush()
-        r.text = text.text
-        yield self._finish(r, reason)
+        picked = sample(logits, r.sampling, r.generator, r.prompt_ids + r.generated_ids if penalize else (),
+                        top_fn=top_fn)
+        now_ns = self._now_ns()
+        previous_ns = r.token_ns[-1] if r.token_ns else r.submit_ns  # so the first token's latency is its TTFT
+        r.generated_ids.append(picked.token_id)
+        r.token_ns.append(now_ns)
+        step = r.num_generated - 1
+        if step == 0:
+            self._deliver(r, self._first_token(r, now_ns))
+        is_eos = picked.token_id in self.eos_ids and not r.sampling.ignore_eos
+        piece = "" if is_eos else r.text_stream.push(picked.token_id)
+        r.text = r.text_stream.text
+        self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size))
+        if is_eos or r.text_stream.is_stopped:
+            self._finish(r, "eos" if is_eos else "stop")
+        elif r.num_generated == r.max_new_tokens:
+            self._finish(r, "length")
 
     # --- events -----------------------------------------------------------------------------------
+
+    def _deliver(self, r: Request, event: Event) -> None:
+        """Hand an event to each of the request's subscribers. A hook that raises cancels its own
+        request (its exception is kept for run()), never the others."""
+        for hook in r.subscribers:
+            try:
+                hook(event)
+            except Exception as exc:
+                if r.hook_error is None:
+                    r.hook_error = exc
+                r.cancel()
 
     @staticmethod
     def _t_ms(r: Request, ns: int) -> float:
@@ -282,15 +400,22 @@ class Engine:
                           prefill_ms=r.prefill_ns / 1e6,
                           first_sample_ms=(now_ns - r.prefill_end_ns) / 1e6)
 
-    def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int) -> DecodeStep:
+    def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
+                      batch_size: int) -> DecodeStep:
         decode = self.tokenizer.convert_ids_to_tokens
         top = tuple(TopToken(i, decode(i), p) for i, p in zip(picked.top_ids, picked.top_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
-                          picked.prob, top)
+                          picked.prob, top, batch_size)
 
-    def _finish(self, r: Request, reason: str, error: str | None = None) -> Finished:
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         end_ns = self._now_ns()
+        if r.text_stream is not None:
+            r.text_stream.flush()
+            r.text = r.text_stream.text
         r.finish_reason = reason
         r.status = {"cancelled": Status.STOPPED, "error": Status.FAILED}.get(reason, Status.FINISHED)
-        return Finished(r.request_id, self._t_ms(r, end_ns), reason, r.text, r.metrics(end_ns), error)
+        finished = Finished(r.request_id, self._t_ms(r, end_ns), reason, r.text, r.metrics(end_ns), error)
+        self.scheduler.finish(r)  # its blocks go back to the pool (named ones stay cached)
+        r.kv_cache = None
+        self._deliver(r, finished)

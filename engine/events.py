@@ -46,11 +46,13 @@ class Started(Event):
     kv_capacity_tokens: int
     kv_capacity_bytes: int
     model_path: str  # which forward runs it: "lean-llama" or "transformers"
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the pool (prefix caching): not prefilled
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillChunk(Event):
-    """One prefill forward pass over prompt tokens [start, end)."""
+    """One prefill forward pass over prompt tokens [start, end); the first chunk starts after the
+    tokens taken from the cache."""
 
     chunk_index: int
     start: int
@@ -97,6 +99,7 @@ class DecodeStep(Event):
     kv_bytes: int
     prob: float  # the model's probability of this token (softmax of the logits)
     top: tuple[TopToken, ...]  # the five most likely tokens at this step
+    batch_size: int = 1  # sequences in the decode forward this token came from (step 0: its prefill, 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The decode step as one native call (engine/csrc/decode_step.cpp), for the lean path on CPU.
 
-A decode step reads every weight once for one token, so it should run at memory bandwidth; in eager
+A decode step reads every weight once for a batch of tokens (one per running sequence), so it should run at memory bandwidth; in eager
 PyTorch most of it went to ~25 small ops per layer. The C++ file has no torch headers: it is built once
 per machine with the system's C++ compiler (about a second), cached beside the converted weights, and
 called through ctypes with the addresses of the tensors LeanLlama already holds. Where it cannot be
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_pool import SequenceKV
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
@@ -71,10 +71,11 @@ class FusedDecode:
 
     def __init__(self, lean, library: Path) -> None:
         native = ctypes.CDLL(str(library))
-        self._fn = native.ps_decode_step
+        self._fn = native.ps_decode_batch
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                             ctypes.c_void_p]
         self._top = native.ps_top_logits
         self._top.restype = ctypes.c_float
         self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -122,18 +123,28 @@ class FusedDecode:
             raise ValueError("the model produced no finite logits")
         return list(ids), list(values), lse
 
-    def __call__(self, token: int, pos: int, cache: KVCache) -> torch.Tensor:
-        """Logits [vocab] after the token at position pos; its keys and values land in the cache."""
-        end = cache.reserve(pos, 1)
-        assert cache.kv.dtype == torch.float32 and cache.kv.is_contiguous()
-        dims = torch.tensor(self._dims + [cache.capacity_tokens, int(self.is_int8), torch.get_num_threads()],
+    def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV]) -> torch.Tensor:
+        """Logits [B, vocab] after tokens[b] at positions[b] of sequences[b] (all in one pool); their keys
+        and values land in the pool."""
+        ends = [seq.reserve(pos, 1) for seq, pos in zip(sequences, positions)]
+        pool = sequences[0].pool
+        assert pool.kv.dtype == torch.float32 and pool.kv.is_contiguous()
+        assert all(seq.pool is pool for seq in sequences), "one batch, one pool"
+        width = max(len(seq.block_ids) for seq in sequences)
+        tables = torch.zeros((len(sequences), width), dtype=torch.int64)
+        for row, seq in enumerate(sequences):
+            tables[row, :len(seq.block_ids)] = seq.block_table
+        dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8), torch.get_num_threads()],
                             dtype=torch.int64)
-        logits = torch.empty(self._dims[-1], dtype=torch.float32)
+        token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+        logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
         status = self._fn(dims.data_ptr(), self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
-                          cache.kv.data_ptr(), token, pos, logits.data_ptr())
+                          pool.kv.data_ptr(), len(tokens), token_ids.data_ptr(), where.data_ptr(), tables.data_ptr(),
+                          width, logits.data_ptr())
         if status != 0:
-            raise ValueError(f"decode step refused token {token} at position {pos}")
-        cache.mark_written(end)
+            raise ValueError(f"decode step refused tokens {tokens} at positions {positions}")
+        for seq, end in zip(sequences, ends):
+            seq.mark_written(end)
         return logits
 
 

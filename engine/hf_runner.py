@@ -9,6 +9,7 @@ import inspect
 
 import torch
 
+from .kv_pool import PoolUsage
 from .llama import DTYPE_NAMES, LeanLlama
 
 
@@ -48,6 +49,32 @@ class DynamicKVCache:
         return self.bytes_used // self.num_tokens if self.num_tokens else 0
 
 
+class DynamicPool:
+    """transformers' caches are per request and grow as they go: no blocks, no budget, no prefix reuse.
+    The scheduler talks to this as to a KVPool."""
+
+    prefix_caching = False
+    num_queries = num_hits = 0
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def check_fits(self, num_tokens: int) -> None:
+        pass
+
+    def allocate(self, prompt_ids, num_tokens: int) -> DynamicKVCache:
+        return DynamicKVCache(self.model)
+
+    def name_full_blocks(self, sequence, token_ids) -> None:
+        pass
+
+    def free(self, sequence) -> None:
+        pass
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(0, 1, 0, 0, 0)
+
+
 class TransformersRunner:
     name = "transformers"
 
@@ -62,6 +89,14 @@ class TransformersRunner:
 
     def new_cache(self, capacity_tokens: int) -> DynamicKVCache:
         return DynamicKVCache(self.model)
+
+    def new_pool(self, budget_bytes: int, block_size: int = 16, prefix_caching: bool = True) -> DynamicPool:
+        return DynamicPool(self.model)
+
+    def decode(self, tokens: list[int], positions: list[int], caches: list[DynamicKVCache]) -> torch.Tensor:
+        """One token for each of B sequences, one forward each (caches of different lengths)."""
+        return torch.stack([self.forward(torch.tensor([token], device=self.device), pos, cache)
+                            for token, pos, cache in zip(tokens, positions, caches)])
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, cache: DynamicKVCache, need_logits: bool = True) -> torch.Tensor | None:

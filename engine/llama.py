@@ -1,8 +1,9 @@
 """A lean forward pass for Llama-family models (Llama, SmolLM, Mistral, Qwen2 with its QKV bias).
 
 It reads the weights of a loaded transformers model once, fuses Q/K/V and gate/up into single
-matrices (dense, or int8 with `precision="int8"`), and writes keys and values into our own KVCache.
-One call runs T tokens at positions [pos, pos+T): T = chunk length in prefill, T = 1 in decode.
+matrices (dense, or int8 with `precision="int8"`), and writes keys and values into our own paged KV
+pool. `forward` runs T tokens of one sequence at positions [pos, pos+T) (a prefill chunk); `decode`
+runs one token of each of B sequences (a decode step), reading every weight once for all of them.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from .fused import load_fused_decode
-from .kv_cache import KVCache
+from .kv_pool import DEFAULT_BLOCK_TOKENS, KVPool, SequenceKV, blocks_for
 from .loader import cache_root
-from .quantize import linear_factory
+from .quantize import Int8Linear, linear_factory
 from .sampling import top_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -139,27 +140,65 @@ class LeanLlama:
         norms = sum(layer.attn_norm.nbytes + layer.mlp_norm.nbytes for layer in self.layers)
         return sum(lin.nbytes for lin in linears) + self.lm_head.nbytes + norms + self.final_norm.nbytes
 
-    def new_cache(self, capacity_tokens: int) -> KVCache:
-        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity_tokens, self.dtype, self.device)
+    def new_pool(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_TOKENS,
+                 prefix_caching: bool = True) -> KVPool:
+        return KVPool.with_budget(budget_bytes, self.num_layers, self.num_kv_heads, self.head_dim, block_size,
+                                  self.dtype, self.device, prefix_caching)
+
+    def new_cache(self, capacity_tokens: int) -> SequenceKV:
+        """One sequence's cache in a pool of its own (for tests and one-off forwards)."""
+        size = DEFAULT_BLOCK_TOKENS
+        pool = KVPool(self.num_layers, self.num_kv_heads, self.head_dim, blocks_for(capacity_tokens, size), size,
+                      self.dtype, self.device, prefix_caching=False)
+        return pool.allocate([], capacity_tokens)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, pos: int, cache: KVCache, need_logits: bool = True) -> torch.Tensor | None:
-        """ids: [T] token ids at positions [pos, pos+T). Returns logits [vocab] of the last one."""
-        num_tokens = ids.shape[0]
-        if num_tokens == 1 and self.fused is not None and pos < self.fused.num_positions:
-            return self.fused(int(ids[0]), pos, cache)  # a decode step
-        x = F.embedding(ids, self.embed)  # [T, C]
-        mask = self._causal_mask(pos, num_tokens)
+    def forward(self, ids: torch.Tensor, pos: int, cache: SequenceKV, need_logits: bool = True) -> torch.Tensor | None:
+        """ids: [T] token ids of one sequence at positions [pos, pos+T). Returns logits [vocab] of the last."""
+        if ids.shape[0] == 1:
+            return self.decode([int(ids[0])], [pos], [cache])[0]
+        logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits)
+        return None if logits is None else logits[0]
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int], caches: list[SequenceKV]) -> torch.Tensor:
+        """One token for each of B sequences: tokens[b] at positions[b]. Returns logits [B, vocab]."""
+        if self.fused is not None and max(positions) < self.fused.num_positions:
+            return self.fused(tokens, positions, caches)  # one native call for the whole batch
+        ids = torch.tensor(tokens, device=self.device)
+        return self._forward_rows(ids, [(cache, pos, 1) for cache, pos in zip(caches, positions)], True)
+
+    def _forward_rows(self, ids: torch.Tensor, segments: list[tuple[SequenceKV, int, int]],
+                      need_logits: bool) -> torch.Tensor | None:
+        """ids: [N] tokens of consecutive segments (cache, pos, T), one per sequence. Linears run on all
+        N rows at once; attention runs per segment, over its own cache. Returns each segment's last
+        logits, [segments, vocab]."""
+        x = F.embedding(ids, self.embed)  # [N, C]
         shape = x.shape[-1:]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, shape, layer.attn_norm, self.eps)
-            x = x + self._attention(index, layer, h, pos, cache, mask)
+            qkv = self._linear(layer.qkv, h, segments)  # [N, (H + 2KV) * D]: q, k, v side by side
+            rows, start = [], 0
+            for cache, pos, num_tokens in segments:
+                rows.append(self._attention(index, qkv[start:start + num_tokens], pos, cache))
+                start += num_tokens
+            x = x + self._linear(layer.o, torch.cat(rows) if len(rows) > 1 else rows[0], segments)
             h = F.rms_norm(x, shape, layer.mlp_norm, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [T, I] each
-            x = x + layer.down(F.silu(gate) * up)
+            gate, up = self._linear(layer.gate_up, h, segments).chunk(2, dim=-1)  # [N, I] each
+            x = x + self._linear(layer.down, F.silu(gate) * up, segments)
         if not need_logits:
             return None
-        return self.lm_head(F.rms_norm(x[-1:], shape, self.final_norm, self.eps))[0]  # [vocab]
+        ends = torch.tensor([0] + [t for _, _, t in segments], device=self.device).cumsum(0)[1:] - 1
+        return self.lm_head(F.rms_norm(x[ends], shape, self.final_norm, self.eps))  # [segments, vocab]
+
+    @staticmethod
+    def _linear(linear, x: torch.Tensor, segments: list) -> torch.Tensor:
+        # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations
+        # would set another's scale. Each sequence's rows go alone, so its tokens keep independent of
+        # its neighbours (the native step quantizes per sequence and reads the weights once).
+        if isinstance(linear, Int8Linear) and len(segments) > 1:
+            return torch.cat([linear(part) for part in x.split([t for _, _, t in segments])])
+        return linear(x)
 
     def _causal_mask(self, pos: int, num_tokens: int) -> torch.Tensor | None:
         if num_tokens == 1:
@@ -169,11 +208,10 @@ class LeanLlama:
         queries = torch.arange(pos, pos + num_tokens, device=self.device)
         return keys[None, :] <= queries[:, None]
 
-    def _attention(self, index: int, layer: _Layer, h: torch.Tensor, pos: int, cache: KVCache,
-                   mask: torch.Tensor | None) -> torch.Tensor:
-        num_tokens = h.shape[0]
+    def _attention(self, index: int, qkv: torch.Tensor, pos: int, cache: SequenceKV) -> torch.Tensor:
+        """qkv: [T, (H + 2KV) * D] of one sequence at positions [pos, pos+T) -> attention output [T, H*D]."""
+        num_tokens = qkv.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = layer.qkv(h)  # [T, (H + 2KV) * D]: q, k, v side by side
         if self.pair_rope:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
             torch.view_as_complex(qk).mul_(self.rotations[pos:pos + num_tokens])  # rotary embedding, in place
@@ -187,8 +225,7 @@ class LeanLlama:
             q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
             keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                             attn_mask=self._causal_mask(pos, num_tokens),
                                              enable_gqa=heads != kv_heads)  # [1, H, T, D]
-        if num_tokens == 1:
-            return layer.o(out.view(1, heads * head_dim))
-        return layer.o(out[0].transpose(0, 1).reshape(num_tokens, heads * head_dim))
+        return out[0].transpose(0, 1).reshape(num_tokens, heads * head_dim)

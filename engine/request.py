@@ -30,14 +30,20 @@ class Request:
     prefill_chunk: int = 0  # prompt tokens per prefill pass; 0 = the whole prompt in one pass
     status: Status = Status.WAITING
     generated_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from a cache (prefix caching, later)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the pool (prefix caching)
+    num_prefilled: int = 0  # prompt positions whose K/V are in the cache (cached + prefilled so far)
+    num_prefill_chunks: int = 0
     started_ns: int | None = None  # left the queue
     prefill_ns: int = 0  # time inside prefill forward passes
     prefill_end_ns: int | None = None
     token_ns: list[int] = field(default_factory=list)  # when each generated token became available
     text: str = ""  # the reply's text released so far
     finish_reason: str | None = None
-    kv_cache: object | None = None  # KVCache (or DynamicKVCache) while running
+    kv_cache: object | None = None  # SequenceKV (or DynamicKVCache) while running
+    subscribers: list = field(default_factory=list, repr=False)  # hooks this request's events go to
+    hook_error: Exception | None = None  # the first exception a hook raised (it cancels the request)
+    text_stream: object | None = field(default=None, repr=False)  # TextStream while decoding
+    generator: object | None = field(default=None, repr=False)  # torch.Generator for sampling
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def cancel(self) -> None:
@@ -55,6 +61,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Positions the request needs in the KV cache: the prompt and every token fed back (the last
+        generated token never is)."""
+        return self.num_prompt_tokens + self.max_new_tokens - 1
 
     @property
     def num_generated(self) -> int:

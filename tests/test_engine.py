@@ -48,19 +48,22 @@ def test_kv_tokens_and_bytes_follow_the_formula(tiny_engine):
     assert (prompt, prompt * per_token) == (prefill.kv_tokens, prefill.kv_bytes)
     assert [(prompt + i, (prompt + i) * per_token) for i in range(6)] == [(s.kv_tokens, s.kv_bytes) for s in steps]
     assert started.kv_capacity_bytes == started.kv_capacity_tokens * per_token
-    assert started.kv_capacity_tokens == 256  # prompt + 6 rounded up to one block, capped by the context
+    assert started.kv_capacity_tokens == 48  # prompt 32 + 5 fed-back tokens, rounded up to 16-token blocks
 
 
 def test_cache_reports_its_own_size():
-    from engine import KVCache
+    from engine import KVPool
 
-    cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=8, capacity_tokens=10, dtype=torch.float16)
+    pool = KVPool(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=4, block_size=4, dtype=torch.float16)
+    cache = pool.allocate([], 10)  # 3 blocks of 4
     for layer in range(3):
         cache.update(layer, 0, torch.ones(2, 4, 8), torch.ones(2, 4, 8))
-    assert (4, 10, kv_bytes_formula(3, 2, 8, 2, 4), kv_bytes_formula(3, 2, 8, 2, 10)) == (
+    assert (4, 12, kv_bytes_formula(3, 2, 8, 2, 4), kv_bytes_formula(3, 2, 8, 2, 12)) == (
         cache.num_tokens, cache.capacity_tokens, cache.bytes_used, cache.bytes_allocated)
     with pytest.raises(ValueError, match="KV cache full"):
-        cache.update(0, 8, torch.ones(2, 4, 8), torch.ones(2, 4, 8))
+        cache.update(0, 10, torch.ones(2, 4, 8), torch.ones(2, 4, 8))
+    assert (4, 3, 0, 1) == (pool.usage().num_blocks, pool.usage().num_used, pool.usage().num_cached,
+                            pool.usage().num_free)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])

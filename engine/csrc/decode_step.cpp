@@ -1,6 +1,9 @@
-// One decode step of a Llama-family model for one sequence, as a single call: the whole T = 1 forward
-// (embedding row, per layer RMSNorm -> QKV -> rotary -> KV cache write -> attention -> O -> residual ->
-// RMSNorm -> gate/up -> SiLU * up -> down -> residual, then the final norm and the LM head).
+// One decode step of a Llama-family model for a batch of sequences, as a single call: the whole T = 1
+// forward of each (embedding row, per layer RMSNorm -> QKV -> rotary -> KV cache write -> attention -> O ->
+// residual -> RMSNorm -> gate/up -> SiLU * up -> down -> residual, then the final norm and the LM head).
+// Every weight is read once for the whole batch: decode is memory-bound, so B sequences cost little more
+// than one. Each sequence's arithmetic is the same whatever else is in the batch (same order of sums),
+// so its tokens do not depend on its neighbours.
 //
 // Why: a decode step moves every weight once and does little arithmetic per byte, so it should run at
 // memory bandwidth. In eager PyTorch it does not: ~25 small ops per layer each pay dispatch and thread
@@ -10,7 +13,8 @@
 // Layouts (made by engine/fused.py from the LeanLlama weights):
 //   fp32 linear weights input-major W[in][out]; int8 ones output-major W[out][in], one fp32 scale per row;
 //   q/k rows paired per head, (x_i, x_{i+D/2}) adjacent, so the rotary embedding is a complex product;
-//   kv cache [layers][2][kv_heads][capacity][head_dim] fp32, the same tensor the PyTorch path fills.
+//   kv pool [layers][2][kv_heads][slots][head_dim] fp32, the same tensor the PyTorch path fills; a
+//   sequence's position p lives in slot table[p / block_size] * block_size + p % block_size (paged).
 // No torch headers: built with g++ in about a second and called through ctypes.
 #include <omp.h>
 #if defined(__x86_64__)
@@ -54,92 +58,159 @@ struct Linear {
 };
 
 struct Dims {
-    int64_t layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, capacity, is_int8, threads;
+    int64_t layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, num_slots, block_size, is_int8, threads;
 };
 
-// y[c0:c1] = x . W[:, c0:c1] on one thread, W fp32 input-major [in][out], four input rows at a time.
-void matvec_columns(const float *x, const float *w, int64_t in, int64_t out, int64_t c0, int64_t c1, float *y) {
-    float *acc = y + c0;
-    const int64_t n = c1 - c0;
-    std::fill(acc, acc + n, 0.0f);
-    int64_t i = 0;
-    for (; i + 4 <= in; i += 4) {
-        const float *w0 = w + i * out + c0, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
-        const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
-#pragma omp simd
-        for (int64_t c = 0; c < n; c++) acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+// The sequences of one step: token, position and block table of each.
+struct Batch {
+    int64_t size;
+    const int64_t *tokens, *positions, *tables;
+    int64_t table_stride;  // entries per block table row
+
+    int64_t slot(const Dims &d, int64_t b, int64_t pos) const {
+        return tables[b * table_stride + pos / d.block_size] * d.block_size + pos % d.block_size;
     }
-    for (; i < in; i++) {
-        const float *w0 = w + i * out + c0;
-        const float x0 = x[i];
+};
+
+// --- fp32: y[b][c0:c1] += x[b] . W[:, c0:c1], W input-major [in][out] -----------------------------------
+// Four input rows at a time; per output column the sum runs over the inputs in the same order whatever
+// the batch or the tile, so results do not depend on them. Columns are tiled when B > 1 so that the
+// batch's accumulators stay in L1 while a tile of weight rows is reused for every sequence.
+constexpr int64_t kTile = 512;
+
+void matvec_columns(const float *x, int64_t n, const float *w, int64_t in, int64_t out, int64_t c0, int64_t c1,
+                    float *y, int64_t y_stride) {
+    const int64_t tile = n == 1 ? c1 - c0 : kTile;
+    for (int64_t t0 = c0; t0 < c1; t0 += tile) {
+        const int64_t t1 = std::min(c1, t0 + tile), width = t1 - t0;
+        for (int64_t b = 0; b < n; b++) std::fill(y + b * y_stride + t0, y + b * y_stride + t1, 0.0f);
+        int64_t i = 0;
+        for (; i + 4 <= in; i += 4) {
+            const float *w0 = w + i * out + t0, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
+            for (int64_t b = 0; b < n; b++) {
+                const float *xb = x + b * in;
+                const float x0 = xb[i], x1 = xb[i + 1], x2 = xb[i + 2], x3 = xb[i + 3];
+                float *acc = y + b * y_stride + t0;
 #pragma omp simd
-        for (int64_t c = 0; c < n; c++) acc[c] += x0 * w0[c];
+                for (int64_t c = 0; c < width; c++) acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+            }
+        }
+        for (; i < in; i++) {
+            const float *w0 = w + i * out + t0;
+            for (int64_t b = 0; b < n; b++) {
+                const float x0 = x[b * in + i];
+                float *acc = y + b * y_stride + t0;
+#pragma omp simd
+                for (int64_t c = 0; c < width; c++) acc[c] += x0 * w0[c];
+            }
+        }
     }
 }
 
-// int8 x int8 matrix-vector products. x is quantized per step in blocks of 64 inputs, each with its own
-// scale (like llama.cpp's Q8 activations), so one outlier only coarsens its own block. Kept as |x| and
-// the sign of x, so that the products are unsigned x signed bytes (vpdpbusd, or maddubs on AVX2) without
-// saturating; the sign moves onto the weight.
+// --- int8 x int8 -----------------------------------------------------------------------------------------
+// x is quantized per step in blocks of 64 inputs, each with its own scale (like llama.cpp's Q8
+// activations), so one outlier only coarsens its own block. Kept as |x| and the sign of x, so that the
+// products are unsigned x signed bytes (vpdpbusd, or maddubs on AVX2) without saturating; the sign moves
+// onto the weight. Each block's integer dot product is scaled into a float vector accumulator, reduced
+// once per row.
 constexpr int64_t kBlock = 64;
+constexpr int64_t kMaxBatch = 8;  // accumulators held in registers at once; larger batches take turns
 
 struct QuantizedX {
     std::vector<uint8_t> magnitude;  // |round(x / scale)|, <= 127
     std::vector<int8_t> sign;        // +1 / -1 (0 where x is 0)
+    std::vector<uint64_t> negative;  // per block, bit i set where x[i] < 0
     std::vector<float> scale;        // one per block of 64 inputs
 };
 
 QuantizedX quantize_blocks(const float *x, int64_t in) {
-    QuantizedX q{std::vector<uint8_t>(in), std::vector<int8_t>(in), std::vector<float>(in / kBlock)};
-    for (int64_t b = 0; b < in / kBlock; b++) {
+    const int64_t blocks = in / kBlock;
+    QuantizedX q{std::vector<uint8_t>(in), std::vector<int8_t>(in), std::vector<uint64_t>(blocks, 0),
+                 std::vector<float>(blocks)};
+    for (int64_t b = 0; b < blocks; b++) {
         float top = 0.0f;
         for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i++) top = std::max(top, std::fabs(x[i]));
-        const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
-        q.scale[b] = scale;
+        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+        q.scale[b] = top / 127.0f;
         for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i++) {
             const int v = int(std::lrint(x[i] * inverse));
             q.magnitude[i] = uint8_t(std::abs(v));
             q.sign[i] = int8_t(v > 0 ? 1 : v < 0 ? -1 : 0);
+            if (v < 0) q.negative[b] |= uint64_t(1) << (i - b * kBlock);
         }
     }
     return q;
 }
 
-// sum over the block of x_q[i] * w[i], from |x_q| and sign(x_q)
-inline int32_t block_dot(const QuantizedX &q, int64_t start, const int8_t *w) {
+// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for n <= kMaxBatch sequences
+void row_dots(const QuantizedX *q, int64_t n, const int8_t *row, int64_t in, float *out) {
+    const int64_t blocks = in / kBlock;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const __m512i magnitude = _mm512_loadu_si512(q.magnitude.data() + start);
-    const __mmask64 negative = _mm512_movepi8_mask(_mm512_loadu_si512(q.sign.data() + start));
-    __m512i weights = _mm512_loadu_si512(w);
-    weights = _mm512_mask_sub_epi8(weights, negative, _mm512_setzero_si512(), weights);
-    return _mm512_reduce_add_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, weights));
-#elif defined(__AVX2__)
-    __m256i total = _mm256_setzero_si256();
-    for (int64_t half = 0; half < kBlock; half += 32) {
-        const __m256i magnitude = _mm256_loadu_si256((const __m256i *)(q.magnitude.data() + start + half));
-        const __m256i sign = _mm256_loadu_si256((const __m256i *)(q.sign.data() + start + half));
-        const __m256i weights = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(w + half)), sign);
-        const __m256i pairs = _mm256_maddubs_epi16(magnitude, weights);  // <= 2 * 127 * 127: no saturation
-        total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    __m512 acc[kMaxBatch];
+    for (int64_t b = 0; b < n; b++) acc[b] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        const __m512i weights = _mm512_loadu_si512(row + k * kBlock);
+        for (int64_t b = 0; b < n; b++) {
+            const __m512i magnitude = _mm512_loadu_si512(q[b].magnitude.data() + k * kBlock);
+            const __m512i signed_w = _mm512_mask_sub_epi8(weights, q[b].negative[k], _mm512_setzero_si512(), weights);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_w);
+            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q[b].scale[k]), acc[b]);
+        }
     }
-    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    sum = _mm_hadd_epi32(sum, sum);
-    return _mm_cvtsi128_si32(_mm_hadd_epi32(sum, sum));
+    for (int64_t b = 0; b < n; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[kMaxBatch];
+    for (int64_t b = 0; b < n; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock + 32));
+        for (int64_t b = 0; b < n; b++) {
+            const uint8_t *m = q[b].magnitude.data() + k * kBlock;
+            const int8_t *s = q[b].sign.data() + k * kBlock;
+            const __m256i m0 = _mm256_loadu_si256((const __m256i *)m), m1 = _mm256_loadu_si256((const __m256i *)(m + 32));
+            const __m256i s0 = _mm256_sign_epi8(w0, _mm256_loadu_si256((const __m256i *)s));
+            const __m256i s1 = _mm256_sign_epi8(w1, _mm256_loadu_si256((const __m256i *)(s + 32)));
+#if defined(__AVXVNNI__)
+            const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), m0, s0), m1, s1);
 #else
-    int32_t total = 0;
-    for (int64_t i = 0; i < kBlock; i++) total += int32_t(q.magnitude[start + i]) * q.sign[start + i] * w[i];
-    return total;
+            const __m256i ones = _mm256_set1_epi16(1);  // maddubs pairs are <= 2 * 127 * 127: no saturation
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, s0), ones),
+                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(m1, s1), ones));
+#endif
+            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q[b].scale[k]), acc[b]);
+        }
+    }
+    for (int64_t b = 0; b < n; b++) {
+        __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[b]), _mm256_extractf128_ps(acc[b], 1));
+        sum = _mm_hadd_ps(sum, sum);
+        out[b] = _mm_cvtss_f32(_mm_hadd_ps(sum, sum));
+    }
+#else
+    for (int64_t b = 0; b < n; b++) {
+        float total = 0.0f;
+        for (int64_t k = 0; k < blocks; k++) {
+            int32_t dot = 0;
+            for (int64_t i = k * kBlock; i < (k + 1) * kBlock; i++)
+                dot += int32_t(q[b].magnitude[i]) * q[b].sign[i] * row[i];
+            total += q[b].scale[k] * float(dot);
+        }
+        out[b] = total;
+    }
 #endif
 }
 
-// y[r0:r1] = (W[r0:r1, :] . x) with W int8 output-major [out][in]; before the per-row weight scale.
-void matvec_int8_rows(const QuantizedX &q, const int8_t *w, int64_t in, int64_t r0, int64_t r1, float *y) {
+// y[b][r0:r1] = W[r0:r1, :] . x_b with W int8 output-major [out][in]; before the per-row weight scale.
+// Each row is read once and used for every sequence while it is in L1.
+void matvec_int8_rows(const std::vector<QuantizedX> &q, const int8_t *w, int64_t in, int64_t out, int64_t r0,
+                      int64_t r1, float *y) {
+    const int64_t n = int64_t(q.size());
+    float dots[kMaxBatch];
     for (int64_t r = r0; r < r1; r++) {
-        const int8_t *row = w + r * in;
-        float total = 0.0f;
-        for (int64_t b = 0; b < in / kBlock; b++)
-            total += q.scale[b] * float(block_dot(q, b * kBlock, row + b * kBlock));
-        y[r] = total;
+        for (int64_t b0 = 0; b0 < n; b0 += kMaxBatch) {
+            const int64_t count = std::min(kMaxBatch, n - b0);
+            row_dots(q.data() + b0, count, w + r * in, in, dots);
+            for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b];
+        }
     }
 }
 
@@ -148,29 +219,38 @@ void matvec_int8_rows(const QuantizedX &q, const int8_t *w, int64_t in, int64_t 
 // threads reading halves of the same short rows, which streamed at half the bandwidth (measured).
 constexpr int64_t kNarrowColumns = 2048;
 
-void linear_split_inputs(const Dims &d, const Linear &lin, const float *x, int64_t in, int64_t out, float *y) {
-    std::vector<float> partial(d.threads * out, 0.0f);
+void linear_split_inputs(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out,
+                         float *y) {
+    std::vector<float> partial(d.threads * n * out, 0.0f);
 #pragma omp parallel num_threads(d.threads)
     {
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t per = ((in + team - 1) / team + 3) / 4 * 4;
         const int64_t i0 = std::min(in, t * per), i1 = std::min(in, i0 + per);
-        if (i0 < i1)
-            matvec_columns(x + i0, static_cast<const float *>(lin.weight) + i0 * out, i1 - i0, out, 0, out,
-                           partial.data() + t * out);
+        if (i0 < i1) {
+            // the thread's inputs [i0, i1) of every sequence, gathered so that matvec reads them in a row
+            std::vector<float> xs(n * (i1 - i0));
+            for (int64_t b = 0; b < n; b++) std::copy(x + b * in + i0, x + b * in + i1, xs.data() + b * (i1 - i0));
+            matvec_columns(xs.data(), n, static_cast<const float *>(lin.weight) + i0 * out, i1 - i0, out, 0, out,
+                           partial.data() + t * n * out, out);
+        }
     }
-    for (int64_t c = 0; c < out; c++) {
-        float total = lin.bias ? lin.bias[c] : 0.0f;
-        for (int64_t t = 0; t < d.threads; t++) total += partial[t * out + c];
-        y[c] = total;
-    }
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t c = 0; c < out; c++) {
+            float total = lin.bias ? lin.bias[c] : 0.0f;
+            for (int64_t t = 0; t < d.threads; t++) total += partial[(t * n + b) * out + c];
+            y[b * out + c] = total;
+        }
 }
 
-// y = x W (* scale) (+ bias). Each thread streams one contiguous stretch of the weights: a range of
-// output rows (int8, output-major), a range of output columns (wide fp32), or of input rows (narrow fp32).
-void linear(const Dims &d, const Linear &lin, const float *x, int64_t in, int64_t out, float *y) {
-    if (!d.is_int8 && out < kNarrowColumns) return linear_split_inputs(d, lin, x, in, out, y);
-    const QuantizedX q = d.is_int8 ? quantize_blocks(x, in) : QuantizedX{};
+// y[b] = x[b] W (* scale) (+ bias) for every sequence b < n; x [n][in], y [n][out]. Each thread streams one
+// contiguous stretch of the weights, once for the whole batch: a range of output rows (int8,
+// output-major), of output columns (wide fp32), or of input rows (narrow fp32).
+void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out, float *y) {
+    if (!d.is_int8 && out < kNarrowColumns) return linear_split_inputs(d, lin, x, n, in, out, y);
+    std::vector<QuantizedX> q;
+    if (d.is_int8)
+        for (int64_t b = 0; b < n; b++) q.push_back(quantize_blocks(x + b * in, in));
 #pragma omp parallel num_threads(d.threads)
     {
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
@@ -178,13 +258,14 @@ void linear(const Dims &d, const Linear &lin, const float *x, int64_t in, int64_
         const int64_t c0 = std::min(out, t * per), c1 = std::min(out, c0 + per);
         if (c0 < c1) {
             if (d.is_int8)
-                matvec_int8_rows(q, static_cast<const int8_t *>(lin.weight), in, c0, c1, y);
+                matvec_int8_rows(q, static_cast<const int8_t *>(lin.weight), in, out, c0, c1, y);
             else
-                matvec_columns(x, static_cast<const float *>(lin.weight), in, out, c0, c1, y);
-            for (int64_t c = c0; c < c1; c++) {
-                if (lin.scale) y[c] *= lin.scale[c];
-                if (lin.bias) y[c] += lin.bias[c];
-            }
+                matvec_columns(x, n, static_cast<const float *>(lin.weight), in, out, c0, c1, y, out);
+            for (int64_t b = 0; b < n; b++)
+                for (int64_t c = c0; c < c1; c++) {
+                    if (lin.scale) y[b * out + c] *= lin.scale[c];
+                    if (lin.bias) y[b * out + c] += lin.bias[c];
+                }
         }
     }
 }
@@ -209,21 +290,28 @@ void rotary(float *heads, int64_t num_heads, int64_t head_dim, const float *cos,
     }
 }
 
-// out[h] = softmax(q_h . K^T / sqrt(D)) V over positions [0, n) of the head's KV group.
-void attention(const Dims &d, const float *q, const float *keys, const float *values, int64_t n, float *out) {
-    const int64_t D = d.head_dim, group = d.heads / d.kv_heads;
+// out[b][h] = softmax(q_bh . K^T / sqrt(D)) V over positions [0, pos_b] of sequence b's blocks, for every
+// sequence and head: one task per (sequence, head), each reading its own cache length.
+void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const float *keys,
+               const float *values, float *out) {
+    const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
     const float scale = 1.0f / std::sqrt(float(D));
-    std::vector<float> scores(d.heads * n);
-#pragma omp parallel for num_threads(d.threads) schedule(static)
-    for (int64_t h = 0; h < d.heads; h++) {
-        const float *qh = q + h * D;
-        const float *k = keys + (h / group) * d.capacity * D, *v = values + (h / group) * d.capacity * D;
-        float *s = scores.data() + h * n, *o = out + h * D;
+    std::vector<int64_t> offset(batch.size + 1, 0);  // each (sequence, head)'s scores in one buffer
+    for (int64_t b = 0; b < batch.size; b++) offset[b + 1] = offset[b] + d.heads * (batch.positions[b] + 1);
+    std::vector<float> scores(offset[batch.size]);
+#pragma omp parallel for num_threads(d.threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch.size * d.heads; task++) {
+        const int64_t b = task / d.heads, h = task % d.heads, n = batch.positions[b] + 1;
+        const float *qh = q + b * q_stride + h * D;
+        const float *k = keys + (h / group) * d.num_slots * D, *v = values + (h / group) * d.num_slots * D;
+        const int64_t *table = batch.tables + b * batch.table_stride;
+        float *s = scores.data() + offset[b] + h * n, *o = out + (b * d.heads + h) * D;
         float top = -INFINITY;
         for (int64_t t = 0; t < n; t++) {
+            const float *kt = k + (table[t / bs] * bs + t % bs) * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < D; i++) dot += qh[i] * k[t * D + i];
+            for (int64_t i = 0; i < D; i++) dot += qh[i] * kt[i];
             s[t] = dot * scale;
             top = std::max(top, s[t]);
         }
@@ -232,56 +320,72 @@ void attention(const Dims &d, const float *q, const float *keys, const float *va
         for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
         std::fill(o, o + D, 0.0f);
         for (int64_t t = 0; t < n; t++) {
-            const float p = s[t] / total;
+            const float p = s[t] / total, *vt = v + (table[t / bs] * bs + t % bs) * D;
 #pragma omp simd
-            for (int64_t i = 0; i < D; i++) o[i] += p * v[t * D + i];
+            for (int64_t i = 0; i < D; i++) o[i] += p * vt[i];
         }
     }
 }
 
 }  // namespace
 
-// dims: Dims as 10 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
+// dims: Dims as 11 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
 // bias; then attn_norm, mlp_norm); model_ptrs: embed [vocab][hidden], final_norm, lm_head weight, scale,
-// bias, cos [positions][D/2], sin [positions][D/2]. Writes K/V of position pos and logits [vocab].
-extern "C" int ps_decode_step(const int64_t *dims, float eps, const int64_t *layer_ptrs, const int64_t *model_ptrs,
-                              float *kv, int64_t token, int64_t pos, float *logits) {
-    const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9]};
-    if (pos < 0 || pos >= d.capacity || token < 0 || token >= d.vocab) return 1;
+// bias, cos [positions][D/2], sin [positions][D/2]. For each of the n sequences: tokens[b] at
+// positions[b], block table row b of tables [n][table_stride]. Writes each one's K/V at its position and
+// logits [n][vocab]. Returns 0, or 1 for an input out of range (nothing is written then).
+extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *layer_ptrs, const int64_t *model_ptrs,
+                               float *kv, int64_t n, const int64_t *tokens, const int64_t *positions,
+                               const int64_t *tables, int64_t table_stride, float *logits) {
+    const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10]};
+    const Batch batch{n, tokens, positions, tables, table_stride};
+    for (int64_t b = 0; b < n; b++) {
+        if (tokens[b] < 0 || tokens[b] >= d.vocab || positions[b] < 0 || positions[b] / d.block_size >= table_stride)
+            return 1;
+        const int64_t block = tables[b * table_stride + positions[b] / d.block_size];
+        if (block < 0 || (block + 1) * d.block_size > d.num_slots) return 1;
+    }
     const int64_t C = d.hidden, D = d.head_dim, I = d.intermediate;
-    const int64_t q_size = d.heads * D, kv_size = d.kv_heads * D;
-    std::vector<float> x(C), h(C), qkv(q_size + 2 * kv_size), attn(q_size), proj(C), gate_up(2 * I);
+    const int64_t q_size = d.heads * D, kv_size = d.kv_heads * D, qkv_size = q_size + 2 * kv_size;
+    std::vector<float> x(n * C), h(n * C), qkv(n * qkv_size), attn(n * q_size), proj(n * C), gate_up(n * 2 * I),
+        act(n * I);
     auto ptr = [](int64_t address) { return reinterpret_cast<const float *>(address); };
-    std::memcpy(x.data(), ptr(model_ptrs[0]) + token * C, C * sizeof(float));
-    const float *cos = ptr(model_ptrs[5]) + pos * (D / 2), *sin = ptr(model_ptrs[6]) + pos * (D / 2);
+    for (int64_t b = 0; b < n; b++) std::memcpy(x.data() + b * C, ptr(model_ptrs[0]) + tokens[b] * C, C * sizeof(float));
     for (int64_t l = 0; l < d.layers; l++) {
         const int64_t *p = layer_ptrs + l * 14;
         const Linear qkv_proj{ptr(p[0]), ptr(p[1]), ptr(p[2])}, o_proj{ptr(p[3]), ptr(p[4]), ptr(p[5])};
         const Linear gate_up_proj{ptr(p[6]), ptr(p[7]), ptr(p[8])}, down_proj{ptr(p[9]), ptr(p[10]), ptr(p[11])};
         // attention block
-        rms_norm(x.data(), ptr(p[12]), C, eps, h.data());
-        linear(d, qkv_proj, h.data(), C, q_size + 2 * kv_size, qkv.data());
-        rotary(qkv.data(), d.heads + d.kv_heads, D, cos, sin);
-        float *keys = kv + (l * 2 + 0) * d.kv_heads * d.capacity * D, *values = keys + d.kv_heads * d.capacity * D;
-        for (int64_t g = 0; g < d.kv_heads; g++) {
-            std::memcpy(keys + (g * d.capacity + pos) * D, qkv.data() + q_size + g * D, D * sizeof(float));
-            std::memcpy(values + (g * d.capacity + pos) * D, qkv.data() + q_size + kv_size + g * D, D * sizeof(float));
+        for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(p[12]), C, eps, h.data() + b * C);
+        linear(d, qkv_proj, h.data(), n, C, qkv_size, qkv.data());
+        float *keys = kv + (l * 2 + 0) * d.kv_heads * d.num_slots * D, *values = keys + d.kv_heads * d.num_slots * D;
+        for (int64_t b = 0; b < n; b++) {
+            float *row = qkv.data() + b * qkv_size;
+            const int64_t pos = positions[b], slot = batch.slot(d, b, pos);
+            rotary(row, d.heads + d.kv_heads, D, ptr(model_ptrs[5]) + pos * (D / 2), ptr(model_ptrs[6]) + pos * (D / 2));
+            for (int64_t g = 0; g < d.kv_heads; g++) {
+                std::memcpy(keys + (g * d.num_slots + slot) * D, row + q_size + g * D, D * sizeof(float));
+                std::memcpy(values + (g * d.num_slots + slot) * D, row + q_size + kv_size + g * D, D * sizeof(float));
+            }
         }
-        attention(d, qkv.data(), keys, values, pos + 1, attn.data());
-        linear(d, o_proj, attn.data(), q_size, C, proj.data());
-        for (int64_t i = 0; i < C; i++) x[i] += proj[i];
+        attention(d, batch, qkv.data(), qkv_size, keys, values, attn.data());
+        linear(d, o_proj, attn.data(), n, q_size, C, proj.data());
+        for (int64_t i = 0; i < n * C; i++) x[i] += proj[i];
         // MLP block
-        rms_norm(x.data(), ptr(p[13]), C, eps, h.data());
-        linear(d, gate_up_proj, h.data(), C, 2 * I, gate_up.data());
-        float *gate = gate_up.data(), *up = gate + I;
+        for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(p[13]), C, eps, h.data() + b * C);
+        linear(d, gate_up_proj, h.data(), n, C, 2 * I, gate_up.data());
+        for (int64_t b = 0; b < n; b++) {
+            const float *gate = gate_up.data() + b * 2 * I, *up = gate + I;
+            float *a = act.data() + b * I;
 #pragma omp simd
-        for (int64_t i = 0; i < I; i++) gate[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];  // SiLU(gate) * up
-        linear(d, down_proj, gate_up.data(), I, C, proj.data());
-        for (int64_t i = 0; i < C; i++) x[i] += proj[i];
+            for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.0f + fast_exp(-gate[i])) * up[i];  // SiLU(gate) * up
+        }
+        linear(d, down_proj, act.data(), n, I, C, proj.data());
+        for (int64_t i = 0; i < n * C; i++) x[i] += proj[i];
     }
-    rms_norm(x.data(), ptr(model_ptrs[1]), C, eps, h.data());
+    for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(model_ptrs[1]), C, eps, h.data() + b * C);
     const Linear lm_head{ptr(model_ptrs[2]), ptr(model_ptrs[3]), ptr(model_ptrs[4])};
-    linear(d, lm_head, h.data(), C, d.vocab, logits);
+    linear(d, lm_head, h.data(), n, C, d.vocab, logits);
     return 0;
 }
 

@@ -1,0 +1,259 @@
+"""The KV cache: one pool of fixed-size blocks that every running sequence shares (paged, as in vLLM).
+
+The pool is one tensor kv: [layers, 2, kv_heads, num_blocks * block_size, head_dim]. A sequence owns a
+block table; its position p lives in slot table[p // block_size] * block_size + p % block_size. So
+sequences of any length share the pool without fragmentation, and a block of prompt tokens that two
+requests have in common can be held by both: prefix caching.
+
+Prefix caching (vLLM's automatic prefix caching): a full block is named by a hash of its tokens and of
+the hash of the block before it, so equal names mean equal prefixes. A new request takes the longest
+run of its prompt's full blocks that the pool already holds, and prefills only the rest. Blocks that no
+request holds any more keep their contents and their name, and are evicted least-recently-used when
+the pool needs room.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BLOCK_TOKENS = 16
+
+
+def kv_bytes_formula(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int, num_tokens: int) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element x tokens."""
+    return 2 * num_layers * num_kv_heads * head_dim * element_size * num_tokens
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVPoolTooSmall(ValueError):
+    """A request that could never fit in the pool, however long it waited."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    """The pool at one moment, in blocks (like vLLM's kv_cache_usage_perc, with the cached part apart)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    num_used: int  # held by running requests
+    num_cached: int  # held by nobody, kept for prefix reuse until evicted
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self.num_used - self.num_cached
+
+    @property
+    def usage(self) -> float:
+        """Share of the pool held by running requests, 0-1."""
+        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent + b"|" + ",".join(map(str, tokens)).encode(), digest_size=16).digest()
+
+
+class SequenceKV:
+    """One sequence's part of the pool: its block table and how many positions are written."""
+
+    def __init__(self, pool: KVPool, block_ids: list[int], num_cached_tokens: int = 0) -> None:
+        self.pool = pool
+        self.block_ids = block_ids
+        self.num_tokens = num_cached_tokens  # positions [0, num_tokens) hold keys and values
+        self.num_hashed_blocks = num_cached_tokens // pool.block_size  # leading blocks with a name
+        self.last_hash = b""  # the name of the last named block (the parent of the next)
+        self._table: torch.Tensor | None = None
+        self._device_table: torch.Tensor | None = None
+        self._is_consecutive = block_ids == list(range(block_ids[0], block_ids[0] + len(block_ids))) if block_ids \
+            else True
+
+    @property
+    def capacity_tokens(self) -> int:
+        return len(self.block_ids) * self.pool.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.pool.bytes_per_token
+
+    @property
+    def bytes_used(self) -> int:
+        return self.bytes_per_token * self.num_tokens
+
+    @property
+    def bytes_allocated(self) -> int:
+        return self.bytes_per_token * self.capacity_tokens
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The block ids as an int64 CPU tensor (for the native step)."""
+        if self._table is None:
+            self._table = torch.tensor(self.block_ids, dtype=torch.int64)
+        return self._table
+
+    def reserve(self, pos: int, num_tokens: int) -> int:
+        """The end of positions [pos, pos + num_tokens), checked to fit in the sequence's blocks."""
+        end = pos + num_tokens
+        if end > self.capacity_tokens:
+            raise ValueError(f"KV cache full: {end} tokens do not fit in {self.capacity_tokens}")
+        return end
+
+    def _slots(self, start: int, end: int) -> torch.Tensor | slice:
+        """Pool slots of positions [start, end): a slice where the blocks are consecutive, else indices."""
+        size = self.pool.block_size
+        if self._is_consecutive:  # a fresh pool hands blocks out in order: a view, no copy
+            first = self.block_ids[0] * size
+            return slice(first + start, first + end)
+        if self._device_table is None:
+            self._device_table = self.block_table.to(self.pool.kv.device)
+        positions = torch.arange(start, end, device=self.pool.kv.device)
+        return self._device_table[positions // size] * size + positions % size
+
+    def update_kv(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write kv ([2, kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer and return that
+        layer's keys and values for positions [0, pos+T), [kv_heads, pos+T, head_dim] each."""
+        end = self.reserve(pos, kv.shape[2])
+        pool = self.pool.kv[layer]  # [2, KV, slots, D]
+        pool[:, :, self._slots(pos, end)] = kv
+        if layer == self.pool.num_layers - 1:
+            self.num_tokens = max(self.num_tokens, end)
+        both = pool[:, :, self._slots(0, end)]
+        return both[0], both[1]
+
+    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same with keys and values apart, [kv_heads, T, head_dim] each."""
+        return self.update_kv(layer, pos, torch.stack([k, v]))
+
+    def mark_written(self, end: int) -> None:
+        """Positions [0, end) are now filled in every layer (by a kernel writing the pool directly)."""
+        self.num_tokens = max(self.num_tokens, end)
+
+
+class KVPool:
+    """Fixed-size blocks of keys and values, shared by every sequence, with prefix reuse."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"the KV pool needs at least one block of one token, got {num_blocks} x {block_size}")
+        self.num_layers, self.block_size, self.num_blocks = num_layers, block_size, num_blocks
+        self.prefix_caching = prefix_caching
+        # empty, not zeros: pages are committed as blocks are first written, not all at start
+        self.kv = torch.empty((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype=dtype,
+                              device=device)
+        self.bytes_per_token = kv_bytes_formula(num_layers, num_kv_heads, head_dim, self.kv.element_size(), 1)
+        self._free = list(range(num_blocks))  # a heap: lowest ids first, so fresh tables are consecutive
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> its name
+        self._block_of: dict[bytes, int] = {}  # name -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced; oldest first
+        self.num_queries = self.num_hits = 0  # prompt tokens looked up / found (vLLM's prefix cache counters)
+
+    @classmethod
+    def with_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype, device: torch.device | str = "cpu", prefix_caching: bool = True) -> KVPool:
+        element = torch.tensor([], dtype=dtype).element_size()
+        per_block = kv_bytes_formula(num_layers, num_kv_heads, head_dim, element, block_size)
+        return cls(num_layers, num_kv_heads, head_dim, max(1, budget_bytes // per_block), block_size, dtype, device,
+                   prefix_caching)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def usage(self) -> PoolUsage:
+        num_cached = len(self._evictable)
+        return PoolUsage(self.num_blocks, self.block_size, self.bytes_per_token * self.block_size,
+                         self.num_blocks - len(self._free) - num_cached, num_cached)
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Refuse a sequence that could never fit, even in an empty pool."""
+        if blocks_for(num_tokens, self.block_size) > self.num_blocks:
+            mb = self.num_blocks * self.block_size * self.bytes_per_token / 1e6
+            raise KVPoolTooSmall(f"the request needs KV cache for {num_tokens:,} tokens, but the pool holds "
+                                 f"{self.capacity_tokens:,} tokens ({mb:,.0f} MB): lower max new tokens, "
+                                 "shorten the conversation, or raise --kv-cache-mb")
+
+    def _prefix_blocks(self, prompt_ids: Sequence[int]) -> tuple[list[int], bytes]:
+        """The pool's blocks holding the longest run of the prompt's full blocks, and the last name.
+        The prompt's last token is always computed (its logits give the first token)."""
+        found, parent = [], b""
+        if not self.prefix_caching:
+            return found, parent
+        size = self.block_size
+        for start in range(0, len(prompt_ids) - 1 - (len(prompt_ids) - 1) % size, size):
+            name = block_hash(parent, prompt_ids[start:start + size])
+            block = self._block_of.get(name)
+            if block is None:
+                break
+            found.append(block)
+            parent = name
+        return found, parent
+
+    def allocate(self, prompt_ids: Sequence[int], num_tokens: int) -> SequenceKV | None:
+        """Blocks for a sequence of num_tokens positions, reusing cached prompt blocks; None if the
+        pool has no room now (the request waits)."""
+        self.check_fits(num_tokens)
+        reused, parent = self._prefix_blocks(prompt_ids)
+        num_new = blocks_for(num_tokens, self.block_size) - len(reused)
+        reclaimable = sum(1 for b in reused if b in self._evictable)
+        if num_new > len(self._free) + len(self._evictable) - reclaimable:
+            return None
+        for block in reused:
+            self._hold(block)
+        fresh = [self._take() for _ in range(num_new)]
+        if self.prefix_caching:
+            self.num_queries += len(prompt_ids)
+            self.num_hits += len(reused) * self.block_size
+        sequence = SequenceKV(self, reused + fresh, len(reused) * self.block_size)
+        sequence.last_hash = parent
+        return sequence
+
+    def _hold(self, block: int) -> None:
+        self._evictable.pop(block, None)
+        self._refs[block] += 1
+
+    def _take(self) -> int:
+        if self._free:
+            block = heapq.heappop(self._free)
+        else:  # evict the least recently released named block
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def name_full_blocks(self, sequence: SequenceKV, token_ids: Sequence[int]) -> None:
+        """Give every newly filled block of the sequence its name, so later requests can reuse it.
+        token_ids: the sequence's tokens so far (prompt, then generated)."""
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        while (sequence.num_hashed_blocks + 1) * size <= sequence.num_tokens:
+            index = sequence.num_hashed_blocks
+            name = block_hash(sequence.last_hash, token_ids[index * size:(index + 1) * size])
+            block = sequence.block_ids[index]
+            if name not in self._block_of and block not in self._hash_of:
+                self._block_of[name], self._hash_of[block] = block, name
+            sequence.last_hash, sequence.num_hashed_blocks = name, index + 1
+
+    def free(self, sequence: SequenceKV) -> None:
+        """Release a finished sequence's blocks: named ones stay cached (most recent last), others free."""
+        for block in reversed(sequence.block_ids):  # a prefix's tail is evicted before its head
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    heapq.heappush(self._free, block)
+        sequence.block_ids = []
