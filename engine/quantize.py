@@ -21,30 +21,13 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def native_layout(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        """(W [out, in], no scales, bias) for the native decode step."""
+        return self.weight.contiguous(), None, self.bias
+
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
-
-
-class TransposedLinear:
-    """y = x W^T + b with W stored transposed ([in, out], contiguous). On CPU, fp32 matrix-vector
-    products with this layout stream the weights at about twice the bandwidth of F.linear's (measured:
-    21 vs 11 GB/s on the 2-core development machine), which is what decode is bound by."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight_t, self.bias = weight.t().contiguous(), bias
-        self.input_features, self.output_features = self.weight_t.shape
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
-
-    def native_layout(self) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-        """(W [in, out], no scales, bias) for the native decode step."""
-        return self.weight_t, None, self.bias
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight_t.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
 class Int8Linear:
@@ -88,6 +71,4 @@ def linear_factory(precision: str, device: torch.device):
         if device.type != "cpu" or not int8_available():
             raise ValueError("precision int8 needs a CPU with FBGEMM (x86 with AVX2); use fp32, fp16 or bf16 here")
         return Int8Linear
-    if precision == "fp32" and device.type == "cpu":
-        return TransposedLinear  # (fp16 is the other way round: F.linear is fast, the transpose slow)
     return DenseLinear

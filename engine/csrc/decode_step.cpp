@@ -11,7 +11,7 @@
 // thread and only the matrix-vector products use the OpenMP team (torch's own libgomp, already loaded).
 //
 // Layouts (made by engine/fused.py from the LeanLlama weights):
-//   fp32 linear weights input-major W[in][out]; int8 ones output-major W[out][in], one fp32 scale per row;
+//   linear weights output-major W[out][in], fp32, or int8 with one fp32 scale per row;
 //   q/k rows paired per head, (x_i, x_{i+D/2}) adjacent, so the rotary embedding is a complex product;
 //   kv pool [layers][2][kv_heads][slots][head_dim] fp32, the same tensor the PyTorch path fills; a
 //   sequence's position p lives in slot table[p / block_size] * block_size + p % block_size (paged).
@@ -52,7 +52,7 @@ inline float fast_exp(float x) {
 }
 
 struct Linear {
-    const void *weight;  // float [in][out], or int8_t [out][in]
+    const void *weight;  // float or int8_t [out][in]
     const float *scale;  // [out] for int8, else null
     const float *bias;   // [out] or null
 };
@@ -72,37 +72,58 @@ struct Batch {
     }
 };
 
-// --- fp32: y[b][c0:c1] += x[b] . W[:, c0:c1], W input-major [in][out] -----------------------------------
-// Four input rows at a time; per output column the sum runs over the inputs in the same order whatever
-// the batch or the tile, so results do not depend on them. Columns are tiled when B > 1 so that the
-// batch's accumulators stay in L1 while a tile of weight rows is reused for every sequence.
-constexpr int64_t kTile = 512;
+// Both number formats keep their weights output-major, W[out][in]: each output is one row's dot product
+// with the input, a thread streams a contiguous range of rows, and each row, once in L1, serves every
+// sequence of the batch (decode is memory-bound: this is what makes a batch cheap). Per output the sum
+// runs in the same order whatever the batch, so a sequence's results do not depend on its neighbours.
+typedef float Vec __attribute__((vector_size(32), aligned(4)));  // 8 floats; loads need no alignment
+constexpr int64_t kVec = 8;
+constexpr int64_t kMaxBatch = 4;  // sequences whose accumulators are held in registers at once
+// How far ahead of the row being computed its weights are fetched: with a batch, a row takes long
+// enough to compute that the hardware prefetcher alone left the loads waiting on memory (measured).
+constexpr int64_t kPrefetchBytes = 16384;
 
-void matvec_columns(const float *x, int64_t n, const float *w, int64_t in, int64_t out, int64_t c0, int64_t c1,
-                    float *y, int64_t y_stride) {
-    const int64_t tile = n == 1 ? c1 - c0 : kTile;
-    for (int64_t t0 = c0; t0 < c1; t0 += tile) {
-        const int64_t t1 = std::min(c1, t0 + tile), width = t1 - t0;
-        for (int64_t b = 0; b < n; b++) std::fill(y + b * y_stride + t0, y + b * y_stride + t1, 0.0f);
-        int64_t i = 0;
-        for (; i + 4 <= in; i += 4) {
-            const float *w0 = w + i * out + t0, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
-            for (int64_t b = 0; b < n; b++) {
-                const float *xb = x + b * in;
-                const float x0 = xb[i], x1 = xb[i + 1], x2 = xb[i + 2], x3 = xb[i + 3];
-                float *acc = y + b * y_stride + t0;
-#pragma omp simd
-                for (int64_t c = 0; c < width; c++) acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
-            }
+inline float sum_lanes(Vec v) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < kVec; i++) total += v[i];
+    return total;
+}
+
+// --- fp32: out[b] = row . x_b, two accumulator chains per sequence --------------------------------------
+template <int B>
+void row_dots_f32(const float *x, int64_t in, const float *row, float *out) {
+    Vec acc[B][2] = {};
+    int64_t i = 0;
+    for (; i + 2 * kVec <= in; i += 2 * kVec) {
+        __builtin_prefetch(row + kPrefetchBytes / sizeof(float) + i);  // a later row, while this one computes
+        const Vec w0 = *reinterpret_cast<const Vec *>(row + i), w1 = *reinterpret_cast<const Vec *>(row + i + kVec);
+        for (int b = 0; b < B; b++) {
+            acc[b][0] += *reinterpret_cast<const Vec *>(x + b * in + i) * w0;  // one FMA (-ffp-contract=fast)
+            acc[b][1] += *reinterpret_cast<const Vec *>(x + b * in + i + kVec) * w1;
         }
-        for (; i < in; i++) {
-            const float *w0 = w + i * out + t0;
-            for (int64_t b = 0; b < n; b++) {
-                const float x0 = x[b * in + i];
-                float *acc = y + b * y_stride + t0;
-#pragma omp simd
-                for (int64_t c = 0; c < width; c++) acc[c] += x0 * w0[c];
+    }
+    for (int b = 0; b < B; b++) {
+        float total = sum_lanes(acc[b][0] + acc[b][1]);
+        for (int64_t k = i; k < in; k++) total += x[b * in + k] * row[k];
+        out[b] = total;
+    }
+}
+
+// y[b][r0:r1] = W[r0:r1, :] . x_b, W fp32 output-major [out][in].
+void matvec_f32_rows(const float *x, int64_t n, const float *w, int64_t in, int64_t out, int64_t r0, int64_t r1,
+                     float *y) {
+    float dots[kMaxBatch];
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t b0 = 0; b0 < n; b0 += kMaxBatch) {
+            const int64_t count = std::min(kMaxBatch, n - b0);
+            const float *xb = x + b0 * in, *row = w + r * in;
+            switch (count) {
+                case 1: row_dots_f32<1>(xb, in, row, dots); break;
+                case 2: row_dots_f32<2>(xb, in, row, dots); break;
+                case 3: row_dots_f32<3>(xb, in, row, dots); break;
+                default: row_dots_f32<4>(xb, in, row, dots); break;
             }
+            for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b];
         }
     }
 }
@@ -114,65 +135,79 @@ void matvec_columns(const float *x, int64_t n, const float *w, int64_t in, int64
 // onto the weight. Each block's integer dot product is scaled into a float vector accumulator, reduced
 // once per row.
 constexpr int64_t kBlock = 64;
-constexpr int64_t kMaxBatch = 8;  // accumulators held in registers at once; larger batches take turns
 
 struct QuantizedX {
     std::vector<uint8_t> magnitude;  // |round(x / scale)|, <= 127
     std::vector<int8_t> sign;        // +1 / -1 (0 where x is 0)
     std::vector<uint64_t> negative;  // per block, bit i set where x[i] < 0
+    std::vector<uint8_t> biased;     // round(x / scale) + 128
     std::vector<float> scale;        // one per block of 64 inputs
 };
 
 QuantizedX quantize_blocks(const float *x, int64_t in) {
     const int64_t blocks = in / kBlock;
     QuantizedX q{std::vector<uint8_t>(in), std::vector<int8_t>(in), std::vector<uint64_t>(blocks, 0),
-                 std::vector<float>(blocks)};
+                 std::vector<uint8_t>(in), std::vector<float>(blocks)};
     for (int64_t b = 0; b < blocks; b++) {
         float top = 0.0f;
         for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i++) top = std::max(top, std::fabs(x[i]));
         const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
         q.scale[b] = top / 127.0f;
+        uint64_t negative = 0;
+#pragma omp simd reduction(| : negative)
         for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i++) {
-            const int v = int(std::lrint(x[i] * inverse));
-            q.magnitude[i] = uint8_t(std::abs(v));
-            q.sign[i] = int8_t(v > 0 ? 1 : v < 0 ? -1 : 0);
-            if (v < 0) q.negative[b] |= uint64_t(1) << (i - b * kBlock);
+            const float v = (x[i] * inverse + 12582912.0f) - 12582912.0f;  // round to nearest even, vectorizable
+            q.magnitude[i] = uint8_t(std::fabs(v));
+            q.sign[i] = int8_t(v > 0.0f ? 1 : v < 0.0f ? -1 : 0);
+            q.biased[i] = uint8_t(int(v) + 128);
+            negative |= uint64_t(v < 0.0f) << (i - b * kBlock);
         }
+        q.negative[b] = negative;
     }
     return q;
 }
 
-// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for n <= kMaxBatch sequences
-void row_dots(const QuantizedX *q, int64_t n, const int8_t *row, int64_t in, float *out) {
+// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for B <= kMaxBatch sequences
+template <int B>
+void row_dots_int8(const QuantizedX *q, const int8_t *row, int64_t in, float *out) {
     const int64_t blocks = in / kBlock;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512 acc[kMaxBatch];
-    for (int64_t b = 0; b < n; b++) acc[b] = _mm512_setzero_ps();
+    __m512 acc[B];
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
+        __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
         const __m512i weights = _mm512_loadu_si512(row + k * kBlock);
-        for (int64_t b = 0; b < n; b++) {
+        for (int b = 0; b < B; b++) {
             const __m512i magnitude = _mm512_loadu_si512(q[b].magnitude.data() + k * kBlock);
             const __m512i signed_w = _mm512_mask_sub_epi8(weights, q[b].negative[k], _mm512_setzero_si512(), weights);
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_w);
             acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q[b].scale[k]), acc[b]);
         }
     }
-    for (int64_t b = 0; b < n; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
+    for (int b = 0; b < B; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
 #elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[kMaxBatch];
-    for (int64_t b = 0; b < n; b++) acc[b] = _mm256_setzero_ps();
+    __m256 acc[B];
+    for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
+        __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock + 32));
-        for (int64_t b = 0; b < n; b++) {
+#if defined(__AVXVNNI__)
+        // x + 128 as unsigned bytes times w, less 128 * w (once per block for the whole batch): no sign work
+        const __m256i bias = _mm256_set1_epi8(char(128));
+        const __m256i offset = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), bias, w0), bias, w1);
+        for (int b = 0; b < B; b++) {
+            const uint8_t *u = q[b].biased.data() + k * kBlock;
+            const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u1 = _mm256_loadu_si256((const __m256i *)(u + 32));
+            const __m256i dot = _mm256_sub_epi32(
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, w0), u1, w1), offset);
+#else
+        for (int b = 0; b < B; b++) {
             const uint8_t *m = q[b].magnitude.data() + k * kBlock;
             const int8_t *s = q[b].sign.data() + k * kBlock;
             const __m256i m0 = _mm256_loadu_si256((const __m256i *)m), m1 = _mm256_loadu_si256((const __m256i *)(m + 32));
             const __m256i s0 = _mm256_sign_epi8(w0, _mm256_loadu_si256((const __m256i *)s));
             const __m256i s1 = _mm256_sign_epi8(w1, _mm256_loadu_si256((const __m256i *)(s + 32)));
-#if defined(__AVXVNNI__)
-            const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), m0, s0), m1, s1);
-#else
             const __m256i ones = _mm256_set1_epi16(1);  // maddubs pairs are <= 2 * 127 * 127: no saturation
             const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, s0), ones),
                                                  _mm256_madd_epi16(_mm256_maddubs_epi16(m1, s1), ones));
@@ -180,13 +215,13 @@ void row_dots(const QuantizedX *q, int64_t n, const int8_t *row, int64_t in, flo
             acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q[b].scale[k]), acc[b]);
         }
     }
-    for (int64_t b = 0; b < n; b++) {
+    for (int b = 0; b < B; b++) {
         __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[b]), _mm256_extractf128_ps(acc[b], 1));
         sum = _mm_hadd_ps(sum, sum);
         out[b] = _mm_cvtss_f32(_mm_hadd_ps(sum, sum));
     }
 #else
-    for (int64_t b = 0; b < n; b++) {
+    for (int b = 0; b < B; b++) {
         float total = 0.0f;
         for (int64_t k = 0; k < blocks; k++) {
             int32_t dot = 0;
@@ -208,51 +243,29 @@ void matvec_int8_rows(const std::vector<QuantizedX> &q, const int8_t *w, int64_t
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t b0 = 0; b0 < n; b0 += kMaxBatch) {
             const int64_t count = std::min(kMaxBatch, n - b0);
-            row_dots(q.data() + b0, count, w + r * in, in, dots);
+            const QuantizedX *qb = q.data() + b0;
+            const int8_t *row = w + r * in;
+            switch (count) {
+                case 1: row_dots_int8<1>(qb, row, in, dots); break;
+                case 2: row_dots_int8<2>(qb, row, in, dots); break;
+                case 3: row_dots_int8<3>(qb, row, in, dots); break;
+                default: row_dots_int8<4>(qb, row, in, dots); break;
+            }
             for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b];
         }
     }
 }
 
-// fp32 weights whose rows are only a few KB: split over the team by input rows instead, each thread
-// summing its stretch into partial sums that are added up at the end. Splitting columns there had both
-// threads reading halves of the same short rows, which streamed at half the bandwidth (measured).
-constexpr int64_t kNarrowColumns = 2048;
-
-void linear_split_inputs(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out,
-                         float *y) {
-    std::vector<float> partial(d.threads * n * out, 0.0f);
-#pragma omp parallel num_threads(d.threads)
-    {
-        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t per = ((in + team - 1) / team + 3) / 4 * 4;
-        const int64_t i0 = std::min(in, t * per), i1 = std::min(in, i0 + per);
-        if (i0 < i1) {
-            // the thread's inputs [i0, i1) of every sequence, gathered so that matvec reads them in a row
-            std::vector<float> xs(n * (i1 - i0));
-            for (int64_t b = 0; b < n; b++) std::copy(x + b * in + i0, x + b * in + i1, xs.data() + b * (i1 - i0));
-            matvec_columns(xs.data(), n, static_cast<const float *>(lin.weight) + i0 * out, i1 - i0, out, 0, out,
-                           partial.data() + t * n * out, out);
-        }
-    }
-    for (int64_t b = 0; b < n; b++)
-        for (int64_t c = 0; c < out; c++) {
-            float total = lin.bias ? lin.bias[c] : 0.0f;
-            for (int64_t t = 0; t < d.threads; t++) total += partial[(t * n + b) * out + c];
-            y[b * out + c] = total;
-        }
-}
-
-// y[b] = x[b] W (* scale) (+ bias) for every sequence b < n; x [n][in], y [n][out]. Each thread streams one
-// contiguous stretch of the weights, once for the whole batch: a range of output rows (int8,
-// output-major), of output columns (wide fp32), or of input rows (narrow fp32).
+// y[b] = x[b] W^T (* scale) (+ bias) for every sequence b < n; x [n][in], y [n][out]. Each thread streams
+// one contiguous range of output rows, once for the whole batch.
 void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out, float *y) {
-    if (!d.is_int8 && out < kNarrowColumns) return linear_split_inputs(d, lin, x, n, in, out, y);
-    std::vector<QuantizedX> q;
-    if (d.is_int8)
-        for (int64_t b = 0; b < n; b++) q.push_back(quantize_blocks(x + b * in, in));
+    std::vector<QuantizedX> q(d.is_int8 ? n : 0);
 #pragma omp parallel num_threads(d.threads)
     {
+        if (d.is_int8) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < n; b++) q[b] = quantize_blocks(x + b * in, in);
+        }
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t per = ((out + team - 1) / team + 15) / 16 * 16;
         const int64_t c0 = std::min(out, t * per), c1 = std::min(out, c0 + per);
@@ -260,7 +273,7 @@ void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t
             if (d.is_int8)
                 matvec_int8_rows(q, static_cast<const int8_t *>(lin.weight), in, out, c0, c1, y);
             else
-                matvec_columns(x, n, static_cast<const float *>(lin.weight), in, out, c0, c1, y, out);
+                matvec_f32_rows(x, n, static_cast<const float *>(lin.weight), in, out, c0, c1, y);
             for (int64_t b = 0; b < n; b++)
                 for (int64_t c = c0; c < c1; c++) {
                     if (lin.scale) y[b * out + c] *= lin.scale[c];
