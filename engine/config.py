@@ -57,7 +57,7 @@ class EngineConfig:
         activations quantized per call; lean path on CPU), or auto (dtype decides: fp32 on CPU,
         bf16 on CUDA).
     prefill_chunk: prompt tokens per prefill forward pass; 0 means the whole prompt in one pass.
-    kv_cache_mb: the KV pool's size; None: an eighth of the machine's memory, at most 2 GiB.
+    kv_cache_mb: the KV pool's size in MB (10^6 bytes); None: an eighth of the machine's memory, at most 2 GiB.
     kv_block_tokens: tokens per KV block (the unit of paging and of prefix reuse).
     prefix_caching: reuse the KV of prompt prefixes already in the pool (earlier turns, shared system
         prompts); off: every prompt is prefilled whole.
@@ -72,7 +72,7 @@ class EngineConfig:
     precision: str = "auto"
     prefill_chunk: int = 0
     cache_dir: str | None = None
-    kv_cache_mb: int | None = None
+    kv_cache_mb: float | None = None
     kv_block_tokens: int = 16
     prefix_caching: bool = True
     max_running: int = 16
@@ -94,8 +94,8 @@ class EngineConfig:
         if self.max_step_tokens <= self.max_running:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_running "
                              f"({self.max_running}), or prompts could never be prefilled beside a full batch")
-        if self.kv_cache_mb is not None and (not isinstance(self.kv_cache_mb, int) or self.kv_cache_mb < 1):
-            raise ValueError(f"kv_cache_mb must be an integer >= 1 (MB), got {self.kv_cache_mb!r}")
+        if self.kv_cache_mb is not None and (not isinstance(self.kv_cache_mb, (int, float)) or self.kv_cache_mb <= 0):
+            raise ValueError(f"kv_cache_mb must be a number of MB > 0, got {self.kv_cache_mb!r}")
 
     @property
     def load_dtype(self) -> str:

@@ -102,7 +102,7 @@ class Engine:
         self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir)
         self.eos_ids = _eos_ids(loaded)
         mb = self.config.kv_cache_mb
-        budget = mb * 1_000_000 if mb else default_kv_budget_bytes(loaded.device)
+        budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
         self.pool = self.runner.new_pool(budget, self.config.kv_block_tokens, self.config.prefix_caching)
         self.scheduler = Scheduler(self.pool, self.config.max_running, self.config.max_step_tokens)
         self._hooks: list[Hook] = []

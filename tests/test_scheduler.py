@@ -1,0 +1,194 @@
+"""The engine as a scheduler: continuous batching, the paged KV pool, prefix caching."""
+from __future__ import annotations
+
+import threading
+from contextlib import nullcontext
+
+import pytest
+
+from conftest import tiny_model, user
+from engine import DecodeStep, Engine, EngineConfig, Finished, KVPoolTooSmall, PrefillChunk, SamplingParams, Started
+
+PROMPTS = ["The cat sat on the mat.", "Tell me about the sea, please.", "One two three four five six",
+           "Why is the sky blue?", "Prefill then decode.", "A longer prompt that takes a few more tokens to say.",
+           "Hello", "What is a KV cache, and why does decode need one?"]
+
+
+BLOCK_MB = 2 * 2 * 2 * 16 * 4 * 16 / 1e6  # the tiny model's 16-token block: K and V, 2 layers, 2 heads, 16 dims
+
+
+def greedy(max_new: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+
+
+def shape(events) -> list[tuple]:
+    out = []
+    for e in events:
+        if isinstance(e, PrefillChunk):
+            out.append(("prefill", e.start, e.end))
+        elif isinstance(e, DecodeStep):
+            out.append(("decode", e.step))
+        else:
+            out.append((e.type,))
+    return out
+
+
+def run_staggered(engine: Engine, prompts: list[str], max_new: list[int], join_at: list[int]):
+    """Submit request i once step join_at[i] has run; step until all are done. Returns each
+    request's events and the requests."""
+    requests = [engine.new_request(user(p), greedy(n)) for p, n in zip(prompts, max_new)]
+    events = {r.request_id: [] for r in requests}
+    step = 0
+    while step == 0 or not all(r.is_finished for r in requests):
+        for request, at in zip(requests, join_at):
+            if at == step:
+                engine.submit(request, [events[request.request_id].append])
+        engine.step()
+        step += 1
+    return [events[r.request_id] for r in requests], requests
+
+
+def alone(engine: Engine, prompt: str, max_new: int) -> list[int]:
+    request = engine.new_request(user(prompt), greedy(max_new))
+    list(engine.run(request))
+    return request.generated_ids
+
+
+@pytest.mark.parametrize("precision, path", [("fp32", "fused C++"), ("int8", "fused C++"), ("fp32", "PyTorch ops"),
+                                             ("int8", "PyTorch ops")])
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+def test_batched_tokens_equal_alone_with_requests_joining_and_leaving(tokenizer, precision, path, batch):
+    # no prefix reuse here: int8's prefill kernels quantize per chunk, so this test isolates batching
+    engine = Engine(tiny_model(tokenizer), EngineConfig(precision=precision, prefix_caching=False))
+    switch = engine.runner.pytorch_decode() if path == "PyTorch ops" else nullcontext()
+    prompts, max_new = PROMPTS[:batch], [6 + 3 * (i % 3) for i in range(batch)]
+    join_at = [2 * i for i in range(batch)]  # each joins two steps after the one before
+    with switch:
+        assert path == engine.runner.decode_path
+        expected = [alone(engine, p, n) for p, n in zip(prompts, max_new)]
+        events, requests = run_staggered(engine, prompts, max_new, join_at)
+    assert expected == [r.generated_ids for r in requests]
+    for request, stream, n in zip(requests, events, max_new):
+        prompt = request.num_prompt_tokens
+        assert [("Started",), ("prefill", 0, prompt), ("FirstToken",), *[("decode", i) for i in range(n)],
+                ("Finished",)] == shape(stream)
+        finished = stream[-1]
+        assert ("length", n, prompt) == (finished.reason, finished.metrics.num_generated_tokens,
+                                         finished.metrics.num_prompt_tokens)
+        assert finished.metrics.tpot_ms > 0 and finished.metrics.ttft_ms > 0
+    sizes = [e.batch_size for stream in events for e in stream if isinstance(e, DecodeStep) and e.step > 0]
+    assert (max(sizes) > 1) == (batch > 1)  # requests whose lifetimes overlap decode together
+    assert 1 == min(sizes)  # the last one ends alone
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_untouched(tokenizer):
+    engine = Engine(tiny_model(tokenizer))
+    expected = [alone(engine, p, 12) for p in PROMPTS[:3]]
+    requests = [engine.new_request(user(p), greedy(12)) for p in PROMPTS[:3]]
+    cancel_at_3 = lambda e: requests[1].cancel() if isinstance(e, DecodeStep) and e.step == 3 else None  # noqa: E731
+    seen = []
+    finished = engine.run_all(requests, hooks=[seen.append])
+    assert ["length", "length", "length"] == [f.reason for f in finished]
+    requests = [engine.new_request(user(p), greedy(12)) for p in PROMPTS[:3]]
+    for request in requests:
+        engine.submit(request, [cancel_at_3] if request is requests[1] else [])
+    while not all(r.is_finished for r in requests):
+        engine.step()
+    assert ["finished", "stopped", "finished"] == [r.status for r in requests]
+    assert 4 == requests[1].num_generated
+    assert [expected[0], expected[2]] == [requests[0].generated_ids, requests[2].generated_ids]
+    assert 0 == engine.kv_usage().num_used  # every block went back
+
+
+def test_prefix_reuse_across_turns_is_exact(tokenizer):
+    loaded = tiny_model(tokenizer, max_positions=1024)
+    cached, fresh = Engine(loaded), Engine(loaded, EngineConfig(prefix_caching=False))
+    conversation = user("Explain prefill and decode in detail. " * 4)
+    for turn in range(3):
+        first = cached.generate(conversation, greedy(20))
+        second = fresh.generate(conversation, greedy(20))
+        assert first.text == second.text  # identical greedy tokens with and without reuse
+        assert 0 == second.metrics.num_cached_tokens
+        if turn == 0:
+            assert 0 == first.metrics.num_cached_tokens
+        else:  # the earlier turns (prompt and reply) came from the pool; only the rest was prefilled
+            assert first.metrics.num_cached_tokens >= previous - 16
+            assert first.metrics.num_cached_tokens % 16 == 0
+        previous = first.metrics.num_prompt_tokens
+        conversation = conversation + [{"role": "assistant", "content": first.text},
+                                       {"role": "user", "content": f"And turn {turn + 2}?"}]
+
+
+def test_a_shared_system_prompt_is_prefilled_once(tokenizer):
+    engine = Engine(tiny_model(tokenizer, max_positions=1024))
+    system = [{"role": "system", "content": "You are a careful teacher of inference engines. " * 6}]
+    first = list(engine.stream(system + user("What is TTFT?"), greedy(4)))
+    second = list(engine.stream(system + user("What is TPOT?"), greedy(4)))
+    started = second[0]
+    assert isinstance(started, Started) and 0 == first[0].num_cached_tokens
+    system_tokens = len(tokenizer.apply_chat_template(system, tokenize=False)) // 8  # well below its length
+    assert started.num_cached_tokens >= system_tokens
+    chunk = second[1]
+    assert (started.num_cached_tokens, started.num_prompt_tokens) == (chunk.start, chunk.end)
+    assert second[-1].metrics.num_cached_tokens == started.num_cached_tokens
+    fresh = Engine(engine.loaded, EngineConfig(prefix_caching=False)).generate(system + user("What is TPOT?"),
+                                                                              greedy(4))
+    assert fresh.text == second[-1].text
+
+
+def test_unused_blocks_are_evicted_least_recently_used(tokenizer):
+    engine = Engine(tiny_model(tokenizer), EngineConfig(kv_cache_mb=12 * BLOCK_MB))  # 12 blocks of 16 tokens
+    a, b = "Tell me about whales. " * 6, "Something else entirely, about trees. " * 19
+    first = engine.generate(user(a), greedy(8))
+    usage = engine.kv_usage()
+    assert (0, usage.num_blocks - usage.num_free) == (usage.num_used, usage.num_cached)
+    second = engine.generate(user(a), greedy(8))
+    assert second.metrics.num_cached_tokens >= first.metrics.num_prompt_tokens - 16  # still cached
+    engine.generate(user(b), greedy(8))  # needs nearly the whole pool: a's own blocks are evicted
+    again = engine.generate(user(a), greedy(8))
+    # what is left is the chat template's opening, which b shares with a
+    assert again.metrics.num_cached_tokens < second.metrics.num_cached_tokens
+    assert first.text == second.text == again.text
+
+
+def test_a_request_larger_than_the_pool_is_refused_clearly(tokenizer):
+    engine = Engine(tiny_model(tokenizer, max_positions=4096), EngineConfig(kv_cache_mb=4 * BLOCK_MB))  # 64 tokens
+    with pytest.raises(KVPoolTooSmall, match=r"needs KV cache for [\d,]+ tokens, but the pool holds 64 tokens"):
+        engine.new_request(user("word " * 80), greedy(4))
+    assert "length" == engine.generate(user("Hi"), greedy(4)).reason  # the engine goes on
+
+
+def test_a_request_waits_while_the_pool_is_full(tokenizer):
+    engine = Engine(tiny_model(tokenizer), EngineConfig(prefix_caching=False, kv_cache_mb=6 * BLOCK_MB))  # 96 tokens
+    requests = [engine.new_request(user(p), greedy(40)) for p in ("First prompt here", "Second prompt here")]
+    order = []
+    finished = engine.run_all(requests, hooks=[lambda e: order.append((e.request_id, e.type))
+                                               if isinstance(e, (Started, Finished)) else None])
+    first, second = (r.request_id for r in requests)
+    assert [(first, "Started"), (first, "Finished"), (second, "Started"), (second, "Finished")] == order
+    assert ["length", "length"] == [f.reason for f in finished]
+
+
+def test_the_serving_thread_runs_requests_from_several_threads_together(tokenizer):
+    engine = Engine(tiny_model(tokenizer))
+    expected = [alone(engine, p, 30) for p in PROMPTS[:3]]
+    loop = threading.Thread(target=engine.serve_forever, daemon=True)
+    loop.start()
+    results, sizes = {}, []
+
+    def chat(index: int) -> None:
+        request = engine.new_request(user(PROMPTS[index]), greedy(30))
+        events = list(engine.run(request))
+        sizes.extend(e.batch_size for e in events if isinstance(e, DecodeStep))
+        results[index] = request.generated_ids
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    engine.stop()
+    loop.join(timeout=10)
+    assert expected == [results[i] for i in range(3)]
+    assert max(sizes) > 1  # they decoded together
+    assert (0, 0) == engine.load()
