@@ -15,6 +15,8 @@ from engine import DecodeStep, Event, PrefillChunk, Started
 PREFILL_COLOR = "#e8871e"  # amber: the prompt read in one burst
 DECODE_COLOR = "#2f6fdf"  # blue: one token at a time
 CAPACITY_COLOR = "#9aa4b2"
+CACHED_COLOR = "#7d8fab"  # prompt tokens whose K/V were reused from the pool (prefix caching)
+CACHED_FILL = "rgba(125, 143, 171, 0.18)"
 GRID_COLOR = "#eceff3"
 MAX_MARKERS = 60
 LOG_TICKS = [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000]
@@ -85,15 +87,27 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[di
     if not points:
         return [], x0
     xs = list(range(x0, x0 + len(points) + 1))
-    phases = ["start"] + ["prefill" if isinstance(p, PrefillChunk) else "decode" for p in points]
+    phases = ["kept" if started and started.num_cached_tokens else "start"] + [
+        "prefill" if isinstance(p, PrefillChunk) else "decode" for p in points]
+    kept_tokens, kept_mb = 0, 0.0
+    if started is not None and started.num_cached_tokens:  # the prefix reused from the pool: kept, not rebuilt
+        kept_tokens = started.num_cached_tokens
+        kept_mb = kept_tokens * started.kv_capacity_bytes / started.kv_capacity_tokens / 1e6
     traces = [dict(
         type="scatter", mode=_mode(len(xs)), name=f"turn {number}", showlegend=False, x=xs,
-        y=[0.0] + [p.kv_bytes / 1e6 for p in points], line=dict(color=DECODE_COLOR, width=1.5, shape="hv"),
-        marker=dict(color=[DECODE_COLOR if ph == "decode" else PREFILL_COLOR for ph in phases], size=5),
-        customdata=[[tokens, phase] for tokens, phase in zip([0] + [p.kv_tokens for p in points], phases)],
+        y=[kept_mb] + [p.kv_bytes / 1e6 for p in points], line=dict(color=DECODE_COLOR, width=1.5, shape="hv"),
+        marker=dict(color=[{"decode": DECODE_COLOR, "kept": CACHED_COLOR}.get(ph, PREFILL_COLOR) for ph in phases],
+                    size=5),
+        customdata=[[tokens, phase] for tokens, phase in zip([kept_tokens] + [p.kv_tokens for p in points], phases)],
         hovertemplate=f"turn {number} · %{{customdata[1]}}<br>%{{customdata[0]}} tokens · %{{y:.2f}} MB"
                       "<extra></extra>",
     )]
+    if kept_tokens:
+        traces.insert(0, dict(type="scatter", mode="lines", name="kept from cache", showlegend=False,
+                              x=[xs[0], xs[-1]], y=[kept_mb, kept_mb], fill="tozeroy", fillcolor=CACHED_FILL,
+                              line=dict(color=CACHED_COLOR, width=1),
+                              hovertemplate=f"turn {number}: {kept_tokens:,} prompt tokens kept from the cache "
+                                            f"({kept_mb:.2f} MB), not prefilled again<extra></extra>"))
     if started is not None:
         capacity = started.kv_capacity_bytes / 1e6
         traces.append(dict(type="scatter", mode="lines", name="allocated", showlegend=number == 1,
@@ -107,13 +121,16 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[di
 def kv_figure(turns: Sequence[Sequence[Event]]) -> go.Figure:
     """KV cache size after every prefill chunk and decode step, over all turns of a chat.
 
-    Each turn builds its cache anew (no prefix caching yet), so a turn starts from zero, jumps by the
-    whole conversation in its prefill, then grows by one token per decode step.
+    A turn starts from what the engine kept of the conversation (prefix caching: the earlier turns'
+    blocks, shaded), jumps by the new part of the prompt in its prefill, then grows by one token per
+    decode step. Without reuse a turn starts from zero and prefills the whole conversation again.
     """
     data, x = [], 0
     for number, events in enumerate(turns, start=1):
         traces, x = _turn_traces(number, events, x)
         data += traces
+    if any(t.get("name") == "kept from cache" for t in data):
+        data.append(_legend_dot("kept from cache", CACHED_COLOR))
     data += [_legend_dot("prefill", PREFILL_COLOR), _legend_dot("decode", DECODE_COLOR)]
     return _figure(data, "KV cache size", _axis("step (all turns of this chat)"),
                    _axis("KV cache (MB)", rangemode="tozero"))

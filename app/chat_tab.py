@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from engine import Engine, Event, SamplingParams
+from engine import Engine, Event, Request, SamplingParams, Status
 
 from . import charts, panels
-from .session import ActiveRequests, ChatSession, EngineThread, ReplyWorker
+from .session import ActiveRequests, ChatSession, ReplyWorker
 from .trace import ReplyTrace
 
 TEXT_EVERY_S = 0.25  # how often the reply text and tiles are sent to the browser (4/s)
@@ -32,15 +32,26 @@ class ChatTab:
     latency: gr.Plot
     kv: gr.Plot
     kv_check: gr.HTML
+    pool: gr.HTML
 
     @property
     def outputs(self) -> list[gr.components.Component]:
         return [self.chatbot, self.message, self.phase, self.kpis, self.split, self.latency, self.kv,
-                self.kv_check, self.session]
+                self.kv_check, self.pool, self.session]
+
+
+def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None) -> str:
+    """The phase line, with where the request stands among the others the engine runs."""
+    running, _ = engine.load()
+    if request is not None and request.status == Status.WAITING:
+        place = engine.place_in_line(request)
+        return panels.queued_html(running + (place or 0), running)
+    is_running = request is not None and not request.is_finished
+    return panels.phase_html(trace, num_others=running - 1 if is_running else 0)
 
 
 def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
-           plots: tuple[bool, bool] = (True, True)) -> tuple:
+           plots: tuple[bool, bool] = (True, True), request: Request | None = None) -> tuple:
     """Every output of the tab, for one moment of a chat; plots says which of the (latency, KV)
     figures to redraw, the others are left as they are."""
     while session.warnings:
@@ -48,9 +59,10 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
     metrics = trace.metrics() if trace else None
     latency = charts.latency_figure(trace.events if trace else []) if plots[0] else gr.skip()
     kv = charts.kv_figure([t.events for t in session.traces]) if plots[1] else gr.skip()
-    return (session.display, gr.skip(), panels.phase_html(trace), panels.kpi_html(trace),
+    return (session.display, gr.skip(), _phase(engine, trace, request), panels.kpi_html(trace),
             panels.time_split_html(metrics if trace and trace.steps else None), latency, kv,
-            panels.kv_measured_html(trace, engine.info), session)
+            panels.kv_measured_html(trace, engine.info), panels.pool_html(engine.kv_usage(), *engine.load()),
+            session)
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams:
@@ -67,19 +79,18 @@ def make_accept(active: ActiveRequests):
         if not text or session.pending:  # an empty message does nothing; one reply at a time per chat
             return gr.skip(), gr.skip(), gr.skip(), session
         session.accept(text)
-        ahead = active.wait(session.id)
-        return session.display, "", panels.queued_html(ahead), session
+        active.wait(session.id)
+        return session.display, "", panels.queued_html(0, 0), session
 
     return accept
 
 
-def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None,
-                 runner: EngineThread):
+def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None):
     """The queued second step: run the accepted message and stream the reply and the live panel."""
     def respond(session, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
         text = session.pending if session else ""
         if not text:
-            yield (gr.skip(),) * 9
+            yield (gr.skip(),) * 10
             return
         system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
         messages = system_messages + session.messages + [{"role": "user", "content": text}]
@@ -101,7 +112,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             except Exception as exc:  # a full disk or a broken database must not stop the chat
                 session.warn(f"this reply will not be saved to the history: {exc}")
         active.start(session.id, request)
-        worker = ReplyWorker(engine, request, trace, runner, hooks)
+        worker = ReplyWorker(engine, request, trace, hooks)
         try:
             last_plot, turn = 0.0, 0
             while worker.is_running:
@@ -111,7 +122,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
                 if time.monotonic() - last_plot >= PLOT_EVERY_S:  # one figure at a time, in turn
                     last_plot, turn = time.monotonic(), turn + 1
                     plots = (turn % 2 == 1, turn % 2 == 0)
-                yield render(session, engine, trace, plots=plots)
+                yield render(session, engine, trace, plots=plots, request=request)
         finally:
             if worker.is_running:  # the browser went away: stop generating for nobody
                 request.cancel()
@@ -128,19 +139,19 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
     return respond
 
 
-def new_chat(active: ActiveRequests):
+def new_chat(engine: Engine, active: ActiveRequests):
     def handler(session):
         if session:
             active.cancel(session.id)
         fresh = ChatSession()
         return (fresh.display, "", panels.phase_html(None), panels.kpi_html(None), panels.time_split_html(None),
-                charts.latency_figure([]), charts.kv_figure([]), "", fresh)
+                charts.latency_figure([]), charts.kv_figure([]), "", panels.pool_html(engine.kv_usage(), *engine.load()),
+                fresh)
 
     return handler
 
 
-def build(engine: Engine, active: ActiveRequests, runner: EngineThread,
-          recorder: RecorderFactory | None = None) -> ChatTab:
+def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None = None) -> ChatTab:
     session = gr.State(None)
     with gr.Row(equal_height=False):
         with gr.Column(scale=5, min_width=360):
@@ -169,16 +180,18 @@ def build(engine: Engine, active: ActiveRequests, runner: EngineThread,
             latency = gr.Plot(charts.latency_figure([]), show_label=False, elem_id="ps-latency")
             kv = gr.Plot(charts.kv_figure([]), show_label=False, elem_id="ps-kv")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
-    tab = ChatTab(session, chatbot, message, phase, kpis, split, latency, kv, kv_check)
+            pool = gr.HTML(panels.pool_html(engine.kv_usage(), *engine.load()), elem_id="ps-pool")
+    tab = ChatTab(session, chatbot, message, phase, kpis, split, latency, kv, kv_check, pool)
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
-    accept, respond = make_accept(active), make_respond(engine, active, recorder, runner)
+    accept, respond = make_accept(active), make_respond(engine, active, recorder)
+    # several chats reply at once: the engine batches their decode steps and queues what does not fit
     replies = [
         trigger(accept, [message, session], [chatbot, message, phase, session], queue=False).then(
-            respond, [session, *settings], tab.outputs, concurrency_limit=1, concurrency_id="engine",
-            show_progress="hidden")
+            respond, [session, *settings], tab.outputs, concurrency_limit=engine.config.max_running,
+            concurrency_id="engine", show_progress="hidden")
         for trigger in (message.submit, send.click)
     ]
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
     # closing a running reply's generator cancels its request (see respond's finally)
-    new.click(new_chat(active), [session], tab.outputs, cancels=replies)
+    new.click(new_chat(engine, active), [session], tab.outputs, cancels=replies)
     return tab

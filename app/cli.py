@@ -20,6 +20,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default=os.environ.get("PHASESCOPE_PRECISION", "auto"),
                         help="auto, fp32, fp16, bf16 or int8 (weights int8, lean path on CPU; env "
                              "PHASESCOPE_PRECISION)")
+    parser.add_argument("--kv-cache-mb", type=float, help="the KV cache pool's size in MB (default: an eighth of "
+                                                          "the memory, at most 2 GiB)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="prefill every prompt whole instead of reusing the KV of prefixes already in the pool")
+    parser.add_argument("--max-running", type=int, default=16, help="requests decoded together at most (default 16)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -86,12 +91,18 @@ def _add_db_option(parser: argparse.ArgumentParser) -> None:
                         help="history database (default ~/.local/share/phasescope/history.db; env PHASESCOPE_DB)")
 
 
-def _engine(args: argparse.Namespace):
-    from engine import Engine, EngineConfig
+def engine_config(args: argparse.Namespace):
+    from engine import EngineConfig
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision,
-                          prefill_chunk=getattr(args, "prefill_chunk", 0))
-    return Engine.from_config(config)
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision,
+                        prefill_chunk=getattr(args, "prefill_chunk", 0), kv_cache_mb=args.kv_cache_mb,
+                        prefix_caching=not args.no_prefix_cache, max_running=args.max_running)
+
+
+def _engine(args: argparse.Namespace):
+    from engine import Engine
+
+    return Engine.from_config(engine_config(args))
 
 
 def _sampling(args: argparse.Namespace):
@@ -111,7 +122,8 @@ def summary_line(metrics) -> str:
     def num(value, digits=1):
         return "n/a" if value is None else f"{value:,.{digits}f}"
 
-    return (f"prompt {metrics.num_prompt_tokens} tok · TTFT {num(metrics.ttft_ms, 0)} ms · "
+    return (f"prompt {metrics.num_prompt_tokens} tok (cached {metrics.num_cached_tokens}) · "
+            f"TTFT {num(metrics.ttft_ms, 0)} ms · "
             f"prefill {num(metrics.prefill_tokens_per_s)} tok/s · decode {num(metrics.decode_tokens_per_s)} tok/s "
             f"({metrics.num_generated_tokens} tok) · KV {metrics.kv_tokens} tok, "
             f"{metrics.kv_bytes / 1e6:.1f} MB")
@@ -201,10 +213,8 @@ def tune_openmp_for_the_app(precision: str) -> None:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from app.main import launch
-    from engine import EngineConfig
 
-    launch(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision),
-           host=args.host, port=args.port, db_path=args.db, open_browser=args.open)
+    launch(engine_config(args), host=args.host, port=args.port, db_path=args.db, open_browser=args.open)
     return 0
 
 

@@ -15,7 +15,7 @@ from .store import Store
 
 FORMATS = ("csv", "json", "trace")
 CSV_COLUMNS = ["session_id", "message_id", "turn", "phase", "index", "start_ms", "latency_ms", "tokens",
-               "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob"]
+               "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob", "batch_size", "cached_prompt_tokens"]
 DEFINITIONS = {
     "ttft_ms": "request submitted -> first generated token available",
     "itl_ms": "gap between two successive generated tokens",
@@ -24,6 +24,8 @@ DEFINITIONS = {
     "prefill_tokens_per_s": "prompt tokens / prefill forward time",
     "decode_tokens_per_s": "(generated tokens - 1) / (e2e_ms - ttft_ms)",
     "start_ms": "step start, from the request's submission",
+    "batch_size": "sequences decoded together in the step that produced this token",
+    "cached_prompt_tokens": "prompt tokens whose KV came from the cache (prefix caching), not prefilled",
 }
 
 
@@ -50,7 +52,7 @@ def to_csv(store: Store, session_id: int | None = None) -> str:
                 writer.writerow([sid, message["id"], message["turn"], step["phase"], step["idx"],
                                  step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
                                  step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
-                                 step["token_prob"]])
+                                 step["token_prob"], step["batch_size"], message["cached_prompt_tokens"]])
     return out.getvalue()
 
 
@@ -59,7 +61,8 @@ def _message_json(message: dict, steps: list[dict]) -> dict:
     summary = {"ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms,
                "itl_ms": percentiles(m.itl_ms), "prefill_tokens_per_s": m.prefill_tokens_per_s,
                "decode_tokens_per_s": m.decode_tokens_per_s, "num_prompt_tokens": m.num_prompt_tokens,
-               "num_generated_tokens": m.num_generated_tokens, "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
+               "num_generated_tokens": m.num_generated_tokens, "num_cached_tokens": m.num_cached_tokens,
+               "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
     return {**message, "metrics": summary if message["role"] == "assistant" else None,
             "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6} for s in steps]}
 
@@ -92,7 +95,7 @@ def _trace_events(session: dict, message: dict, steps: list[dict], origin_us: fl
             # token 1's latency is the TTFT; on the timeline it is the first sample, after the prefill
             start_ns = max(start_ns, prefill_end_ns) if step["idx"] == 0 else start_ns
             name, args = f"decode {step['idx']}", {"token_id": step["token_id"], "text": step["token_text"],
-                                                    "prob": step["token_prob"]}
+                                                    "prob": step["token_prob"], "batch_size": step["batch_size"]}
         ts, dur = base_us + start_ns / 1e3, (end_ns - start_ns) / 1e3
         events.append({"name": name, "cat": step["phase"], "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": tid,
                        "args": {**args, "latency_ms": step["latency_ns"] / 1e6, "kv_tokens": step["kv_tokens"],

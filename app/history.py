@@ -26,9 +26,9 @@ def step_row(event: PrefillChunk | DecodeStep) -> dict:
                kv_tokens=event.kv_tokens, kv_bytes=event.kv_bytes)
     if isinstance(event, PrefillChunk):
         return dict(phase="prefill", num_tokens=event.end - event.start, token_id=None, token_text=None,
-                    token_prob=None, **row)
+                    token_prob=None, batch_size=None, **row)
     return dict(phase="decode", num_tokens=1, token_id=event.token_id, token_text=event.text,
-                token_prob=event.prob, **row)
+                token_prob=event.prob, batch_size=event.batch_size, **row)
 
 
 class MessageRecorder:
@@ -60,6 +60,7 @@ class MessageRecorder:
                 self._flush(content=self._text)
         elif isinstance(event, Started):
             self.store.update_message(self.message_id, prompt_tokens=event.num_prompt_tokens,
+                                      cached_prompt_tokens=event.num_cached_tokens,
                                       kv_capacity_tokens=event.kv_capacity_tokens,
                                       kv_capacity_bytes=event.kv_capacity_bytes)
         elif isinstance(event, FirstToken):
@@ -99,7 +100,7 @@ def _points(message: dict, steps: list[dict]) -> list[PrefillChunk | DecodeStep]
     """A stored reply's steps as the events they were written from."""
     request_id, prompt = str(message["id"]), message["prompt_tokens"] or 0
     points: list[PrefillChunk | DecodeStep] = []
-    position = 0
+    position = message["cached_prompt_tokens"] or 0  # the first chunk starts after the reused prefix
     for row in steps:
         t_ms, latency_ms = (row["start_ns"] + row["latency_ns"]) / 1e6, row["latency_ns"] / 1e6
         if row["phase"] == "prefill":
@@ -108,7 +109,8 @@ def _points(message: dict, steps: list[dict]) -> list[PrefillChunk | DecodeStep]
             position += row["num_tokens"]
         else:
             points.append(DecodeStep(request_id, t_ms, row["idx"], row["token_id"], row["token_text"] or "",
-                                     latency_ms, row["kv_tokens"], row["kv_bytes"], row["token_prob"], ()))
+                                     latency_ms, row["kv_tokens"], row["kv_bytes"], row["token_prob"], (),
+                                     row.get("batch_size") or 1))
     return points
 
 
@@ -128,7 +130,7 @@ def message_events(message: dict, steps: list[dict]) -> list[Event]:
     events: list[Event] = []
     if message.get("kv_capacity_tokens") is not None:
         events.append(Started(request_id, 0.0, message["prompt_tokens"] or 0, 0, message["kv_capacity_tokens"],
-                              message["kv_capacity_bytes"], ""))
+                              message["kv_capacity_bytes"], "", message["cached_prompt_tokens"] or 0))
     points = _points(message, steps)
     events += points
     if message["status"] != "in_progress":

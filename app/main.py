@@ -18,7 +18,7 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 TITLE = "PhaseScope"
 
 
-def build_app(engine: Engine, store: Store, runner: EngineThread) -> gr.Blocks:
+def build_app(engine: Engine, store: Store) -> gr.Blocks:
     active = ActiveRequests()
     with gr.Blocks(title=TITLE) as app:
         gr.HTML(f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> '
@@ -26,7 +26,7 @@ def build_app(engine: Engine, store: Store, runner: EngineThread) -> gr.Blocks:
                 'and the reply come token by token (<b class="ps-d-fg">decode</b>)</span></div>')
         with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
-                chat = chat_tab.build(engine, active, runner, make_recorder(store, engine.info))
+                chat = chat_tab.build(engine, active, make_recorder(store, engine.info))
             with gr.Tab("History", id="history", elem_id="ps-history-tab"):
                 history_tab.build(engine, store, chat, tabs)
     app.queue(default_concurrency_limit=1)
@@ -42,13 +42,14 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     store = Store.open(db_path)  # first: a bad --db fails before the model loads
     print(f"History: {store.path}", file=sys.stderr, flush=True)
     print("Loading the model…", file=sys.stderr, flush=True)
-    # the engine thread loads the model and runs every reply: one OpenMP team (see EngineThread)
+    # the engine thread loads the model, then runs the scheduler loop: one OpenMP team (see EngineThread)
     runner = EngineThread().start()
     engine = runner.call(lambda: Engine.from_config(config))
+    runner.serve(engine)
     info = engine.info
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})",
           file=sys.stderr, flush=True)
-    app = build_app(engine, store, runner)
+    app = build_app(engine, store)
     url = f"http://{host}:{port}"
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from engine import ModelInfo, RequestMetrics
+from engine import ModelInfo, PoolUsage, RequestMetrics
 
 from .trace import ReplyTrace
 
@@ -20,29 +20,41 @@ def _num(value: float | None, digits: int = 1, unit: str = "") -> str:
     return "–" if value is None else f"{value:,.{digits}f}{unit}"
 
 
-def queued_html(num_ahead: int) -> str:
+def _plural(count: int, word: str, words: str | None = None) -> str:
+    return f"{count:,} {word if count == 1 else words or word + 's'}"
+
+
+def queued_html(num_ahead: int, num_running: int) -> str:
+    """A reply the engine has not taken in yet: how many are ahead of it, and why it waits."""
     if num_ahead == 0:
         return '<div class="ps-phase ps-queued" data-phase="queued">Starting…</div>'
-    replies = "reply" if num_ahead == 1 else "replies"
-    return (f'<div class="ps-phase ps-queued" data-phase="queued"><b>Queued</b> — {num_ahead} {replies} ahead '
-            'of yours; the engine runs one at a time</div>')
+    return (f'<div class="ps-phase ps-queued" data-phase="queued"><b>Queued</b> — {_plural(num_ahead, "reply", "replies")} '
+            f'ahead of yours ({num_running:,} running: the batch or the KV pool is full)</div>')
 
 
-def phase_html(trace: ReplyTrace | None) -> str:
+def _others(num_others: int) -> str:
+    return f" · running with {_plural(num_others, 'other')}" if num_others > 0 else ""
+
+
+def phase_html(trace: ReplyTrace | None, num_others: int = 0) -> str:
+    """The phase of a reply; num_others: the other requests the engine runs beside it now."""
     if trace is None:
         return '<div class="ps-phase ps-idle">Ready — send a message to watch prefill and decode.</div>'
     phase = trace.phase
     if phase == "queued":
-        return queued_html(0)
+        return queued_html(0, 0)
     if phase == "prefill":
-        done = trace.chunks[-1].end if trace.chunks else 0
+        done = trace.chunks[-1].end if trace.chunks else trace.num_cached_tokens
         total = trace.num_prompt_tokens
         share = 100 * done / total if total else 0
         return (f'<div class="ps-phase ps-prefill" data-phase="prefill"><b>Prefill</b> — {done:,} / {total:,} '
-                f'prompt tokens<div class="ps-bar"><div style="width:{share:.0f}%"></div></div></div>')
+                f'prompt tokens{_others(num_others)}<div class="ps-bar"><div style="width:{share:.0f}%"></div></div>'
+                '</div>')
     count = len(trace.steps)
     if phase == "decode":
-        return f'<div class="ps-phase ps-decode" data-phase="decode"><b>Decode</b> — token {count:,}</div>'
+        batch = trace.steps[-1].batch_size
+        return (f'<div class="ps-phase ps-decode" data-phase="decode"><b>Decode</b> — token {count:,}'
+                f'{_others(num_others)}{f" (batch of {batch})" if batch > 1 else ""}</div>')
     reason = trace.finished.reason
     if phase == "stopped":
         return f'<div class="ps-phase ps-stopped" data-phase="stopped"><b>Stopped</b> — {count:,} tokens kept</div>'
@@ -55,9 +67,10 @@ def phase_html(trace: ReplyTrace | None) -> str:
             f'{why.get(reason, escape(reason))}</div>')
 
 
-def _tile(key: str, label: str, value: str, phase: str = "") -> str:
+def _tile(key: str, label: str, value: str, phase: str = "", note: str = "") -> str:
+    note = f'<div class="ps-note" data-kpi="{key}_note">{note}</div>' if note else ""
     return (f'<div class="ps-tile {phase}" data-kpi="{key}"><div class="ps-label">{label}</div>'
-            f'<div class="ps-value">{value}</div></div>')
+            f'<div class="ps-value">{value}</div>{note}</div>')
 
 
 def kpi_html(trace: ReplyTrace | None) -> str:
@@ -67,7 +80,8 @@ def kpi_html(trace: ReplyTrace | None) -> str:
     tiles = [
         _tile("ttft", "TTFT", _num(m and m.ttft_ms, 0, " ms"), "ps-p"),
         _tile("prefill_tps", "Prefill", _num(m and m.prefill_tokens_per_s, 0, " tok/s"), "ps-p"),
-        _tile("prompt_tokens", "Prompt tokens", _num(trace.num_prompt_tokens if trace else None, 0), "ps-p"),
+        _tile("prompt_tokens", "Prompt tokens", _num(trace.num_prompt_tokens if trace else None, 0), "ps-p",
+              f"cached {trace.num_cached_tokens:,} / {trace.num_prompt_tokens:,}" if trace and trace.started else ""),
         _tile("tpot", "TPOT", _num(m and m.tpot_ms, 1, " ms"), "ps-d"),
         _tile("itl", "Current ITL", _num(last_itl, 1, " ms"), "ps-d"),
         _tile("decode_tps", "Decode", _num(m and m.decode_tokens_per_s, 1, " tok/s"), "ps-d"),
@@ -92,7 +106,8 @@ def time_split_html(metrics: RequestMetrics | None) -> str:
 
 def stats_line(metrics: RequestMetrics, reason: str) -> str:
     """The small line under each assistant message."""
-    parts = [f"{metrics.num_prompt_tokens:,} prompt tok", f"TTFT {_num(metrics.ttft_ms, 0)} ms",
+    parts = [f"{metrics.num_prompt_tokens:,} prompt tok", f"cached {metrics.num_cached_tokens:,}",
+             f"TTFT {_num(metrics.ttft_ms, 0)} ms",
              f"decode {_num(metrics.decode_tokens_per_s)} tok/s", f"{metrics.num_generated_tokens} tok"]
     if reason in ("cancelled", "interrupted"):
         parts.append("stopped" if reason == "cancelled" else "interrupted")
@@ -116,3 +131,20 @@ def kv_measured_html(trace: ReplyTrace | None, info: ModelInfo) -> str:
         return ""
     return (f'<div class="ps-model" data-kpi="kv_check">Measured from the cache tensors: {kv_bytes:,} B for '
             f'{kv_tokens:,} tokens = {kv_bytes // kv_tokens:,} B/token (formula: {info.kv_bytes_per_token:,})</div>')
+
+
+def pool_html(usage: PoolUsage, num_running: int, num_waiting: int) -> str:
+    """The whole KV pool: held by running requests, kept for prefix reuse, free (vLLM's kv_cache_usage)."""
+    if not usage.num_blocks:
+        return ('<div class="ps-pool" data-kpi="pool">KV cache: one growing cache per request (transformers path; '
+                'no pool, no prefix reuse)</div>')
+    mb = usage.bytes_per_block / 1e6
+    used, cached = 100 * usage.num_used / usage.num_blocks, 100 * usage.num_cached / usage.num_blocks
+    waiting = f" · {num_waiting:,} waiting" if num_waiting else ""
+    return (f'<div class="ps-pool" data-kpi="pool" title="{usage.num_blocks:,} blocks of {usage.block_size} tokens">'
+            f'<div class="ps-split-bar"><div class="ps-d-bg" style="width:{used:.1f}%"></div>'
+            f'<div class="ps-cached-bg" style="width:{cached:.1f}%"></div></div><div class="ps-split-legend">'
+            f'<span>KV pool <b data-kpi="pool_usage">{used:.1f}%</b> in use</span>'
+            f'<span class="ps-d-fg">■ {usage.num_used * mb:,.1f} MB held by {_plural(num_running, "request")}'
+            f'{waiting}</span><span class="ps-cached-fg">■ {usage.num_cached * mb:,.1f} MB cached prefixes</span>'
+            f'<span>{usage.num_free * mb:,.0f} of {usage.capacity_bytes / 1e6:,.0f} MB free</span></div></div>')

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from html import escape
 
-from engine import Engine, Event, Request
+from engine import Engine, Event, Finished, Request
 
 from .panels import stats_line
 from .trace import ReplyTrace
@@ -59,8 +60,8 @@ class ChatSession:
 
 
 class ActiveRequests:
-    """Which chats are waiting for the engine or running a request, so that Stop can reach them from
-    another thread, and a waiting chat can be told how many replies are ahead of it."""
+    """Which chats are about to hand a request to the engine or have one running, so that Stop can
+    reach them from another thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -68,12 +69,10 @@ class ActiveRequests:
         self._stopped_while_waiting: set[str] = set()
         self._running: dict[str, Request] = {}
 
-    def wait(self, session_id: str) -> int:
-        """Put a chat in line; returns how many replies are ahead of it."""
+    def wait(self, session_id: str) -> None:
+        """A chat is about to hand its message to the engine (Stop may come before it does)."""
         with self._lock:
-            ahead = len(self._running) + len(self._waiting)
             self._waiting.append(session_id)
-            return ahead
 
     def start(self, session_id: str, request: Request) -> None:
         with self._lock:
@@ -104,17 +103,19 @@ class ActiveRequests:
 
 
 class EngineThread:
-    """Runs every engine job on one thread, the one that loaded the model.
+    """Runs every engine job on one thread, the one that loaded the model: then the engine's
+    scheduler loop, which runs every reply.
 
     PyTorch's OpenMP keeps a team of worker threads for each thread that calls it. A second calling
     thread on a 2-core machine doubles the teams and libgomp then sleeps between parallel regions;
     a decode step is hundreds of small ones, and it ran about 40% slower (int8: 48 vs 80 tok/s).
-    The app start()s one and loads the model on it with call(); scripts may serve_forever() instead.
+    The app start()s one, loads the model on it with call(), then serve()s the engine on it.
     """
 
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
         self._stopped = threading.Event()
+        self._engine: Engine | None = None
 
     def submit(self, job: Callable[[], None]) -> threading.Event:
         done = threading.Event()
@@ -151,26 +152,39 @@ class EngineThread:
         threading.Thread(target=self.serve_forever, name="engine", daemon=True).start()
         return self
 
+    def serve(self, engine: Engine) -> EngineThread:
+        """From now on the thread runs the engine's scheduler loop (until stop())."""
+        self._engine = engine
+        self.submit(engine.serve_forever)
+        while not engine.is_serving and not self._stopped.is_set():
+            time.sleep(0.01)
+        return self
+
     def stop(self) -> None:
         self._stopped.set()
+        if self._engine is not None:
+            self._engine.stop()
 
 
 class ReplyWorker:
-    """Runs one request on the engine thread, feeding a trace, so that drawing the page never holds
+    """Hands one request to the serving engine, feeding a trace, so that drawing the page never holds
     up a decode step (the UI's thread only reads the trace)."""
 
-    def __init__(self, engine: Engine, request: Request, trace: ReplyTrace, runner: EngineThread,
+    def __init__(self, engine: Engine, request: Request, trace: ReplyTrace,
                  hooks: Iterable[Callable[[Event], None]] = ()) -> None:
-        self._events = engine.run(request, hooks=[trace.add, *hooks])
+        if not engine.is_serving:
+            raise RuntimeError("the engine is not serving: start its loop (EngineThread.serve) first")
+        self.request = request
         self.error: str | None = None
-        self._done = runner.submit(self._run)
+        self._done = threading.Event()
+        engine.submit(request, hooks=[trace.add, *hooks, self._on_event])
 
-    def _run(self) -> None:
-        try:
-            for _ in self._events:
-                pass
-        except Exception as exc:  # a hook failed; the engine already ended the request
-            self.error = f"{type(exc).__name__}: {exc}"
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, Finished):
+            error = self.request.hook_error
+            if error is not None:  # a hook failed; the engine ended the request
+                self.error = f"{type(error).__name__}: {error}"
+            self._done.set()
 
     @property
     def is_running(self) -> bool:

@@ -59,7 +59,13 @@ def _v2(db: Database) -> None:
     db["messages"].create_index(["session_id", "turn"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2]
+def _v3(db: Database) -> None:
+    """The scheduler: how many sequences shared each decode step (prompt tokens taken from the cache
+    were already in v1's messages.cached_prompt_tokens)."""
+    db["steps"].add_column("batch_size", int)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3]
 LATEST_VERSION = len(MIGRATIONS)
 
 

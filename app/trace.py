@@ -72,6 +72,11 @@ class ReplyTrace:
         return self.started.num_prompt_tokens if self.started else 0
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose K/V the engine took from its pool instead of prefilling them."""
+        return self.started.num_cached_tokens if self.started else 0
+
+    @property
     def kv(self) -> tuple[int, int]:
         """(tokens, bytes) held by the KV cache after the latest step."""
         latest = self.steps[-1] if self.steps else (self.chunks[-1] if self.chunks else None)
@@ -82,4 +87,5 @@ class ReplyTrace:
         if self.finished:
             return self.finished.metrics
         chunks = list(self.chunks)
-        return summary_metrics([*chunks, *list(self.steps)], sum(c.num_tokens for c in chunks))
+        prompt = self.num_prompt_tokens or sum(c.num_tokens for c in chunks)
+        return summary_metrics([*chunks, *list(self.steps)], prompt, self.num_cached_tokens)

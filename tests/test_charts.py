@@ -82,7 +82,42 @@ def test_phase_indicator_follows_the_reply():
     assert "<b>Prefill</b> — 384 / 1,024 prompt tokens" in panels.phase_html(trace)
     assert 'style="width:38%"' in panels.phase_html(trace)
     assert "<b>Decode</b> — token 4" in panels.phase_html(fake_reply(num_steps=4))
-    assert "Queued</b> — 2 replies ahead" in panels.queued_html(2)
+    assert "<b>Prefill</b> — 384 / 1,024 prompt tokens · running with 2 others" in panels.phase_html(trace, 2)
+    assert "Queued</b> — 2 replies ahead of yours (16 running" in panels.queued_html(2, 16)
+    assert "Queued</b> — 1 reply ahead" in panels.queued_html(1, 16)
+
+
+def test_decode_phase_says_who_runs_beside_it():
+    trace = fake_reply(num_steps=2)
+    trace.add(DecodeStep("r", 99.0, 2, 7, "x", 5.0, 12, 12 * PER_TOKEN, 0.5, (), batch_size=3))
+    assert "<b>Decode</b> — token 3 · running with 2 others (batch of 3)" in panels.phase_html(trace, 2)
+    assert "<b>Decode</b> — token 3 · running with 1 other (batch of 3)" in panels.phase_html(trace, 1)
+
+
+def test_pool_gauge():
+    from engine import PoolUsage
+
+    usage = PoolUsage(num_blocks=1000, block_size=16, bytes_per_block=16 * PER_TOKEN, num_used=250, num_cached=100)
+    html = panels.pool_html(usage, 3, 2)
+    assert 'data-kpi="pool_usage">25.0%</b> in use' in html
+    assert "184.3 MB held by 3 requests · 2 waiting" in html and "73.7 MB cached prefixes" in html
+    assert "479 of 737 MB free" in html
+    assert "no pool" in panels.pool_html(PoolUsage(0, 1, 0, 0, 0), 1, 0)
+
+
+def test_kv_figure_draws_the_reused_prefix_as_kept():
+    trace = ReplyTrace(turn=2)
+    trace.add(Started("r", 0.5, 40, 64, 112, 112 * PER_TOKEN, "lean-llama", num_cached_tokens=32))
+    trace.add(PrefillChunk("r", 2.0, 0, 32, 40, 40, 3.0, 40, 40 * PER_TOKEN))
+    trace.add(DecodeStep("r", 5.0, 0, 9, "a", 5.0, 40, 40 * PER_TOKEN, 0.5, ()))
+    fig = validated(charts.kv_figure([fake_reply().events, trace.events]))
+    turn = next(t for t in fig.data if t.name == "turn 2")
+    assert [32 * PER_TOKEN / 1e6, 40 * PER_TOKEN / 1e6, 40 * PER_TOKEN / 1e6] == list(turn.y)  # not from zero
+    assert [[32, "kept"], [40, "prefill"], [40, "decode"]] == [list(c) for c in turn.customdata]
+    kept = next(t for t in fig.data if t.name == "kept from cache" and t.fill == "tozeroy")
+    assert [32 * PER_TOKEN / 1e6] * 2 == list(kept.y)
+    tiles = panels.kpi_html(trace)
+    assert 'data-kpi="prompt_tokens_note">cached 32 / 40<' in tiles
 
 
 def test_phase_and_tiles_when_finished(tiny_engine):
@@ -96,7 +131,7 @@ def test_phase_and_tiles_when_finished(tiny_engine):
     assert 'data-kpi="generated_tokens"><div class="ps-label">Generated</div><div class="ps-value">5<' in tiles
     assert f"{trace.finished.metrics.ttft_ms:,.0f} ms" in tiles
     line = panels.stats_line(trace.finished.metrics, "length")
-    assert line.endswith("5 tok") and "TTFT" in line
+    assert line.endswith("5 tok") and "TTFT" in line and " prompt tok · cached 0 · TTFT" in line
 
 
 def test_live_metrics_use_the_engine_definitions():
@@ -113,8 +148,8 @@ def test_model_panel_shows_the_kv_formula(tiny_engine):
 
 def test_stop_reaches_a_waiting_chat_and_a_running_one(tiny_engine):
     active = ActiveRequests()
-    assert 0 == active.wait("a")
-    assert 1 == active.wait("b")
+    active.wait("a")
+    active.wait("b")
     assert active.cancel("b")  # stopped while waiting
     request = tiny_engine.new_request([{"role": "user", "content": "Hi"}])
     active.start("b", request)
@@ -143,12 +178,12 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
                 raise RuntimeError("hook broke")
         return hook
 
-    runner = EngineThread().start()
+    runner = EngineThread().start().serve(tiny_engine)
     session = ChatSession()
     session.accept("Hi")
     # outside a browser request, gr.Warning is a Python warning
     with pytest.warns(UserWarning, match="^the reply ended early: RuntimeError: hook broke$"):
-        list(make_respond(tiny_engine, ActiveRequests(), recorder, runner)(session, "", 50, 0, 1.0, 0, -1, 0))
+        list(make_respond(tiny_engine, ActiveRequests(), recorder)(session, "", 50, 0, 1.0, 0, -1, 0))
     runner.stop()
     assert [] == session.warnings  # delivered to the page
     assert "cancelled" == session.traces[-1].finished.reason  # the engine ended it; the thread lives on

@@ -104,7 +104,27 @@ def test_second_turn_goes_to_the_same_session_and_restores(tiny, store):
     assert session.messages == restored.messages
     assert [1, 2] == [t.turn for t in restored.traces]
     assert ["First question", "Second question"] == [d["content"] for d in restored.display if d["role"] == "user"]
-    assert all("prompt tok · TTFT" in d["content"] for d in restored.display if d["role"] == "assistant")
+    assert all("prompt tok · cached " in d["content"] for d in restored.display if d["role"] == "assistant")
+
+
+def test_cached_prompt_tokens_and_batch_sizes_are_stored_and_restored(tiny, store):
+    from app.export import to_csv, to_json
+
+    engine = Engine(tiny)
+    session, _, _ = record(engine, store, "First question, long enough to fill a block or two of the cache")
+    _, events, _ = record(engine, store, "Second question", session=session)
+    cached = events[0].num_cached_tokens
+    assert cached > 0  # the first turn's blocks were reused
+    second = store.messages(session.store_id)[3]
+    assert cached == second["cached_prompt_tokens"]
+    steps = store.steps(second["id"])
+    assert [1] * 6 == [s["batch_size"] for s in steps if s["phase"] == "decode"]
+    restored = load_chat(store, session.store_id).traces[1]
+    assert cached == restored.num_cached_tokens == restored.chunks[0].start  # the chart starts from the kept part
+    header, *rows = to_csv(store, session.store_id).splitlines()
+    assert header.endswith(",batch_size,cached_prompt_tokens") and rows[-1].endswith(f",1,{cached}")
+    exported = to_json(store, session.store_id)["sessions"][0]["messages"][3]
+    assert (cached, 1) == (exported["metrics"]["num_cached_tokens"], exported["steps"][-1]["batch_size"])
 
 
 def test_sessions_list_search_rename_delete(tiny, store):
@@ -185,7 +205,7 @@ def test_a_newer_schema_is_refused_and_untouched(tmp_path):
     conn.commit()
     conn.close()
     before = path.read_bytes()
-    with pytest.raises(StoreError, match=r"newer PhaseScope \(schema 99, this one knows 2\)"):
+    with pytest.raises(StoreError, match=r"newer PhaseScope \(schema 99, this one knows 3\)"):
         Store.open(path)
     assert before == path.read_bytes()
 
