@@ -25,6 +25,11 @@ from engine.hf_runner import make_runner
 
 from .bench_extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, prefill_flops,
                            quality_vs)
+from .bench_scheduler import concurrency, scheduler_cost, second_turn
+
+BENCH_KV_MB = 1024  # each mode's KV pool: far more than any test here needs
+# pp and tg prefill the same prompt again and again, as llama-bench does: measured whole, not taken from
+# the prefix cache (the second-turn test switches it on to measure what it saves)
 
 
 @dataclass
@@ -91,13 +96,14 @@ def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
         if precision in ("fp16", "bf16"):
             model = copy.deepcopy(loaded.model).to(getattr(torch, PRECISION_DTYPES[precision]))
         runner = make_runner(model, precision)
-        engines[f"{runner.name} {runner.precision}"] = Engine(loaded, EngineConfig(precision=precision), runner=runner)
+        engines[f"{runner.name} {runner.precision}"] = Engine(
+            loaded, EngineConfig(precision=precision, kv_cache_mb=BENCH_KV_MB, prefix_caching=False), runner=runner)
     return engines
 
 
 def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] = ("fp32", "int8"), pp: int = 512,
         tg: int = 128, repetitions: int = 3, baseline: bool = True, llama_bench_path: str | None = None,
-        log=print) -> dict:
+        log=print, concurrency_levels: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
     loaded = load_model(model, device=device, dtype="float32")
     engines = mode_engines(loaded, list(modes))
     vocab, bos = loaded.model.config.vocab_size, loaded.tokenizer.bos_token_id
@@ -136,11 +142,28 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         log(f"  quality vs fp32: {summary['quality_vs_fp32']}")
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
+    _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
     log(f"  cold start: {summary['cold_start_s']}")
     results += [Result("llama.cpp", mode, test, samples)
                 for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log)]
     return {"results": results, "summary": summary}
+
+
+def _scheduler(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int,
+               levels: tuple[int, ...], vocab: int, log) -> None:
+    """Batching, prefix caching and the scheduler's own cost, for the modes whose decode is native (the
+    PyTorch-ops modes batch too, but too slowly to be worth the bench's time)."""
+    native = {name: e for name, e in engines.items() if getattr(e.runner, "fused", None) is not None}
+    summary["scheduler_cost"] = {name: scheduler_cost(e, bench_prompt(pp, vocab, None), tg, repetitions)
+                                 for name, e in native.items()}
+    log(f"  scheduler vs a bare forward loop: {summary['scheduler_cost']}")
+    if levels:
+        summary["concurrency"] = {name: concurrency(e, list(levels), tg, repetitions, vocab)
+                                  for name, e in native.items()}
+        log(f"  concurrency: {summary['concurrency']}")
+    summary["second_turn"] = {name: second_turn(e, pp, repetitions) for name, e in native.items()}
+    log(f"  second turn after a {pp}-token first turn: {summary['second_turn']}")
 
 
 def _mean(results: list[Result], mode: str, test: str) -> float:
@@ -197,9 +220,16 @@ def to_markdown(report: dict) -> str:
         lines.append(f"| {r.engine} | {r.mode} | {r.test} | {r.mean:.1f} ± {r.std:.1f} | {vs_hf} | {vs_llama} | "
                      f"{r.note} |")
     lines.append("")
+    if summary.get("concurrency"):
+        lines += ["| mode | requests | aggregate tok/s | vs 1 | TPOT ms | vs 1 | same tokens as alone |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for mode, levels in summary["concurrency"].items():
+            lines += [f"| {mode} | {b} | {v['aggregate_tokens_per_s']} | {v['aggregate_vs_1']}× | {v['tpot_ms']} | "
+                      f"{v['tpot_vs_1']}× | {'yes' if v['same_tokens_as_alone'] else 'NO'} |" for b, v in levels.items()]
+        lines.append("")
     lines.append(f"machine: {summary['machine']}; model: {summary['model']}; best mode: {summary['best_mode']}")
     for key, value in summary.items():
-        if key not in ("machine", "model", "best_mode"):
+        if key not in ("machine", "model", "best_mode", "concurrency"):
             lines.append(f"- {key}: {json.dumps(value)}")
     return "\n".join(lines)
 

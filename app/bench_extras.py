@@ -69,7 +69,7 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
 
     configs = {"none": lambda: [], "hooks": ui_hooks, "hooks+store": store_hooks}
     rounds = max(repetitions, 5)  # the effect is ~1%: fewer rounds cannot tell it from run-to-run noise
-    samples = _interleaved({name: measure(make_hooks) for name, make_hooks in configs.items()}, rounds)
+    samples = interleaved({name: measure(make_hooks) for name, make_hooks in configs.items()}, rounds)
     speed = {name: statistics.median(tps for tps, _ in values) for name, values in samples.items()}
     hook_us = {name: statistics.median(us for _, us in values) for name, values in samples.items()}
     step_us = 1e6 / speed["none"]
@@ -79,10 +79,10 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
             for name in configs}
 
 
-def _interleaved(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+def interleaved(runs: dict[object, Callable[[], T]], rounds: int) -> dict[object, list[T]]:
     """Each run once per round, in turn, after a warm-up round left out, so that drift on a shared
     machine hits all of them alike; the results per run."""
-    samples: dict[str, list[T]] = {name: [] for name in runs}
+    samples: dict[object, list[T]] = {name: [] for name in runs}
     for repetition in range(rounds + 1):
         for name, run in runs.items():
             result = run()
@@ -118,7 +118,7 @@ def native_vs_ops(engine: Engine, prompt: list[int], num_gen: int, repetitions: 
         with engine.runner.pytorch_decode():
             return native()
 
-    samples = _interleaved({"native": native, "ops": ops}, repetitions)
+    samples = interleaved({"native": native, "ops": ops}, repetitions)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     return {"native_tokens_per_s": round(medians["native"], 1), "ops_tokens_per_s": round(medians["ops"], 1),
             "speedup": round(medians["native"] / medians["ops"], 2)}

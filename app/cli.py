@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     bench.add_argument("--llama-bench", help="path to llama.cpp's llama-bench (default: found on PATH)")
     bench.add_argument("--output", choices=["md", "csv", "json"], default="md")
-    bench.add_argument("--quick", action="store_true", help="a smoke run: pp32, tg8, one repetition")
+    bench.add_argument("--concurrency", default="1,2,4,8",
+                       help="requests decoding at once, comma-separated (default 1,2,4,8; 0: skip)")
+    bench.add_argument("--quick", action="store_true", help="a smoke run: pp32, tg8, one repetition, concurrency 1,2")
     return parser
 
 
@@ -254,15 +256,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from app import bench
 
     if args.quick:
-        args.n_prompt, args.n_gen, args.repetitions = 32, 8, 1
+        args.n_prompt, args.n_gen, args.repetitions, args.concurrency = 32, 8, 1, "1,2"
     if min(args.n_prompt, args.n_gen, args.repetitions) < 1:
         raise ValueError("-p, -n and -r must be at least 1")
+    try:
+        levels = tuple(sorted({int(b) for b in args.concurrency.split(",") if b.strip() and int(b) > 0}))
+    except ValueError:
+        raise ValueError(f"--concurrency takes numbers separated by commas, got {args.concurrency!r}") from None
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     print(f"phasescope bench: pp{args.n_prompt}, tg{args.n_gen}, {args.repetitions} repetitions, modes "
           f"{', '.join(modes)}", file=sys.stderr)
     report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
                        baseline=not args.no_baseline, llama_bench_path=args.llama_bench,
-                       log=lambda line: print(line, file=sys.stderr, flush=True))
+                       log=lambda line: print(line, file=sys.stderr, flush=True), concurrency_levels=levels)
     print(bench.render(report, args.output))
     return 0
 

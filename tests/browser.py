@@ -87,6 +87,11 @@ def kpi(page, key: str) -> str:
     return page.inner_text(f'#ps-kpis [data-kpi="{key}"] .ps-value')
 
 
+def kpi_note(page, key: str) -> str:
+    """The small line under a tile's value (e.g. the prompt tile's cached tokens)."""
+    return page.inner_text(f'#ps-kpis [data-kpi="{key}_note"]')
+
+
 def plot_traces(page, elem_id: str) -> dict[str, int]:
     """Trace name -> number of points, read from the plotly figure in the page."""
     return page.evaluate(f"""() => {{

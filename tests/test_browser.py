@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from browser import (CHROMIUM, ROOT, kpi, launch_browser, open_chat, plot_traces, send, set_setting,
+from browser import (CHROMIUM, ROOT, kpi, kpi_note, launch_browser, open_chat, plot_traces, send, set_setting,
                      start_app, wait_phase)
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
@@ -55,7 +55,7 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
     generated = int(kpi(page, "generated_tokens"))
     assert reply.strip() and 1 <= generated <= 48
-    assert re.search(rf"\d+ prompt tok · TTFT \d[\d,]* ms · decode [\d.]+ tok/s · {generated} tok", reply)
+    assert re.search(rf"\d+ prompt tok · cached \d+ · TTFT \d[\d,]* ms · decode [\d.]+ tok/s · {generated} tok", reply)
     traces = plot_traces(page, "ps-latency")
     assert (1, generated) == (traces["prefill"], traces["decode"])  # one point per generated token
     for key in ("ttft", "prefill_tps", "prompt_tokens", "kv"):
@@ -67,12 +67,14 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     assert kv_points == 1 + 1 + generated  # the empty cache, the prefill jump, one point per token
     assert "46,080 B/token (formula: 46,080)" in page.inner_text("#ps-kv-check")
     assert "decode: fused C++" in page.inner_text(".ps-model")  # the native decode step runs in the app
+    assert re.search(r"KV pool [\d.]+% in use", page.inner_text("#ps-pool"))
+    assert re.fullmatch(r"cached \d+ / [\d,]+", kpi_note(page, "prompt_tokens"))
     page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
     if os.environ.get("PHASESCOPE_UPDATE_SCREENSHOT"):
         shutil.copy(tmp_path / "chat.png", ROOT / "docs" / "screenshot.png")
 
 
-def test_second_turn_continues_the_kv_chart(page):
+def test_second_turn_reuses_the_first_turns_kv(page):
     set_setting(page, "ps-temperature", 0)
     set_setting(page, "ps-max-new", 8)
     send(page, "Name a fruit.")
@@ -82,8 +84,12 @@ def test_second_turn_continues_the_kv_chart(page):
     wait_phase(page, "done")
     page.wait_for_timeout(500)
     traces = plot_traces(page, "ps-kv")
-    assert {"turn 1", "turn 2"} <= set(traces)
+    assert {"turn 1", "turn 2", "kept from cache"} <= set(traces)
     assert 2 == page.locator("#ps-chatbot [data-testid=bot]").count()
+    cached, prompt = map(int, re.fullmatch(r"cached (\d+) / (\d+)", kpi_note(page, "prompt_tokens")).groups())
+    assert 0 < cached < prompt  # the first turn was not prefilled again
+    reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+    assert f"{prompt} prompt tok · cached {cached} ·" in reply
 
 
 def test_stop_keeps_the_partial_reply(page):
@@ -123,27 +129,34 @@ def test_empty_and_too_long_messages(page):
     assert "done" == wait_phase(page, "done")
 
 
-def test_two_tabs_chat_at_once_without_cross_talk(browser, app_url, tmp_path):
+def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path):
     first, second = open_chat(browser, app_url), open_chat(browser, app_url)
     try:
-        set_setting(first, "ps-temperature", 0)  # greedy: this prompt runs past 40 tokens, no early EOS
-        set_setting(first, "ps-max-new", 40)
-        set_setting(second, "ps-max-new", 6)
+        set_setting(first, "ps-temperature", 0)  # greedy: this prompt runs long, no early EOS
+        set_setting(first, "ps-max-new", 300)
+        set_setting(second, "ps-max-new", 12)
         send(first, "Write a long story about a lighthouse keeper.")
         first.wait_for_selector("#ps-phase [data-phase=decode]", timeout=60_000)
         send(second, "Tell me about penguins.")
-        second.wait_for_selector("#ps-phase [data-phase=queued]", timeout=10_000)
-        queued = second.inner_text("#ps-phase")
-        second.screenshot(path=str(tmp_path / "queued.png"))
-        assert "done" == wait_phase(first, "done")
+        # both decode at once: the engine batches their steps
+        second.wait_for_function("() => /running with 1 other/.test(document.querySelector('#ps-phase').innerText)",
+                                 timeout=30_000)
+        first.wait_for_function("() => /batch of 2/.test(document.querySelector('#ps-phase').innerText)",
+                                timeout=30_000)
+        second.screenshot(path=str(tmp_path / "together.png"))
         assert "done" == wait_phase(second, "done")
-        assert "Queued — 1 reply ahead of yours" in queued
+        assert "decode" == wait_phase(first, "decode", "done")  # the long reply goes on after the short one
+        first.click("#ps-stop")
+        assert wait_phase(first, "stopped", "done") in ("stopped", "done")
         first_users = first.locator("#ps-chatbot [data-testid=user]").all_inner_texts()
         second_users = second.locator("#ps-chatbot [data-testid=user]").all_inner_texts()
         assert (["Write a long story about a lighthouse keeper."], ["Tell me about penguins."]) == (
             first_users, second_users)
-        # each tab kept its own settings
-        assert int(kpi(second, "generated_tokens")) <= 6 and int(kpi(first, "generated_tokens")) <= 40
+        # each tab kept its own settings and its own reply
+        assert int(kpi(second, "generated_tokens")) <= 12 and int(kpi(first, "generated_tokens")) > 12
+        first_reply = first.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+        second_reply = second.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+        assert first_reply.split("\n")[0] != second_reply.split("\n")[0]
     finally:
         first.close()
         second.close()

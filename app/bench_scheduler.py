@@ -1,0 +1,134 @@
+"""The scheduler's part of `phasescope bench`: several requests decoding together, a second chat turn
+with and without prefix caching, and what the scheduler itself costs a request alone.
+
+Every figure is a ratio within one run, with the settings measured in interleaved rounds so that the
+machine's drift hits them alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from engine import Engine, SamplingParams
+
+from .bench_extras import interleaved
+
+FIRST_TURN = ("Prefill reads the whole prompt in one forward pass and fills the KV cache; decode then adds one "
+              "token per step, reading every weight and the cache once per token. ")
+
+
+def _prompts(num: int, num_tokens: int, vocab: int) -> list[list[int]]:
+    """Distinct random prompts (one per request), as llama-bench uses random tokens."""
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(100, vocab, (num_tokens,), generator=generator).tolist() for _ in range(num)]
+
+
+def concurrency(engine: Engine, levels: list[int], num_gen: int, repetitions: int, vocab: int) -> dict:
+    """B requests at once for each B in levels: aggregate decode tok/s and per-request TPOT, against
+    one request alone; and whether every request produced the same tokens as when it ran alone."""
+    sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
+    # 16 tokens: a prompt of one block is never taken from the prefix cache (its last token is always
+    # computed), so each level prefills the same work
+    prompts = _prompts(max(levels), 16, vocab)
+    alone = [engine.run_all([engine.new_request_from_ids(p, sampling)])[0].text for p in prompts]
+
+    def measure(batch: int) -> Callable[[], tuple[float, float, bool]]:
+        def run() -> tuple[float, float, bool]:
+            requests = [engine.new_request_from_ids(p, sampling) for p in prompts[:batch]]
+            start = time.perf_counter()
+            finished = engine.run_all(requests)
+            elapsed = time.perf_counter() - start
+            tpot = statistics.fmean(f.metrics.tpot_ms for f in finished)
+            return batch * num_gen / elapsed, tpot, [f.text for f in finished] == alone[:batch]
+        return run
+
+    samples = interleaved({b: measure(b) for b in levels}, repetitions)
+    out = {}
+    for batch, values in samples.items():
+        out[batch] = {"aggregate_tokens_per_s": round(statistics.median(v[0] for v in values), 1),
+                      "tpot_ms": round(statistics.median(v[1] for v in values), 2),
+                      "same_tokens_as_alone": all(v[2] for v in values)}
+    base = out[levels[0]]
+    for values in out.values():
+        values["aggregate_vs_1"] = round(values["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"], 2)
+        values["tpot_vs_1"] = round(values["tpot_ms"] / base["tpot_ms"], 2)
+    return out
+
+
+@contextmanager
+def _prefix_caching(engine: Engine, enabled: bool) -> Iterator[None]:
+    previous, engine.pool.prefix_caching = engine.pool.prefix_caching, enabled
+    try:
+        yield
+    finally:
+        engine.pool.prefix_caching = previous
+
+
+def _first_turn_text(engine: Engine, num_tokens: int) -> str:
+    text = FIRST_TURN
+    while len(engine.tokenizer(text)["input_ids"]) < num_tokens:
+        text += FIRST_TURN
+    return text
+
+
+def second_turn(engine: Engine, first_tokens: int, repetitions: int, reply_tokens: int = 32) -> dict:
+    """TTFT of a chat's second turn after a first turn of first_tokens, with and without prefix caching,
+    against the TTFT of the same second message sent alone in a fresh chat."""
+    greedy = SamplingParams(max_new_tokens=reply_tokens, temperature=0)
+    first = [{"role": "user", "content": _first_turn_text(engine, first_tokens)}]
+    question = {"role": "user", "content": "In one sentence: which of the two phases sets the time to first token?"}
+
+    def ttft(messages: list[dict]) -> tuple[float, int, int]:
+        m = engine.generate(messages, SamplingParams(max_new_tokens=1, temperature=0)).metrics
+        return m.ttft_ms, m.num_prompt_tokens, m.num_cached_tokens
+
+    def turn(caching: bool) -> Callable[[], tuple[float, int, int]]:
+        def run() -> tuple[float, int, int]:
+            with _prefix_caching(engine, caching):
+                reply = engine.generate(first, greedy).text  # the first turn; its blocks stay in the pool
+                return ttft(first + [{"role": "assistant", "content": reply}, question])
+        return run
+
+    def fresh() -> tuple[float, int, int]:
+        with _prefix_caching(engine, False):
+            return ttft([question])
+
+    samples = interleaved({"with prefix cache": turn(True), "without": turn(False), "alone": fresh}, repetitions)
+    out = {name: {"ttft_ms": round(statistics.median(v[0] for v in values), 2), "prompt_tokens": values[0][1],
+                  "cached_tokens": values[0][2]} for name, values in samples.items()}
+    for name in ("with prefix cache", "without"):
+        out[name]["vs_alone"] = round(out[name]["ttft_ms"] / out["alone"]["ttft_ms"], 2)
+    return out
+
+
+def scheduler_cost(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) -> dict:
+    """One request through the scheduler (submit, step, events) against the same forwards called
+    directly in a loop with greedy picks: what the scheduler costs a request alone."""
+    runner = engine.runner
+    sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
+
+    def through_engine() -> tuple[float, float]:
+        m = engine.run_all([engine.new_request_from_ids(prompt, sampling)])[0].metrics
+        return m.prefill_tokens_per_s, m.decode_tokens_per_s
+
+    def bare_loop() -> tuple[float, float]:
+        cache = runner.new_cache(len(prompt) + num_gen)
+        start = time.perf_counter()
+        logits = runner.forward(torch.tensor(prompt), 0, cache)
+        prefilled = time.perf_counter()
+        token = int(logits.argmax())
+        for step in range(num_gen - 1):
+            token = int(runner.decode([token], [len(prompt) + step], [cache])[0].argmax())
+        end = time.perf_counter()
+        return len(prompt) / (prefilled - start), (num_gen - 1) / (end - prefilled)
+
+    samples = interleaved({"scheduler": through_engine, "bare": bare_loop}, repetitions)
+    pp = {name: statistics.median(v[0] for v in values) for name, values in samples.items()}
+    tg = {name: statistics.median(v[1] for v in values) for name, values in samples.items()}
+    return {"prefill_vs_bare_loop": round(pp["scheduler"] / pp["bare"], 3),
+            "decode_vs_bare_loop": round(tg["scheduler"] / tg["bare"], 3),
+            "decode_tokens_per_s": round(tg["scheduler"], 1), "prefill_tokens_per_s": round(pp["scheduler"], 1)}
