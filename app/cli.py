@@ -221,7 +221,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
-    from app.store import Store
+    from app.history.store import Store
 
     store = Store.open(args.db)
     rows = store.sessions(args.search)
@@ -240,8 +240,8 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from app.export import render, write_export
-    from app.store import Store
+    from app.history.export import render, write_export
+    from app.history.store import Store
 
     store = Store.open(args.db)
     if args.output:
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "ui":
         tune_openmp_for_the_app(args.precision)
-    from app.store import StoreError
+    from app.history.store import StoreError
     from engine import ModelError
 
     try:

@@ -9,10 +9,10 @@ import gradio as gr
 
 from engine import Engine, EngineConfig
 
-from . import chat_tab, history_tab
-from .history import make_recorder
-from .session import ActiveRequests, EngineThread
-from .store import Store
+from .ui import chat_tab, history_tab
+from .history.recorder import make_recorder
+from .ui.session import ActiveRequests, EngineThread
+from .history.store import Store
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 TITLE = "PhaseScope"

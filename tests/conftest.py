@@ -50,16 +50,16 @@ def user(text: str) -> list[dict]:
 
 @pytest.fixture
 def store():
-    from app.store import Store
+    from app.history.store import Store
 
     return Store.memory()
 
 
 def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None, hooks=()):
     """Run one chat turn through the engine with the history recorder attached, as the app does."""
-    from app.history import make_recorder
-    from app.session import ChatSession
-    from app.trace import ReplyTrace
+    from app.history.recorder import make_recorder
+    from app.ui.session import ChatSession
+    from app.ui.trace import ReplyTrace
     from engine import SamplingParams
 
     session = session or ChatSession()

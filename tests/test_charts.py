@@ -4,9 +4,9 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import pytest
 
-from app import charts, panels
-from app.session import ActiveRequests
-from app.trace import ReplyTrace
+from app.ui import charts, panels
+from app.ui.session import ActiveRequests
+from app.ui.trace import ReplyTrace
 from engine import DecodeStep, Engine, Finished, PrefillChunk, SamplingParams, Started
 
 PER_TOKEN = 46080
@@ -163,14 +163,14 @@ def test_stop_reaches_a_waiting_chat_and_a_running_one(tiny_engine):
 
 @pytest.mark.parametrize("seed, expected", [(-1, None), (None, None), (0, 0), (42, 42)])
 def test_seed_setting(seed, expected):
-    from app.chat_tab import _settings
+    from app.ui.chat_tab import _settings
 
     assert expected == _settings(16, 0.7, 1.0, 0, seed).seed
 
 
 def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
-    from app.chat_tab import make_respond
-    from app.session import ChatSession, EngineThread
+    from app.ui.chat_tab import make_respond
+    from app.ui.session import ChatSession, EngineThread
 
     def recorder(session, messages, sampling, trace):
         def hook(event):

@@ -7,13 +7,13 @@ import subprocess
 import sys
 import textwrap
 
-from app.store import Store
+from app.history.store import Store
 
 CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, "tests")
     from transformers import AutoTokenizer
-    from app.store import Store
+    from app.history.store import Store
     from conftest import record, tiny_model
     from engine import DecodeStep, Engine, SamplingParams
     from engine.loader import model_folder

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from app.bench_extras import QUALITY_TEXTS, quality_vs
+from app.bench.extras import QUALITY_TEXTS, quality_vs
 from conftest import tiny_model
 from engine import Engine, EngineConfig, SamplingParams
 from engine.hf_runner import make_runner

@@ -5,8 +5,8 @@ import sqlite3
 
 import pytest
 
-from app.history import BATCH_STEPS, load_chat, message_events
-from app.store import LATEST_VERSION, MIGRATIONS, Store, StoreError
+from app.history.recorder import BATCH_STEPS, load_chat, message_events
+from app.history.store import LATEST_VERSION, MIGRATIONS, Store, StoreError
 from conftest import record
 from engine import DecodeStep, Engine, PrefillChunk, SamplingParams
 
@@ -108,7 +108,7 @@ def test_second_turn_goes_to_the_same_session_and_restores(tiny, store):
 
 
 def test_cached_prompt_tokens_and_batch_sizes_are_stored_and_restored(tiny, store):
-    from app.export import to_csv, to_json
+    from app.history.export import to_csv, to_json
 
     engine = Engine(tiny)
     session, _, _ = record(engine, store, "First question, long enough to fill a block or two of the cache")

@@ -10,9 +10,9 @@ import gradio as gr
 from engine import Engine
 
 from .chat_tab import ChatTab, render
-from .export import FORMATS, export_filename, render as render_export
-from .history import load_chat
-from .store import Store, StoreError
+from ..history.export import FORMATS, export_filename, render as render_export
+from ..history.recorder import load_chat
+from ..history.store import Store, StoreError
 
 COLUMNS = ["id", "title", "updated", "model", "turns", "mean TTFT ms", "mean TPOT ms"]
 

@@ -42,10 +42,10 @@ def prefill_flops(runner, num_tokens: int) -> float:
 def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int, folder: Path) -> dict:
     """Decode tok/s with no hooks, with the UI's hooks (trace + JSON), and with those plus the history
     store writing to a real SQLite file; runs interleaved so that drift hits all three alike."""
-    from .history import make_recorder
-    from .session import ChatSession
-    from .store import Store
-    from .trace import ReplyTrace
+    from ..history.recorder import make_recorder
+    from ..ui.session import ChatSession
+    from ..history.store import Store
+    from ..ui.trace import ReplyTrace
 
     store = Store.open(folder / "bench-history.db")
     recorder = make_recorder(store, engine.info)

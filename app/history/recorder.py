@@ -11,9 +11,9 @@ from collections.abc import Callable
 from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
 from engine.metrics import RequestMetrics
 
-from .session import ChatSession
+from ..ui.session import ChatSession
 from .store import FINAL_STATUS, Store, StoreError
-from .trace import ReplyTrace, summary_metrics
+from ..ui.trace import ReplyTrace, summary_metrics
 
 BATCH_STEPS = 32  # steps per write
 BATCH_SECONDS = 0.5  # or sooner, when a write is this old (a slow prefill chunk is kept promptly)

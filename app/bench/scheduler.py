@@ -15,7 +15,7 @@ import torch
 
 from engine import Engine, SamplingParams
 
-from .bench_extras import interleaved
+from .extras import interleaved
 
 FIRST_TURN = ("Prefill reads the whole prompt in one forward pass and fills the KV cache; decode then adds one "
               "token per step, reading every weight and the cache once per token. ")

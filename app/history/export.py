@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine.metrics import percentiles
 
-from .history import message_metrics
+from .recorder import message_metrics
 from .store import Store
 
 FORMATS = ("csv", "json", "trace")

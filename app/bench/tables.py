@@ -23,9 +23,9 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import make_runner
 
-from .bench_extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, prefill_flops,
+from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, prefill_flops,
                            quality_vs)
-from .bench_scheduler import concurrency, scheduler_cost, second_turn
+from .scheduler import concurrency, scheduler_cost, second_turn
 
 BENCH_KV_MB = 1024  # each mode's KV pool: far more than any test here needs
 # pp and tg prefill the same prompt again and again, as llama-bench does: measured whole, not taken from
