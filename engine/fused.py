@@ -24,7 +24,13 @@ from .kv_pool import SequenceKV
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 # -ffp-contract=fast: a * b + c is one FMA everywhere, so every path rounds alike
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-shared", "-fPIC"]
+
+
+def _arch_flags() -> list[str]:
+    """-march=native, or what PHASESCOPE_NATIVE_ARCH says (e.g. "-march=x86-64-v3" to build and test
+    the AVX2 path on a CPU that has VNNI)."""
+    return os.environ.get("PHASESCOPE_NATIVE_ARCH", "-march=native").split()
 
 
 class KernelUnavailable(RuntimeError):
@@ -47,14 +53,15 @@ def build_library(cache_dir: Path) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"no C++ compiler ({compiler}): {exc}") from None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+    flags = FLAGS + _arch_flags()
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode())
     target = cache_dir / "kernels" / f"decode_step-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
                                 timeout=300)
         if result.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed: {result.stderr.strip()[-500:]}")

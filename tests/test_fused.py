@@ -53,6 +53,29 @@ def test_int8_native_decode_is_close_to_fp32(tokenizer, kind):
     assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.8
 
 
+@pytest.mark.parametrize("arch", ["-march=x86-64-v3", "-march=x86-64-v3 -mavxvnni", "-march=x86-64"])
+def test_every_instruction_set_path_gives_the_same_logits(tokenizer, tmp_path, monkeypatch, arch):
+    """The kernel's AVX2, AVX-VNNI and plain-C++ paths against the one built for this CPU (on a CPU
+    that lacks an instruction set, its build would not run: skipped)."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 instruction sets")
+    loaded = tiny_model(tokenizer)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    for precision in ("fp32", "int8"):
+        (native, _), _ = decode_both_ways(loaded, precision, ids)
+        monkeypatch.setenv("PHASESCOPE_NATIVE_ARCH", arch)
+        if "avxvnni" in arch and "avx_vnni" not in open("/proc/cpuinfo").read():
+            pytest.skip("this CPU has no AVX-VNNI")
+        runner = LeanLlama(loaded.model, precision, cache_dir=str(tmp_path))
+        monkeypatch.delenv("PHASESCOPE_NATIVE_ARCH")
+        cache = runner.new_cache(len(ids) + 6)
+        runner.forward(ids, 0, cache)
+        other = torch.stack([runner.forward(torch.tensor([7 + step]), len(ids) + step, cache) for step in range(6)])
+        torch.testing.assert_close(other, native, atol=1e-4 * native.abs().max().item(), rtol=1e-4)
+
+
 @pytest.mark.model
 def test_bundled_greedy_tokens_are_the_same_natively_and_with_pytorch_ops(bundled):
     engine = Engine(bundled, EngineConfig())

@@ -130,58 +130,65 @@ void matvec_f32_rows(const float *x, int64_t n, const float *w, int64_t in, int6
 
 // --- int8 x int8 -----------------------------------------------------------------------------------------
 // x is quantized per step in blocks of 64 inputs, each with its own scale (like llama.cpp's Q8
-// activations), so one outlier only coarsens its own block. Kept as |x| and the sign of x, so that the
-// products are unsigned x signed bytes (vpdpbusd, or maddubs on AVX2) without saturating; the sign moves
-// onto the weight. Each block's integer dot product is scaled into a float vector accumulator, reduced
-// once per row.
+// activations), so one outlier only coarsens its own block. The integer products take unsigned x signed
+// bytes (vpdpbusd, maddubs): with VNNI x is kept as x + 128 and each sum starts from -128 * sum(w),
+// computed once per block for the whole batch; with AVX2 (whose maddubs would saturate on that) as |x|
+// and the sign of x, moved onto the weight. Each block's integer dot product is scaled into a float
+// vector accumulator, reduced once per row.
+// The batch is laid out block by block, [block][sequence][64], so that one pointer walks every sequence.
 constexpr int64_t kBlock = 64;
 
-struct QuantizedX {
-    std::vector<uint8_t> magnitude;  // |round(x / scale)|, <= 127
-    std::vector<int8_t> sign;        // +1 / -1 (0 where x is 0)
-    std::vector<uint64_t> negative;  // per block, bit i set where x[i] < 0
-    std::vector<uint8_t> biased;     // round(x / scale) + 128
-    std::vector<float> scale;        // one per block of 64 inputs
+struct QuantizedBatch {
+    int64_t n = 0;
+    std::vector<uint8_t> bytes;  // [block][n][64]: x + 128 (VNNI), or |x| (AVX2, scalar)
+    std::vector<int8_t> sign;    // [block][n][64]: the sign of x (AVX2, scalar)
+    std::vector<float> scale;    // [block][n]
+
+    QuantizedBatch(int64_t n, int64_t in) : n(n), bytes(n * in), sign(n * in), scale(n * (in / kBlock)) {}
+
+    // block k of sequence b, from its inputs xk [64]
+    void quantize(int64_t k, int64_t b, const float *xk) {
+        {
+            float top = 0.0f;
+            for (int64_t i = 0; i < kBlock; i++) top = std::max(top, std::fabs(xk[i]));
+            const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+            scale[k * n + b] = top / 127.0f;
+            uint8_t *out = bytes.data() + (k * n + b) * kBlock;
+            int8_t *signs = sign.data() + (k * n + b) * kBlock;
+#pragma omp simd
+            for (int64_t i = 0; i < kBlock; i++) {
+                const float v = (xk[i] * inverse + 12582912.0f) - 12582912.0f;  // round to nearest even
+#if defined(__AVXVNNI__) || defined(__AVX512VNNI__)
+                out[i] = uint8_t(int(v) + 128);
+#else
+                out[i] = uint8_t(std::fabs(v));
+                signs[i] = int8_t(v > 0.0f ? 1 : v < 0.0f ? -1 : 0);
+#endif
+            }
+        }
+    }
 };
 
-QuantizedX quantize_blocks(const float *x, int64_t in) {
-    const int64_t blocks = in / kBlock;
-    QuantizedX q{std::vector<uint8_t>(in), std::vector<int8_t>(in), std::vector<uint64_t>(blocks, 0),
-                 std::vector<uint8_t>(in), std::vector<float>(blocks)};
-    for (int64_t b = 0; b < blocks; b++) {
-        float top = 0.0f;
-        for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i++) top = std::max(top, std::fabs(x[i]));
-        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-        q.scale[b] = top / 127.0f;
-        uint64_t negative = 0;
-#pragma omp simd reduction(| : negative)
-        for (int64_t i = b * kBlock; i < (b + 1) * kBlock; i++) {
-            const float v = (x[i] * inverse + 12582912.0f) - 12582912.0f;  // round to nearest even, vectorizable
-            q.magnitude[i] = uint8_t(std::fabs(v));
-            q.sign[i] = int8_t(v > 0.0f ? 1 : v < 0.0f ? -1 : 0);
-            q.biased[i] = uint8_t(int(v) + 128);
-            negative |= uint64_t(v < 0.0f) << (i - b * kBlock);
-        }
-        q.negative[b] = negative;
-    }
-    return q;
-}
-
-// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for B <= kMaxBatch sequences
+// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for sequences b0 .. b0 + B
 template <int B>
-void row_dots_int8(const QuantizedX *q, const int8_t *row, int64_t in, float *out) {
-    const int64_t blocks = in / kBlock;
+void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64_t in, float *out) {
+    const int64_t blocks = in / kBlock, n = q.n;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512 acc[B];
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+    const __m512i bias = _mm512_set1_epi8(char(128));
     for (int64_t k = 0; k < blocks; k++) {
         __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
         const __m512i weights = _mm512_loadu_si512(row + k * kBlock);
+        // (x + 128) . w - 128 * sum(w): the second term once per block for the whole batch, as the start
+        // of each sequence's sum
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, weights));
+        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
+        const float *scale = q.scale.data() + k * n + b0;
         for (int b = 0; b < B; b++) {
-            const __m512i magnitude = _mm512_loadu_si512(q[b].magnitude.data() + k * kBlock);
-            const __m512i signed_w = _mm512_mask_sub_epi8(weights, q[b].negative[k], _mm512_setzero_si512(), weights);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_w);
-            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q[b].scale[k]), acc[b]);
+            const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_loadu_si512(x + b * kBlock), weights);
+            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale[b]), acc[b]);
         }
     }
     for (int b = 0; b < B; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
@@ -192,27 +199,29 @@ void row_dots_int8(const QuantizedX *q, const int8_t *row, int64_t in, float *ou
         __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock + 32));
+        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
+        const float *scale = q.scale.data() + k * n + b0;
 #if defined(__AVXVNNI__)
-        // x + 128 as unsigned bytes times w, less 128 * w (once per block for the whole batch): no sign work
+        // (x + 128) . w - 128 * sum(w): the second term once per block for the whole batch
         const __m256i bias = _mm256_set1_epi8(char(128));
-        const __m256i offset = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), bias, w0), bias, w1);
+        const __m256i start = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_avx_epi32(
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), bias, w0), bias, w1));
         for (int b = 0; b < B; b++) {
-            const uint8_t *u = q[b].biased.data() + k * kBlock;
-            const __m256i u0 = _mm256_loadu_si256((const __m256i *)u), u1 = _mm256_loadu_si256((const __m256i *)(u + 32));
-            const __m256i dot = _mm256_sub_epi32(
-                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, w0), u1, w1), offset);
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock + 32));
+            const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(start, x0, w0), x1, w1);
 #else
+        const int8_t *signs = q.sign.data() + (k * n + b0) * kBlock;
         for (int b = 0; b < B; b++) {
-            const uint8_t *m = q[b].magnitude.data() + k * kBlock;
-            const int8_t *s = q[b].sign.data() + k * kBlock;
-            const __m256i m0 = _mm256_loadu_si256((const __m256i *)m), m1 = _mm256_loadu_si256((const __m256i *)(m + 32));
-            const __m256i s0 = _mm256_sign_epi8(w0, _mm256_loadu_si256((const __m256i *)s));
-            const __m256i s1 = _mm256_sign_epi8(w1, _mm256_loadu_si256((const __m256i *)(s + 32)));
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock + 32));
+            const __m256i s0 = _mm256_sign_epi8(w0, _mm256_loadu_si256((const __m256i *)(signs + b * kBlock)));
+            const __m256i s1 = _mm256_sign_epi8(w1, _mm256_loadu_si256((const __m256i *)(signs + b * kBlock + 32)));
             const __m256i ones = _mm256_set1_epi16(1);  // maddubs pairs are <= 2 * 127 * 127: no saturation
-            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, s0), ones),
-                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(m1, s1), ones));
+            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(x0, s0), ones),
+                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(x1, s1), ones));
 #endif
-            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q[b].scale[k]), acc[b]);
+            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[b]), acc[b]);
         }
     }
     for (int b = 0; b < B; b++) {
@@ -224,10 +233,11 @@ void row_dots_int8(const QuantizedX *q, const int8_t *row, int64_t in, float *ou
     for (int b = 0; b < B; b++) {
         float total = 0.0f;
         for (int64_t k = 0; k < blocks; k++) {
+            const uint8_t *x = q.bytes.data() + (k * n + b0 + b) * kBlock;
+            const int8_t *signs = q.sign.data() + (k * n + b0 + b) * kBlock;
             int32_t dot = 0;
-            for (int64_t i = k * kBlock; i < (k + 1) * kBlock; i++)
-                dot += int32_t(q[b].magnitude[i]) * q[b].sign[i] * row[i];
-            total += q[b].scale[k] * float(dot);
+            for (int64_t i = 0; i < kBlock; i++) dot += int32_t(x[i]) * signs[i] * row[k * kBlock + i];
+            total += q.scale[k * n + b0 + b] * float(dot);
         }
         out[b] = total;
     }
@@ -236,20 +246,18 @@ void row_dots_int8(const QuantizedX *q, const int8_t *row, int64_t in, float *ou
 
 // y[b][r0:r1] = W[r0:r1, :] . x_b with W int8 output-major [out][in]; before the per-row weight scale.
 // Each row is read once and used for every sequence while it is in L1.
-void matvec_int8_rows(const std::vector<QuantizedX> &q, const int8_t *w, int64_t in, int64_t out, int64_t r0,
-                      int64_t r1, float *y) {
-    const int64_t n = int64_t(q.size());
+void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, int64_t in, int64_t out, int64_t r0, int64_t r1,
+                      float *y) {
     float dots[kMaxBatch];
     for (int64_t r = r0; r < r1; r++) {
-        for (int64_t b0 = 0; b0 < n; b0 += kMaxBatch) {
-            const int64_t count = std::min(kMaxBatch, n - b0);
-            const QuantizedX *qb = q.data() + b0;
+        for (int64_t b0 = 0; b0 < q.n; b0 += kMaxBatch) {
+            const int64_t count = std::min(kMaxBatch, q.n - b0);
             const int8_t *row = w + r * in;
             switch (count) {
-                case 1: row_dots_int8<1>(qb, row, in, dots); break;
-                case 2: row_dots_int8<2>(qb, row, in, dots); break;
-                case 3: row_dots_int8<3>(qb, row, in, dots); break;
-                default: row_dots_int8<4>(qb, row, in, dots); break;
+                case 1: row_dots_int8<1>(q, b0, row, in, dots); break;
+                case 2: row_dots_int8<2>(q, b0, row, in, dots); break;
+                case 3: row_dots_int8<3>(q, b0, row, in, dots); break;
+                default: row_dots_int8<4>(q, b0, row, in, dots); break;
             }
             for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b];
         }
@@ -259,12 +267,13 @@ void matvec_int8_rows(const std::vector<QuantizedX> &q, const int8_t *w, int64_t
 // y[b] = x[b] W^T (* scale) (+ bias) for every sequence b < n; x [n][in], y [n][out]. Each thread streams
 // one contiguous range of output rows, once for the whole batch.
 void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out, float *y) {
-    std::vector<QuantizedX> q(d.is_int8 ? n : 0);
+    QuantizedBatch q(d.is_int8 ? n : 0, in);
 #pragma omp parallel num_threads(d.threads)
     {
-        if (d.is_int8) {
+        if (d.is_int8) {  // threads take ranges of blocks: each writes its own stretch of the layout
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < n; b++) q[b] = quantize_blocks(x + b * in, in);
+            for (int64_t k = 0; k < in / kBlock; k++)
+                for (int64_t b = 0; b < n; b++) q.quantize(k, b, x + b * in + k * kBlock);
         }
         const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t per = ((out + team - 1) / team + 15) / 16 * 16;
@@ -320,22 +329,29 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
         const int64_t *table = batch.tables + b * batch.table_stride;
         float *s = scores.data() + offset[b] + h * n, *o = out + (b * d.heads + h) * D;
         float top = -INFINITY;
-        for (int64_t t = 0; t < n; t++) {
-            const float *kt = k + (table[t / bs] * bs + t % bs) * D;
-            float dot = 0.0f;
+        for (int64_t start = 0; start < n; start += bs) {  // block by block: no division per position
+            const float *kb = k + table[start / bs] * bs * D;
+            for (int64_t t = start; t < std::min(n, start + bs); t++) {
+                const float *kt = kb + (t - start) * D;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < D; i++) dot += qh[i] * kt[i];
-            s[t] = dot * scale;
-            top = std::max(top, s[t]);
+                for (int64_t i = 0; i < D; i++) dot += qh[i] * kt[i];
+                s[t] = dot * scale;
+                top = std::max(top, s[t]);
+            }
         }
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
         std::fill(o, o + D, 0.0f);
-        for (int64_t t = 0; t < n; t++) {
-            const float p = s[t] / total, *vt = v + (table[t / bs] * bs + t % bs) * D;
+        const float inverse = 1.0f / total;
+        for (int64_t start = 0; start < n; start += bs) {
+            const float *vb = v + table[start / bs] * bs * D;
+            for (int64_t t = start; t < std::min(n, start + bs); t++) {
+                const float p = s[t] * inverse, *vt = vb + (t - start) * D;
 #pragma omp simd
-            for (int64_t i = 0; i < D; i++) o[i] += p * vt[i];
+                for (int64_t i = 0; i < D; i++) o[i] += p * vt[i];
+            }
         }
     }
 }
