@@ -26,7 +26,7 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
 from .hf_runner import make_runner
-from .kv_pool import KVPoolTooSmall, PoolUsage, kv_bytes_formula
+from .kv_pool import PoolUsage, kv_bytes_formula
 from .loader import LoadedModel, load_model
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
@@ -34,6 +34,7 @@ from .scheduler import Scheduler
 from .text import TextStream
 
 ROLES = ("system", "user", "assistant")
+NUM_TOP = 5  # alternatives reported with each token
 
 
 class PromptTooLong(ValueError):
@@ -338,12 +339,14 @@ class Engine:
             for r in requests:
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             return
-        for r, row in zip(requests, logits):
+        batch_top = getattr(self.runner, "top_logits_batch", None)  # every row's top tokens in one call
+        tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(requests)
+        for r, row, top in zip(requests, logits, tops):
             self._name_blocks(r)
             if r.is_cancelled:
                 self._finish(r, "cancelled")
             else:
-                self._take_token(r, row, batch_size=len(requests))
+                self._take_token(r, row, batch_size=len(requests), top=top)
 
     def _name_blocks(self, r: Request) -> None:
         """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
@@ -352,10 +355,13 @@ class Engine:
         if self.pool.prefix_caching and (cache.num_hashed_blocks + 1) * size <= cache.num_tokens:
             self.pool.name_full_blocks(cache, r.prompt_ids + r.generated_ids)
 
-    def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int) -> None:
-        """Sample the next token from a request's logits, report it, and end the request if it is done."""
+    def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None) -> None:
+        """Sample the next token from a request's logits, report it, and end the request if it is done.
+        top: the logits' top tokens and log-sum-exp, when already computed for the whole batch."""
         penalize = r.sampling.repetition_penalty != 1.0
         top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
+        if top is not None:
+            top_fn = lambda *_: top  # noqa: E731
         picked = sample(logits, r.sampling, r.generator, r.prompt_ids + r.generated_ids if penalize else (),
                         top_fn=top_fn)
         now_ns = self._now_ns()

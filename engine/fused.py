@@ -87,6 +87,10 @@ class FusedDecode:
         self._top = native.ps_top_logits
         self._top.restype = ctypes.c_float
         self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        self._top_batch = native.ps_top_logits_batch
+        self._top_batch.restype = None
+        self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._eps = lean.eps
         self.is_int8 = lean.precision == "int8"
         hidden, intermediate = lean.embed.shape[1], lean.layers[0].down.input_features
@@ -130,6 +134,19 @@ class FusedDecode:
         if ids[0] < 0:
             raise ValueError("the model produced no finite logits")
         return list(ids), list(values), lse
+
+    def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
+        """top_logits of each row of logits [B, vocab], the rows spread over the threads."""
+        logits = logits.float().contiguous()
+        rows, vocab = logits.shape
+        k = min(k, vocab)
+        ids, values = torch.empty((rows, k), dtype=torch.int64), torch.empty((rows, k), dtype=torch.float32)
+        lse = torch.empty(rows, dtype=torch.float32)
+        self._top_batch(logits.data_ptr(), rows, vocab, k, torch.get_num_threads(), ids.data_ptr(), values.data_ptr(),
+                        lse.data_ptr())
+        if (ids[:, 0] < 0).any():
+            raise ValueError("the model produced no finite logits")
+        return list(zip(ids.tolist(), values.tolist(), lse.tolist()))
 
     def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV]) -> torch.Tensor:
         """Logits [B, vocab] after tokens[b] at positions[b] of sequences[b] (all in one pool); their keys

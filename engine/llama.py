@@ -112,6 +112,12 @@ class LeanLlama:
         """sampling.top_logits, from the native library when decode uses it."""
         return (self.fused.top_logits if self.fused is not None else top_logits)(logits, k)
 
+    def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
+        """top_logits of each row of logits [B, vocab]."""
+        if self.fused is not None:
+            return self.fused.top_logits_batch(logits, k)
+        return [top_logits(row, k) for row in logits]
+
     def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         heads, kv_heads = (self.num_heads, self.num_kv_heads) if pair_rope else (0, 0)

@@ -18,7 +18,8 @@ def tokenizer(bundled):
     return bundled.tokenizer
 
 
-def tiny_model(tokenizer, kind: str = "llama", seed: int = 0, max_positions: int = 256) -> LoadedModel:
+def tiny_model(tokenizer, kind: str = "llama", seed: int = 0, max_positions: int = 256, num_heads: int = 4,
+               num_kv_heads: int = 2) -> LoadedModel:
     """A random model of the given architecture, small enough to run in milliseconds."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -26,7 +27,8 @@ def tiny_model(tokenizer, kind: str = "llama", seed: int = 0, max_positions: int
                "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     config_class, model_class = classes[kind]
     config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                          num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                          max_position_embeddings=max_positions,
                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                           pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -42,6 +44,21 @@ def tiny(tokenizer) -> LoadedModel:
 @pytest.fixture
 def tiny_engine(tiny) -> Engine:
     return Engine(tiny, EngineConfig())
+
+
+def shape(events) -> list[tuple]:
+    """A compact view of an event stream for whole-sequence asserts."""
+    from engine import DecodeStep, PrefillChunk
+
+    out = []
+    for e in events:
+        if isinstance(e, PrefillChunk):
+            out.append(("prefill", e.start, e.end))
+        elif isinstance(e, DecodeStep):
+            out.append(("decode", e.step))
+        else:
+            out.append((e.type,))
+    return out
 
 
 def user(text: str) -> list[dict]:

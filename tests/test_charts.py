@@ -7,7 +7,7 @@ import pytest
 from app.ui import charts, panels
 from app.ui.session import ActiveRequests
 from app.ui.trace import ReplyTrace
-from engine import DecodeStep, Engine, Finished, PrefillChunk, SamplingParams, Started
+from engine import DecodeStep, Finished, PrefillChunk, SamplingParams, Started
 
 PER_TOKEN = 46080
 

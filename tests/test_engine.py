@@ -6,26 +6,13 @@ import threading
 import pytest
 import torch
 
-from conftest import tiny_model, user
+from conftest import shape, tiny_model, user
 from engine import (DecodeStep, Engine, EngineConfig, Finished, FirstToken, PrefillChunk, PromptTooLong,
-                    SamplingParams, Started, kv_bytes_formula)
+                    SamplingParams, kv_bytes_formula)
 from engine.hf_runner import TransformersRunner, make_runner
 from engine.llama import LeanLlama
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-
-
-def shape(events) -> list[tuple]:
-    """A compact view of an event stream for whole-sequence asserts."""
-    out = []
-    for e in events:
-        if isinstance(e, PrefillChunk):
-            out.append(("prefill", e.start, e.end))
-        elif isinstance(e, DecodeStep):
-            out.append(("decode", e.step))
-        else:
-            out.append((e.type,))
-    return out
 
 
 @pytest.mark.parametrize("chunk", [0, 5, 16])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from app.history.export import CSV_COLUMNS, export_filename, render, to_csv, to_json, to_trace, write_export
+from app.history.export import CSV_COLUMNS, export_filename, render, to_csv, write_export
 from app.history.store import Store, StoreError
 from conftest import record
 from engine import Engine

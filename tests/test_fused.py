@@ -33,10 +33,12 @@ def decode_both_ways(loaded, precision: str, ids: torch.Tensor, num_steps: int =
         return [native, run()]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
-def test_fp32_native_decode_equals_pytorch_ops(tokenizer, kind):
+@pytest.mark.parametrize("kind, heads", [("llama", 4), ("mistral", 4), ("qwen2", 4), ("llama", 1)])
+def test_fp32_native_decode_equals_pytorch_ops(tokenizer, kind, heads):
+    # 4 heads: head dimension 16 (the kernel's generic attention); 1: 64 (its unrolled one, as SmolLM2's)
     ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
-    (native, native_cache), (ops, ops_cache) = decode_both_ways(tiny_model(tokenizer, kind), "fp32", ids)
+    loaded = tiny_model(tokenizer, kind, num_heads=heads, num_kv_heads=min(heads, 2))
+    (native, native_cache), (ops, ops_cache) = decode_both_ways(loaded, "fp32", ids)
     assert (native - ops).abs().max() <= 1e-5 * ops.abs().max()
     assert native_cache.num_tokens == ops_cache.num_tokens == len(ids) + 6
     assert torch.allclose(native_cache.pool.kv[..., :native_cache.num_tokens, :],  # same keys and values,
@@ -98,6 +100,12 @@ def test_top_logits_natively_and_with_torch(tokenizer):
     assert ids[0] == 123 == int(logits.argmax())
     assert set(ids) == set(expected_ids) and ids[2:] == expected_ids[2:]
     assert values == pytest.approx(expected_values) and lse == pytest.approx(expected_lse, rel=1e-6)
+
+
+def test_top_logits_of_a_batch_equal_each_rows(tokenizer):
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    logits = torch.randn(3, 5000) * 4
+    assert [runner.top_logits(row, 5) for row in logits] == runner.top_logits_batch(logits, 5)
 
 
 def test_top_logits_refuse_logits_that_are_all_nan(tokenizer):

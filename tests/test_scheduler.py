@@ -6,8 +6,8 @@ from contextlib import nullcontext
 
 import pytest
 
-from conftest import tiny_model, user
-from engine import DecodeStep, Engine, EngineConfig, Finished, KVPoolTooSmall, PrefillChunk, SamplingParams, Started
+from conftest import shape, tiny_model, user
+from engine import DecodeStep, Engine, EngineConfig, Finished, KVPoolTooSmall, SamplingParams, Started
 
 PROMPTS = ["The cat sat on the mat.", "Tell me about the sea, please.", "One two three four five six",
            "Why is the sky blue?", "Prefill then decode.", "A longer prompt that takes a few more tokens to say.",
@@ -19,18 +19,6 @@ BLOCK_MB = 2 * 2 * 2 * 16 * 4 * 16 / 1e6  # the tiny model's 16-token block: K a
 
 def greedy(max_new: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
-
-
-def shape(events) -> list[tuple]:
-    out = []
-    for e in events:
-        if isinstance(e, PrefillChunk):
-            out.append(("prefill", e.start, e.end))
-        elif isinstance(e, DecodeStep):
-            out.append(("decode", e.step))
-        else:
-            out.append((e.type,))
-    return out
 
 
 def run_staggered(engine: Engine, prompts: list[str], max_new: list[int], join_at: list[int]):
@@ -56,10 +44,11 @@ def alone(engine: Engine, prompt: str, max_new: int) -> list[int]:
 
 @pytest.mark.parametrize("precision, path", [("fp32", "fused C++"), ("int8", "fused C++"), ("fp32", "PyTorch ops"),
                                              ("int8", "PyTorch ops")])
-@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
-def test_batched_tokens_equal_alone_with_requests_joining_and_leaving(tokenizer, precision, path, batch):
+@pytest.mark.parametrize("batch, heads", [(1, 4), (2, 4), (3, 1), (5, 4), (8, 1)])  # head dimension 16 or 64
+def test_batched_tokens_equal_alone_with_requests_joining_and_leaving(tokenizer, precision, path, batch, heads):
     # no prefix reuse here: int8's prefill kernels quantize per chunk, so this test isolates batching
-    engine = Engine(tiny_model(tokenizer), EngineConfig(precision=precision, prefix_caching=False))
+    loaded = tiny_model(tokenizer, num_heads=heads, num_kv_heads=min(heads, 2))
+    engine = Engine(loaded, EngineConfig(precision=precision, prefix_caching=False))
     switch = engine.runner.pytorch_decode() if path == "PyTorch ops" else nullcontext()
     prompts, max_new = PROMPTS[:batch], [6 + 3 * (i % 3) for i in range(batch)]
     join_at = [2 * i for i in range(batch)]  # each joins two steps after the one before
@@ -104,6 +93,7 @@ def test_prefix_reuse_across_turns_is_exact(tokenizer):
     loaded = tiny_model(tokenizer, max_positions=1024)
     cached, fresh = Engine(loaded), Engine(loaded, EngineConfig(prefix_caching=False))
     conversation = user("Explain prefill and decode in detail. " * 4)
+    previous = 0  # the previous turn's prompt tokens
     for turn in range(3):
         first = cached.generate(conversation, greedy(20))
         second = fresh.generate(conversation, greedy(20))

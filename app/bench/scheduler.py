@@ -6,6 +6,7 @@ machine's drift hits them alike.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -80,7 +81,10 @@ def second_turn(engine: Engine, first_tokens: int, repetitions: int, reply_token
     against the TTFT of the same second message sent alone in a fresh chat."""
     greedy = SamplingParams(max_new_tokens=reply_tokens, temperature=0)
     first = [{"role": "user", "content": _first_turn_text(engine, first_tokens)}]
-    question = {"role": "user", "content": "In one sentence: which of the two phases sets the time to first token?"}
+    asked = itertools.count(1)
+
+    def question() -> dict:  # new each time: a second message is never in the cache already
+        return {"role": "user", "content": f"Question {next(asked)}: which of the two phases sets the TTFT?"}
 
     def ttft(messages: list[dict]) -> tuple[float, int, int]:
         m = engine.generate(messages, SamplingParams(max_new_tokens=1, temperature=0)).metrics
@@ -90,12 +94,12 @@ def second_turn(engine: Engine, first_tokens: int, repetitions: int, reply_token
         def run() -> tuple[float, int, int]:
             with _prefix_caching(engine, caching):
                 reply = engine.generate(first, greedy).text  # the first turn; its blocks stay in the pool
-                return ttft(first + [{"role": "assistant", "content": reply}, question])
+                return ttft(first + [{"role": "assistant", "content": reply}, question()])
         return run
 
     def fresh() -> tuple[float, int, int]:
         with _prefix_caching(engine, False):
-            return ttft([question])
+            return ttft([question()])
 
     samples = interleaved({"with prefix cache": turn(True), "without": turn(False), "alone": fresh}, repetitions)
     out = {name: {"ttft_ms": round(statistics.median(v[0] for v in values), 2), "prompt_tokens": values[0][1],

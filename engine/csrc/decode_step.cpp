@@ -312,6 +312,60 @@ void rotary(float *heads, int64_t num_heads, int64_t head_dim, const float *cos,
     }
 }
 
+// One head of one sequence: out = softmax(q . K^T * scale) V over positions [0, n) of its blocks, with s
+// as scratch [n]. D (the head dimension) known at compile time keeps q and the output in registers.
+template <int D>
+void attend_head(const float *q, const float *k, const float *v, const int64_t *table, int64_t bs, int64_t n,
+                 float scale, float *s, float *out) {
+    constexpr int V = D / kVec;
+    Vec qv[V], acc[V] = {};
+    for (int j = 0; j < V; j++) qv[j] = *reinterpret_cast<const Vec *>(q + j * kVec);
+    float top = -INFINITY;
+    for (int64_t start = 0; start < n; start += bs) {  // block by block: no division per position
+        const float *kb = k + table[start / bs] * bs * D;
+        for (int64_t t = start; t < std::min(n, start + bs); t++) {
+            const Vec *kt = reinterpret_cast<const Vec *>(kb + (t - start) * D);
+            Vec dot = qv[0] * kt[0];
+            for (int j = 1; j < V; j++) dot += qv[j] * kt[j];
+            s[t] = sum_lanes(dot) * scale;
+            top = std::max(top, s[t]);
+        }
+    }
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
+    for (int64_t start = 0; start < n; start += bs) {
+        const float *vb = v + table[start / bs] * bs * D;
+        for (int64_t t = start; t < std::min(n, start + bs); t++) {
+            const Vec *vt = reinterpret_cast<const Vec *>(vb + (t - start) * D);
+            for (int j = 0; j < V; j++) acc[j] += s[t] * vt[j];
+        }
+    }
+    const float inverse = 1.0f / total;
+    for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + j * kVec) = acc[j] * inverse;
+}
+
+// The same for any head dimension, the output accumulated in memory.
+void attend_head_any(const float *q, const float *k, const float *v, const int64_t *table, int64_t bs, int64_t n,
+                     int64_t D, float scale, float *s, float *out) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        const float *kt = k + (table[t / bs] * bs + t % bs) * D;
+        float dot = 0.0f;
+        for (int64_t i = 0; i < D; i++) dot += q[i] * kt[i];
+        s[t] = dot * scale;
+        top = std::max(top, s[t]);
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
+    std::fill(out, out + D, 0.0f);
+    for (int64_t t = 0; t < n; t++) {
+        const float *vt = v + (table[t / bs] * bs + t % bs) * D;
+        for (int64_t i = 0; i < D; i++) out[i] += s[t] * vt[i];
+    }
+    for (int64_t i = 0; i < D; i++) out[i] /= total;
+}
+
 // out[b][h] = softmax(q_bh . K^T / sqrt(D)) V over positions [0, pos_b] of sequence b's blocks, for every
 // sequence and head: one task per (sequence, head), each reading its own cache length.
 void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const float *keys,
@@ -328,30 +382,10 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
         const float *k = keys + (h / group) * d.num_slots * D, *v = values + (h / group) * d.num_slots * D;
         const int64_t *table = batch.tables + b * batch.table_stride;
         float *s = scores.data() + offset[b] + h * n, *o = out + (b * d.heads + h) * D;
-        float top = -INFINITY;
-        for (int64_t start = 0; start < n; start += bs) {  // block by block: no division per position
-            const float *kb = k + table[start / bs] * bs * D;
-            for (int64_t t = start; t < std::min(n, start + bs); t++) {
-                const float *kt = kb + (t - start) * D;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < D; i++) dot += qh[i] * kt[i];
-                s[t] = dot * scale;
-                top = std::max(top, s[t]);
-            }
-        }
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
-        std::fill(o, o + D, 0.0f);
-        const float inverse = 1.0f / total;
-        for (int64_t start = 0; start < n; start += bs) {
-            const float *vb = v + table[start / bs] * bs * D;
-            for (int64_t t = start; t < std::min(n, start + bs); t++) {
-                const float p = s[t] * inverse, *vt = vb + (t - start) * D;
-#pragma omp simd
-                for (int64_t i = 0; i < D; i++) o[i] += p * vt[i];
-            }
+        switch (D) {
+            case 64: attend_head<64>(qh, k, v, table, bs, n, scale, s, o); break;
+            case 128: attend_head<128>(qh, k, v, table, bs, n, scale, s, o); break;
+            default: attend_head_any(qh, k, v, table, bs, n, D, scale, s, o); break;
         }
     }
 }
@@ -435,4 +469,12 @@ extern "C" float ps_top_logits(const float *logits, int64_t n, int64_t k, int64_
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; i++) sum += fast_exp(logits[i] - top);
     return top + std::log(sum);
+}
+
+// The same for each of n rows of logits [n][vocab] (a decode step's batch), rows spread over the threads;
+// lse [n], ids and values [n][k].
+extern "C" void ps_top_logits_batch(const float *logits, int64_t n, int64_t vocab, int64_t k, int64_t threads,
+                                    int64_t *ids, float *values, float *lse) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
+    for (int64_t b = 0; b < n; b++) lse[b] = ps_top_logits(logits + b * vocab, vocab, k, ids + b * k, values + b * k);
 }
