@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .fused import load_fused_decode
 from .kv_pool import DEFAULT_BLOCK_TOKENS, KVPool, SequenceKV, blocks_for
 from .loader import cache_root
-from .quantize import Int8Linear, linear_factory
+from .quantize import linear_factory
 from .sampling import top_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -172,6 +172,12 @@ class LeanLlama:
         if self.fused is not None and max(positions) < self.fused.num_positions:
             return self.fused(tokens, positions, caches)  # one native call for the whole batch
         ids = torch.tensor(tokens, device=self.device)
+        if self.precision == "int8":
+            # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations
+            # would set another's scale. Each sequence goes alone, so its tokens keep independent of its
+            # neighbours (the native step quantizes per sequence and reads the weights once for all).
+            return torch.cat([self._forward_rows(ids[i:i + 1], [(cache, pos, 1)], True)
+                              for i, (cache, pos) in enumerate(zip(caches, positions))])
         return self._forward_rows(ids, [(cache, pos, 1) for cache, pos in zip(caches, positions)], True)
 
     def _forward_rows(self, ids: torch.Tensor, segments: list[tuple[SequenceKV, int, int]],
@@ -183,28 +189,19 @@ class LeanLlama:
         shape = x.shape[-1:]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, shape, layer.attn_norm, self.eps)
-            qkv = self._linear(layer.qkv, h, segments)  # [N, (H + 2KV) * D]: q, k, v side by side
+            qkv = layer.qkv(h)  # [N, (H + 2KV) * D]: q, k, v side by side
             rows, start = [], 0
             for cache, pos, num_tokens in segments:
                 rows.append(self._attention(index, qkv[start:start + num_tokens], pos, cache))
                 start += num_tokens
-            x = x + self._linear(layer.o, torch.cat(rows) if len(rows) > 1 else rows[0], segments)
+            x = x + layer.o(torch.cat(rows) if len(rows) > 1 else rows[0])
             h = F.rms_norm(x, shape, layer.mlp_norm, self.eps)
-            gate, up = self._linear(layer.gate_up, h, segments).chunk(2, dim=-1)  # [N, I] each
-            x = x + self._linear(layer.down, F.silu(gate) * up, segments)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
+            x = x + layer.down(F.silu(gate) * up)
         if not need_logits:
             return None
         ends = torch.tensor([0] + [t for _, _, t in segments], device=self.device).cumsum(0)[1:] - 1
         return self.lm_head(F.rms_norm(x[ends], shape, self.final_norm, self.eps))  # [segments, vocab]
-
-    @staticmethod
-    def _linear(linear, x: torch.Tensor, segments: list) -> torch.Tensor:
-        # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations
-        # would set another's scale. Each sequence's rows go alone, so its tokens keep independent of
-        # its neighbours (the native step quantizes per sequence and reads the weights once).
-        if isinstance(linear, Int8Linear) and len(segments) > 1:
-            return torch.cat([linear(part) for part in x.split([t for _, _, t in segments])])
-        return linear(x)
 
     def _causal_mask(self, pos: int, num_tokens: int) -> torch.Tensor | None:
         if num_tokens == 1:

@@ -33,11 +33,12 @@ def decode_both_ways(loaded, precision: str, ids: torch.Tensor, num_steps: int =
         return [native, run()]
 
 
-@pytest.mark.parametrize("kind, heads", [("llama", 4), ("mistral", 4), ("qwen2", 4), ("llama", 1)])
-def test_fp32_native_decode_equals_pytorch_ops(tokenizer, kind, heads):
-    # 4 heads: head dimension 16 (the kernel's generic attention); 1: 64 (its unrolled one, as SmolLM2's)
+@pytest.mark.parametrize("kind, heads, kv_heads, hidden", [("llama", 4, 2, 64), ("mistral", 4, 2, 64),
+                                                           ("qwen2", 4, 2, 64), ("llama", 4, 2, 256)])
+def test_fp32_native_decode_equals_pytorch_ops(tokenizer, kind, heads, kv_heads, hidden):
+    # head dimension 16: the kernel's generic attention; 64 (SmolLM2's), 2 query heads per KV head: its unrolled one
     ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
-    loaded = tiny_model(tokenizer, kind, num_heads=heads, num_kv_heads=min(heads, 2))
+    loaded = tiny_model(tokenizer, kind, num_heads=heads, num_kv_heads=kv_heads, hidden=hidden)
     (native, native_cache), (ops, ops_cache) = decode_both_ways(loaded, "fp32", ids)
     assert (native - ops).abs().max() <= 1e-5 * ops.abs().max()
     assert native_cache.num_tokens == ops_cache.num_tokens == len(ids) + 6

@@ -312,37 +312,44 @@ void rotary(float *heads, int64_t num_heads, int64_t head_dim, const float *cos,
     }
 }
 
-// One head of one sequence: out = softmax(q . K^T * scale) V over positions [0, n) of its blocks, with s
-// as scratch [n]. D (the head dimension) known at compile time keeps q and the output in registers.
+// The query heads of one KV group of one sequence (GQA: they share keys and values), each
+// out_g = softmax(q_g . K^T * scale) V over positions [0, n) of the sequence's blocks; s: scratch
+// [group][n]. Each key and value is fetched from the cache once for the whole group. D (the head
+// dimension) known at compile time keeps q and the output in registers.
 template <int D>
-void attend_head(const float *q, const float *k, const float *v, const int64_t *table, int64_t bs, int64_t n,
-                 float scale, float *s, float *out) {
+void attend_group(const float *q, int64_t group, const float *k, const float *v, const int64_t *table, int64_t bs,
+                  int64_t n, float scale, float *s, float *out) {
     constexpr int V = D / kVec;
-    Vec qv[V], acc[V] = {};
-    for (int j = 0; j < V; j++) qv[j] = *reinterpret_cast<const Vec *>(q + j * kVec);
-    float top = -INFINITY;
+    float top[8];
+    for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
     for (int64_t start = 0; start < n; start += bs) {  // block by block: no division per position
         const float *kb = k + table[start / bs] * bs * D;
         for (int64_t t = start; t < std::min(n, start + bs); t++) {
-            const Vec *kt = reinterpret_cast<const Vec *>(kb + (t - start) * D);
-            Vec dot = qv[0] * kt[0];
-            for (int j = 1; j < V; j++) dot += qv[j] * kt[j];
-            s[t] = sum_lanes(dot) * scale;
-            top = std::max(top, s[t]);
+            Vec kt[V];
+            for (int j = 0; j < V; j++) kt[j] = *reinterpret_cast<const Vec *>(kb + (t - start) * D + j * kVec);
+            for (int64_t g = 0; g < group; g++) {
+                const Vec *qg = reinterpret_cast<const Vec *>(q + g * D);
+                Vec dot = qg[0] * kt[0];
+                for (int j = 1; j < V; j++) dot += qg[j] * kt[j];
+                s[g * n + t] = sum_lanes(dot) * scale;
+                top[g] = std::max(top[g], s[g * n + t]);
+            }
         }
     }
-    float total = 0.0f;
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = s + g * n, total = 0.0f;
+        const float most = top[g];
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
-    for (int64_t start = 0; start < n; start += bs) {
-        const float *vb = v + table[start / bs] * bs * D;
-        for (int64_t t = start; t < std::min(n, start + bs); t++) {
-            const Vec *vt = reinterpret_cast<const Vec *>(vb + (t - start) * D);
-            for (int j = 0; j < V; j++) acc[j] += s[t] * vt[j];
+        for (int64_t t = 0; t < n; t++) total += (sg[t] = fast_exp(sg[t] - most));
+        Vec acc[V] = {};
+        for (int64_t start = 0; start < n; start += bs) {  // values: from memory for the first head, then L1
+            const float *vb = v + table[start / bs] * bs * D;
+            for (int64_t t = start; t < std::min(n, start + bs); t++)
+                for (int j = 0; j < V; j++) acc[j] += sg[t] * *reinterpret_cast<const Vec *>(vb + (t - start) * D + j * kVec);
         }
+        const float inverse = 1.0f / total;
+        for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) = acc[j] * inverse;
     }
-    const float inverse = 1.0f / total;
-    for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + j * kVec) = acc[j] * inverse;
 }
 
 // The same for any head dimension, the output accumulated in memory.
@@ -376,16 +383,19 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
     for (int64_t b = 0; b < batch.size; b++) offset[b + 1] = offset[b] + d.heads * (batch.positions[b] + 1);
     std::vector<float> scores(offset[batch.size]);
 #pragma omp parallel for num_threads(d.threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch.size * d.heads; task++) {
-        const int64_t b = task / d.heads, h = task % d.heads, n = batch.positions[b] + 1;
-        const float *qh = q + b * q_stride + h * D;
-        const float *k = keys + (h / group) * d.num_slots * D, *v = values + (h / group) * d.num_slots * D;
+    for (int64_t task = 0; task < batch.size * d.kv_heads; task++) {  // one task per (sequence, KV group)
+        const int64_t b = task / d.kv_heads, g = task % d.kv_heads, n = batch.positions[b] + 1;
+        const float *qg = q + b * q_stride + g * group * D;
+        const float *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
         const int64_t *table = batch.tables + b * batch.table_stride;
-        float *s = scores.data() + offset[b] + h * n, *o = out + (b * d.heads + h) * D;
-        switch (D) {
-            case 64: attend_head<64>(qh, k, v, table, bs, n, scale, s, o); break;
-            case 128: attend_head<128>(qh, k, v, table, bs, n, scale, s, o); break;
-            default: attend_head_any(qh, k, v, table, bs, n, D, scale, s, o); break;
+        float *s = scores.data() + offset[b] + g * group * n, *o = out + (b * d.heads + g * group) * D;
+        if (D == 64 && group <= 8) {
+            attend_group<64>(qg, group, k, v, table, bs, n, scale, s, o);
+        } else if (D == 128 && group <= 8) {
+            attend_group<128>(qg, group, k, v, table, bs, n, scale, s, o);
+        } else {
+            for (int64_t h = 0; h < group; h++)
+                attend_head_any(qg + h * D, k, v, table, bs, n, D, scale, s + h * n, o + h * D);
         }
     }
 }
