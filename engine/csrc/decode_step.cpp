@@ -35,7 +35,7 @@ namespace {
 #pragma omp declare simd
 inline float fast_exp(float x) {
     x = std::min(std::max(x, -87.0f), 88.0f);
-    const float n = std::nearbyint(x * 1.44269504f);
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest (nearbyint is a call)
     const float r = x - n * 0.693147181f;
     float p = 1.0f / 720;
     p = p * r + 1.0f / 120;
@@ -464,15 +464,23 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
 
 // What sampling and the events need from a step's logits: the k largest (ids and values, largest first;
 // ties go to the lower id, as argmax does) and log(sum(exp(logits))), so that any token's probability
-// is exp(logit - lse). Two passes over [n], on one thread: a few microseconds for n = 49,152.
+// is exp(logit - lse). Two passes over [n], on one thread: about 10 µs for n = 49,152.
 extern "C" float ps_top_logits(const float *logits, int64_t n, int64_t k, int64_t *ids, float *values) {
     for (int64_t j = 0; j < k; j++) ids[j] = -1, values[j] = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        const float v = logits[i];
-        if (!(v > values[k - 1])) continue;
-        int64_t j = k - 1;
-        for (; j > 0 && v > values[j - 1]; j--) ids[j] = ids[j - 1], values[j] = values[j - 1];
-        ids[j] = i, values[j] = v;
+    constexpr int64_t kStretch = 64;  // a stretch's maximum (vectorized) decides whether to look closer
+    for (int64_t i0 = 0; i0 < n; i0 += kStretch) {
+        const int64_t i1 = std::min(n, i0 + kStretch);
+        float most = -INFINITY;
+#pragma omp simd reduction(max : most)
+        for (int64_t i = i0; i < i1; i++) most = std::max(most, logits[i]);  // NaN never wins
+        if (!(most > values[k - 1])) continue;
+        for (int64_t i = i0; i < i1; i++) {
+            const float v = logits[i];
+            if (!(v > values[k - 1])) continue;
+            int64_t j = k - 1;
+            for (; j > 0 && v > values[j - 1]; j--) ids[j] = ids[j - 1], values[j] = values[j - 1];
+            ids[j] = i, values[j] = v;
+        }
     }
     const float top = values[0];
     float sum = 0.0f;
