@@ -4,7 +4,8 @@ The app reaches the engine only through the names below. The engine never import
 charts or the store.
 """
 from .config import EngineConfig, SamplingParams
-from .engine import Engine, ModelInfo, PromptTooLong, check_messages, render_prompt
+from .engine import Engine, ModelInfo
+from .prompt import PromptTooLong, check_messages, render_prompt
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
 from .kv_pool import KVPool, KVPoolTooSmall, PoolUsage, SequenceKV, kv_bytes_formula
 from .loader import LoadedModel, ModelError, default_model_path, load_model

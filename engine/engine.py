@@ -28,20 +28,13 @@ from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk,
 from .hf_runner import make_runner
 from .kv_pool import PoolUsage, kv_bytes_formula
 from .loader import LoadedModel, load_model
+from .prompt import PromptTooLong, check_messages, render_prompt
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
 from .scheduler import Scheduler
 from .text import TextStream
 
-ROLES = ("system", "user", "assistant")
 NUM_TOP = 5  # alternatives reported with each token
-
-
-class PromptTooLong(ValueError):
-    def __init__(self, num_tokens: int, limit: int) -> None:
-        super().__init__(f"the conversation is {num_tokens:,} tokens, but the model's context window "
-                         f"is {limit:,} tokens: start a new chat or shorten the message")
-        self.num_tokens, self.limit = num_tokens, limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,24 +68,6 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     ids.update(configured if isinstance(configured, list) else [configured])
     ids.add(loaded.tokenizer.eos_token_id)
     return frozenset(i for i in ids if i is not None)
-
-
-def check_messages(messages: list[dict]) -> None:
-    if not messages:
-        raise ValueError("the conversation is empty")
-    for message in messages:
-        if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-            raise ValueError(f"each message needs a role ({', '.join(ROLES)}) and text content")
-    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
-        raise ValueError("the message is empty")
-
-
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """The whole conversation through the tokenizer's chat template, as token ids."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
 
 
 class Engine:

@@ -29,33 +29,38 @@ def _prompts(num: int, num_tokens: int, vocab: int) -> list[list[int]]:
 
 
 def concurrency(engine: Engine, levels: list[int], num_gen: int, repetitions: int, vocab: int) -> dict:
-    """B requests at once for each B in levels: aggregate decode tok/s and per-request TPOT, against
-    one request alone; and whether every request produced the same tokens as when it ran alone."""
+    """B requests at once for each B in levels: aggregate decode tok/s (and output tok/s, prefill
+    included) and per-request TPOT, against one request alone; and whether every request produced the
+    same tokens as when it ran alone."""
     sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
     # 16 tokens: a prompt of one block is never taken from the prefix cache (its last token is always
     # computed), so each level prefills the same work
     prompts = _prompts(max(levels), 16, vocab)
     alone = [engine.run_all([engine.new_request_from_ids(p, sampling)])[0].text for p in prompts]
 
-    def measure(batch: int) -> Callable[[], tuple[float, float, bool]]:
-        def run() -> tuple[float, float, bool]:
+    def measure(batch: int) -> Callable[[], tuple[float, float, float, bool]]:
+        def run() -> tuple[float, float, float, bool]:
             requests = [engine.new_request_from_ids(p, sampling) for p in prompts[:batch]]
             start = time.perf_counter()
             finished = engine.run_all(requests)
             elapsed = time.perf_counter() - start
-            tpot = statistics.fmean(f.metrics.tpot_ms for f in finished)
-            return batch * num_gen / elapsed, tpot, [f.text for f in finished] == alone[:batch]
+            metrics = [f.metrics for f in finished]
+            # decode throughput: decode tokens over the span the batch spent decoding (prefill left out)
+            decode = sum(m.num_generated_tokens - 1 for m in metrics) * 1000 / max(m.decode_ms for m in metrics)
+            return (decode, batch * num_gen / elapsed, statistics.fmean(m.tpot_ms for m in metrics),
+                    [f.text for f in finished] == alone[:batch])
         return run
 
     samples = interleaved({b: measure(b) for b in levels}, repetitions)
     out = {}
     for batch, values in samples.items():
-        out[batch] = {"aggregate_tokens_per_s": round(statistics.median(v[0] for v in values), 1),
-                      "tpot_ms": round(statistics.median(v[1] for v in values), 2),
-                      "same_tokens_as_alone": all(v[2] for v in values)}
+        out[batch] = {"decode_tokens_per_s": round(statistics.median(v[0] for v in values), 1),
+                      "output_tokens_per_s": round(statistics.median(v[1] for v in values), 1),
+                      "tpot_ms": round(statistics.median(v[2] for v in values), 2),
+                      "same_tokens_as_alone": all(v[3] for v in values)}
     base = out[levels[0]]
     for values in out.values():
-        values["aggregate_vs_1"] = round(values["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"], 2)
+        values["decode_vs_1"] = round(values["decode_tokens_per_s"] / base["decode_tokens_per_s"], 2)
         values["tpot_vs_1"] = round(values["tpot_ms"] / base["tpot_ms"], 2)
     return out
 

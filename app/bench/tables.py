@@ -211,6 +211,9 @@ def _ratios(results: list[Result], result: Result) -> tuple[str, str]:
     return versus("transformers"), versus("llama.cpp")
 
 
+CONCURRENCY_HEADER = "| mode | requests | decode tok/s, all | vs 1 | TPOT ms | vs 1 | output tok/s | same tokens as alone |"
+
+
 def to_markdown(report: dict) -> str:
     results, summary = report["results"], report["summary"]
     lines = ["| engine | mode | test | tokens/s | vs transformers | vs llama.cpp | achieved |",
@@ -221,11 +224,11 @@ def to_markdown(report: dict) -> str:
                      f"{r.note} |")
     lines.append("")
     if summary.get("concurrency"):
-        lines += ["| mode | requests | aggregate tok/s | vs 1 | TPOT ms | vs 1 | same tokens as alone |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [CONCURRENCY_HEADER, "|---|---:|---:|---:|---:|---:|---:|---|"]
         for mode, levels in summary["concurrency"].items():
-            lines += [f"| {mode} | {b} | {v['aggregate_tokens_per_s']} | {v['aggregate_vs_1']}× | {v['tpot_ms']} | "
-                      f"{v['tpot_vs_1']}× | {'yes' if v['same_tokens_as_alone'] else 'NO'} |" for b, v in levels.items()]
+            lines += [f"| {mode} | {b} | {v['decode_tokens_per_s']} | {v['decode_vs_1']}× | {v['tpot_ms']} | "
+                      f"{v['tpot_vs_1']}× | {v['output_tokens_per_s']} | "
+                      f"{'yes' if v['same_tokens_as_alone'] else 'NO'} |" for b, v in levels.items()]
         lines.append("")
     lines.append(f"machine: {summary['machine']}; model: {summary['model']}; best mode: {summary['best_mode']}")
     for key, value in summary.items():

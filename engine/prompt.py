@@ -1,0 +1,29 @@
+"""From a conversation to prompt token ids: the checks a user's input must pass, and the chat template."""
+from __future__ import annotations
+
+ROLES = ("system", "user", "assistant")
+
+
+class PromptTooLong(ValueError):
+    def __init__(self, num_tokens: int, limit: int) -> None:
+        super().__init__(f"the conversation is {num_tokens:,} tokens, but the model's context window "
+                         f"is {limit:,} tokens: start a new chat or shorten the message")
+        self.num_tokens, self.limit = num_tokens, limit
+
+
+def check_messages(messages: list[dict]) -> None:
+    if not messages:
+        raise ValueError("the conversation is empty")
+    for message in messages:
+        if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+            raise ValueError(f"each message needs a role ({', '.join(ROLES)}) and text content")
+    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        raise ValueError("the message is empty")
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The whole conversation through the tokenizer's chat template, as token ids."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
