@@ -156,9 +156,8 @@ class FusedDecode:
         assert pool.kv.dtype == torch.float32 and pool.kv.is_contiguous()
         assert all(seq.pool is pool for seq in sequences), "one batch, one pool"
         width = max(len(seq.block_ids) for seq in sequences)
-        tables = torch.zeros((len(sequences), width), dtype=torch.int64)
-        for row, seq in enumerate(sequences):
-            tables[row, :len(seq.block_ids)] = seq.block_table
+        tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences],
+                              dtype=torch.int64)  # [B, width], padded with a valid block never read
         dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8), torch.get_num_threads()],
                             dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)

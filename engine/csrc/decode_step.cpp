@@ -244,10 +244,10 @@ void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64
 #endif
 }
 
-// y[b][r0:r1] = W[r0:r1, :] . x_b with W int8 output-major [out][in]; before the per-row weight scale.
+// y[b][r0:r1] = (W[r0:r1, :] . x_b) * scale[r] with W int8 output-major [out][in], one scale per row.
 // Each row is read once and used for every sequence while it is in L1.
-void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, int64_t in, int64_t out, int64_t r0, int64_t r1,
-                      float *y) {
+void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
+                      int64_t r0, int64_t r1, float *y) {
     float dots[kMaxBatch];
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t b0 = 0; b0 < q.n; b0 += kMaxBatch) {
@@ -259,7 +259,7 @@ void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, int64_t in, int6
                 case 3: row_dots_int8<3>(q, b0, row, in, dots); break;
                 default: row_dots_int8<4>(q, b0, row, in, dots); break;
             }
-            for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b];
+            for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b] * scale[r];
         }
     }
 }
@@ -280,14 +280,12 @@ void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t
         const int64_t c0 = std::min(out, t * per), c1 = std::min(out, c0 + per);
         if (c0 < c1) {
             if (d.is_int8)
-                matvec_int8_rows(q, static_cast<const int8_t *>(lin.weight), in, out, c0, c1, y);
+                matvec_int8_rows(q, static_cast<const int8_t *>(lin.weight), lin.scale, in, out, c0, c1, y);
             else
                 matvec_f32_rows(x, n, static_cast<const float *>(lin.weight), in, out, c0, c1, y);
-            for (int64_t b = 0; b < n; b++)
-                for (int64_t c = c0; c < c1; c++) {
-                    if (lin.scale) y[b * out + c] *= lin.scale[c];
-                    if (lin.bias) y[b * out + c] += lin.bias[c];
-                }
+            if (lin.bias)
+                for (int64_t b = 0; b < n; b++)
+                    for (int64_t c = c0; c < c1; c++) y[b * out + c] += lin.bias[c];
         }
     }
 }
