@@ -1,7 +1,7 @@
 """The decode step as one native call (engine/csrc/decode_step.cpp), for the lean path on CPU.
 
-A decode step reads every weight once for a batch of tokens (one per running sequence), so it should run at memory bandwidth; in eager
-PyTorch most of it went to ~25 small ops per layer. The C++ file has no torch headers: it is built once
+A decode step reads every weight once for a batch of tokens (one per running sequence), so it should
+run at memory bandwidth; in eager PyTorch most of it went to ~25 small ops per layer. The C++ file has no torch headers: it is built once
 per machine with the system's C++ compiler (about a second), cached beside the converted weights, and
 called through ctypes with the addresses of the tensors LeanLlama already holds. Where it cannot be
 built (no compiler, not x86/ARM Linux or macOS), or PHASESCOPE_FUSED_DECODE=0, decode runs the PyTorch
@@ -158,8 +158,8 @@ class FusedDecode:
         width = max(len(seq.block_ids) for seq in sequences)
         tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences],
                               dtype=torch.int64)  # [B, width], padded with a valid block never read
-        dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8), torch.get_num_threads()],
-                            dtype=torch.int64)
+        dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8),
+                                          torch.get_num_threads()], dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
         status = self._fn(dims.data_ptr(), self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),

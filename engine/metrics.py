@@ -4,7 +4,8 @@
 - ITL: the gap between two successive generated tokens; one value per token after the first.
 - TPOT: (E2E - TTFT) / (output tokens - 1); defined only with two or more output tokens.
 - E2E: submit -> last token. Throughput: output tokens / E2E.
-- Prefill tokens/s: prompt tokens / prefill forward time (llama.cpp's `prompt_per_second`).
+- Prefill tokens/s: prompt tokens prefilled (not taken from the cache) / prefill forward time
+  (llama.cpp's `prompt_per_second`).
 - Decode tokens/s: (output tokens - 1) / (E2E - TTFT), i.e. 1000 / TPOT.
 """
 from __future__ import annotations

@@ -26,7 +26,8 @@ def tiny_model(tokenizer, kind: str = "llama", seed: int = 0, max_positions: int
     classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
     config_class, model_class = classes[kind]
-    config = config_class(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+    config = config_class(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=2,
                           num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                           max_position_embeddings=max_positions,
                           eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,

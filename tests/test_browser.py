@@ -55,7 +55,8 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
     generated = int(kpi(page, "generated_tokens"))
     assert reply.strip() and 1 <= generated <= 48
-    assert re.search(rf"\d+ prompt tok · cached \d+ · TTFT \d[\d,]* ms · decode [\d.]+ tok/s · {generated} tok", reply)
+    stats = rf"\d+ prompt tok · cached \d+ · TTFT \d[\d,]* ms · decode [\d.]+ tok/s · {generated} tok"
+    assert re.search(stats, reply)
     traces = plot_traces(page, "ps-latency")
     assert (1, generated) == (traces["prefill"], traces["decode"])  # one point per generated token
     for key in ("ttft", "prefill_tps", "prompt_tokens", "kv"):

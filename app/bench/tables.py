@@ -211,7 +211,8 @@ def _ratios(results: list[Result], result: Result) -> tuple[str, str]:
     return versus("transformers"), versus("llama.cpp")
 
 
-CONCURRENCY_HEADER = "| mode | requests | decode tok/s, all | vs 1 | TPOT ms | vs 1 | output tok/s | same tokens as alone |"
+CONCURRENCY_HEADER = ("| mode | requests | decode tok/s, all | vs 1 | TPOT ms | vs 1 | output tok/s "
+                      "| same tokens as alone |")
 
 
 def to_markdown(report: dict) -> str:

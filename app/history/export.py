@@ -21,7 +21,7 @@ DEFINITIONS = {
     "itl_ms": "gap between two successive generated tokens",
     "tpot_ms": "(e2e_ms - ttft_ms) / (generated tokens - 1)",
     "e2e_ms": "request submitted -> last token",
-    "prefill_tokens_per_s": "prompt tokens / prefill forward time",
+    "prefill_tokens_per_s": "prompt tokens prefilled (cached ones left out) / prefill forward time",
     "decode_tokens_per_s": "(generated tokens - 1) / (e2e_ms - ttft_ms)",
     "start_ms": "step start, from the request's submission",
     "batch_size": "sequences decoded together in the step that produced this token",

@@ -12,7 +12,8 @@ from .trace import ReplyTrace
 
 DEFINITIONS = (
     "TTFT: submit → first token. TPOT: (E2E − TTFT) / (tokens − 1). ITL: gap between two successive tokens. "
-    "Prefill tok/s: prompt tokens / prefill time. Definitions as in vLLM's benchmarks."
+    "Prefill tok/s: prompt tokens prefilled (cached ones left out) / prefill time. "
+    "Definitions as in vLLM's benchmarks."
 )
 
 
@@ -28,8 +29,9 @@ def queued_html(num_ahead: int, num_running: int) -> str:
     """A reply the engine has not taken in yet: how many are ahead of it, and why it waits."""
     if num_ahead == 0:
         return '<div class="ps-phase ps-queued" data-phase="queued">Starting…</div>'
-    return (f'<div class="ps-phase ps-queued" data-phase="queued"><b>Queued</b> — {_plural(num_ahead, "reply", "replies")} '
-            f'ahead of yours ({num_running:,} running: the batch or the KV pool is full)</div>')
+    ahead = _plural(num_ahead, "reply", "replies")
+    return (f'<div class="ps-phase ps-queued" data-phase="queued"><b>Queued</b> — {ahead} ahead of yours '
+            f'({num_running:,} running: the batch or the KV pool is full)</div>')
 
 
 def _others(num_others: int) -> str:
