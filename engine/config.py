@@ -7,6 +7,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8")
 PRECISION_DTYPES = {"fp32": "float32", "int8": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DEFAULT_BLOCK_TOKENS = 16  # tokens per KV block
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -73,7 +74,7 @@ class EngineConfig:
     prefill_chunk: int = 0
     cache_dir: str | None = None
     kv_cache_mb: float | None = None
-    kv_block_tokens: int = 16
+    kv_block_tokens: int = DEFAULT_BLOCK_TOKENS
     prefix_caching: bool = True
     max_running: int = 16
     max_step_tokens: int = 2048

@@ -294,7 +294,6 @@ class Engine:
             return
         r.prefill_end_ns = self._now_ns()
         r.prefill_ns += r.prefill_end_ns - begin_ns
-        r.num_prefilled = end
         r.num_prefill_chunks += 1
         self._name_blocks(r)
         cache = r.kv_cache
@@ -325,10 +324,9 @@ class Engine:
 
     def _name_blocks(self, r: Request) -> None:
         """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
-        cache = r.kv_cache
-        size = self.config.kv_block_tokens
-        if self.pool.prefix_caching and (cache.num_hashed_blocks + 1) * size <= cache.num_tokens:
-            self.pool.name_full_blocks(cache, r.prompt_ids + r.generated_ids)
+        # checked here, before the token list is built (once per step and request)
+        if self.pool.prefix_caching and r.kv_cache.has_unnamed_full_block:
+            self.pool.name_full_blocks(r.kv_cache, r.prompt_ids + r.generated_ids)
 
     def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None) -> None:
         """Sample the next token from a request's logits, report it, and end the request if it is done.

@@ -9,6 +9,7 @@ import inspect
 
 import torch
 
+from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import PoolUsage
 from .llama import DTYPE_NAMES, LeanLlama
 
@@ -54,7 +55,6 @@ class DynamicPool:
     The scheduler talks to this as to a KVPool."""
 
     prefix_caching = False
-    num_queries = num_hits = 0
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -90,7 +90,8 @@ class TransformersRunner:
     def new_cache(self, capacity_tokens: int) -> DynamicKVCache:
         return DynamicKVCache(self.model)
 
-    def new_pool(self, budget_bytes: int, block_size: int = 16, prefix_caching: bool = True) -> DynamicPool:
+    def new_pool(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_TOKENS,
+                 prefix_caching: bool = True) -> DynamicPool:
         return DynamicPool(self.model)
 
     def decode(self, tokens: list[int], positions: list[int], caches: list[DynamicKVCache]) -> torch.Tensor:

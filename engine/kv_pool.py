@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BLOCK_TOKENS = 16
-
 
 def kv_bytes_formula(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int, num_tokens: int) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element x tokens."""
@@ -102,6 +100,11 @@ class SequenceKV:
             self._table = torch.tensor(self.block_ids, dtype=torch.int64)
         return self._table
 
+    @property
+    def has_unnamed_full_block(self) -> bool:
+        """A block is full of written positions but has no name yet (prefix caching names it)."""
+        return (self.num_hashed_blocks + 1) * self.pool.block_size <= self.num_tokens
+
     def reserve(self, pos: int, num_tokens: int) -> int:
         """The end of positions [pos, pos + num_tokens), checked to fit in the sequence's blocks."""
         end = pos + num_tokens
@@ -158,7 +161,6 @@ class KVPool:
         self._hash_of: dict[int, bytes] = {}  # block -> its name
         self._block_of: dict[bytes, int] = {}  # name -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced; oldest first
-        self.num_queries = self.num_hits = 0  # prompt tokens looked up / found (vLLM's prefix cache counters)
 
     @classmethod
     def with_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -213,9 +215,6 @@ class KVPool:
         for block in reused:
             self._hold(block)
         fresh = [self._take() for _ in range(num_new)]
-        if self.prefix_caching:
-            self.num_queries += len(prompt_ids)
-            self.num_hits += len(reused) * self.block_size
         sequence = SequenceKV(self, reused + fresh, len(reused) * self.block_size)
         sequence.last_hash = parent
         return sequence
@@ -239,7 +238,7 @@ class KVPool:
         if not self.prefix_caching:
             return
         size = self.block_size
-        while (sequence.num_hashed_blocks + 1) * size <= sequence.num_tokens:
+        while sequence.has_unnamed_full_block:
             index = sequence.num_hashed_blocks
             name = block_hash(sequence.last_hash, token_ids[index * size:(index + 1) * size])
             block = sequence.block_ids[index]

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .fused import load_fused_decode
-from .kv_pool import DEFAULT_BLOCK_TOKENS, KVPool, SequenceKV, blocks_for
+from .config import DEFAULT_BLOCK_TOKENS
+from .kv_pool import KVPool, SequenceKV, blocks_for
 from .loader import cache_root
 from .quantize import linear_factory
 from .sampling import top_logits

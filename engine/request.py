@@ -31,7 +31,6 @@ class Request:
     status: Status = Status.WAITING
     generated_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the pool (prefix caching)
-    num_prefilled: int = 0  # prompt positions whose K/V are in the cache (cached + prefilled so far)
     num_prefill_chunks: int = 0
     started_ns: int | None = None  # left the queue
     prefill_ns: int = 0  # time inside prefill forward passes

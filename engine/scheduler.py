@@ -44,11 +44,6 @@ class Scheduler:
         with self._lock:
             self._inbox.append(request)
 
-    @property
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._inbox or self.waiting or self.running)
-
     def place_in_line(self, request: Request) -> int | None:
         """0 for the next request to be admitted; None once it runs (or if unknown)."""
         with self._lock:
@@ -84,7 +79,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self.running.append(request)
             request.kv_cache = sequence
-            request.num_cached_tokens = request.num_prefilled = sequence.num_tokens
+            request.num_cached_tokens = sequence.num_tokens
             request.status = Status.PREFILLING
             plan.admitted.append(request)
             budget -= self._plan_chunk(plan, request, budget)
@@ -92,7 +87,7 @@ class Scheduler:
 
     @staticmethod
     def _plan_chunk(plan: StepPlan, request: Request, budget: int) -> int:
-        start = request.num_prefilled
+        start = request.kv_cache.num_tokens  # the prompt positions cached or prefilled so far
         size = min(request.prefill_chunk or request.num_prompt_tokens, budget)
         end = min(start + size, request.num_prompt_tokens)
         plan.prefills.append((request, start, end))

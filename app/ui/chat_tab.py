@@ -50,6 +50,10 @@ def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None) ->
     return panels.phase_html(trace, num_others=running - 1 if is_running else 0)
 
 
+def _pool(engine: Engine) -> str:
+    return panels.pool_html(engine.kv_usage(), *engine.load())
+
+
 def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
            plots: tuple[bool, bool] = (True, True), request: Request | None = None) -> tuple:
     """Every output of the tab, for one moment of a chat; plots says which of the (latency, KV)
@@ -61,7 +65,7 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
     kv = charts.kv_figure([t.events for t in session.traces]) if plots[1] else gr.skip()
     return (session.display, gr.skip(), _phase(engine, trace, request), panels.kpi_html(trace),
             panels.time_split_html(metrics if trace and trace.steps else None), latency, kv,
-            panels.kv_measured_html(trace, engine.info), panels.pool_html(engine.kv_usage(), *engine.load()),
+            panels.kv_measured_html(trace, engine.info), _pool(engine),
             session)
 
 
@@ -145,7 +149,7 @@ def new_chat(engine: Engine, active: ActiveRequests):
             active.cancel(session.id)
         fresh = ChatSession()
         return (fresh.display, "", panels.phase_html(None), panels.kpi_html(None), panels.time_split_html(None),
-                charts.latency_figure([]), charts.kv_figure([]), "", panels.pool_html(engine.kv_usage(), *engine.load()),
+                charts.latency_figure([]), charts.kv_figure([]), "", _pool(engine),
                 fresh)
 
     return handler
@@ -180,7 +184,7 @@ def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | No
             latency = gr.Plot(charts.latency_figure([]), show_label=False, elem_id="ps-latency")
             kv = gr.Plot(charts.kv_figure([]), show_label=False, elem_id="ps-kv")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
-            pool = gr.HTML(panels.pool_html(engine.kv_usage(), *engine.load()), elem_id="ps-pool")
+            pool = gr.HTML(_pool(engine), elem_id="ps-pool")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, latency, kv, kv_check, pool)
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
     accept, respond = make_accept(active), make_respond(engine, active, recorder)

@@ -141,7 +141,7 @@ def pool_html(usage: PoolUsage, num_running: int, num_waiting: int) -> str:
         return ('<div class="ps-pool" data-kpi="pool">KV cache: one growing cache per request (transformers path; '
                 'no pool, no prefix reuse)</div>')
     mb = usage.bytes_per_block / 1e6
-    used, cached = 100 * usage.num_used / usage.num_blocks, 100 * usage.num_cached / usage.num_blocks
+    used, cached = 100 * usage.usage, 100 * usage.num_cached / usage.num_blocks
     waiting = f" · {num_waiting:,} waiting" if num_waiting else ""
     return (f'<div class="ps-pool" data-kpi="pool" title="{usage.num_blocks:,} blocks of {usage.block_size} tokens">'
             f'<div class="ps-split-bar"><div class="ps-d-bg" style="width:{used:.1f}%"></div>'
