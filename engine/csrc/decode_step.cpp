@@ -137,6 +137,11 @@ void matvec_f32_rows(const float *x, int64_t n, const float *w, int64_t in, int6
 // vector accumulator, reduced once per row.
 // The batch is laid out block by block, [block][sequence][64], so that one pointer walks every sequence.
 constexpr int64_t kBlock = 64;
+#if defined(__AVXVNNI__) || defined(__AVX512VNNI__)
+constexpr bool kKeepsSign = false;  // x + 128 carries the sign
+#else
+constexpr bool kKeepsSign = true;
+#endif
 
 struct QuantizedBatch {
     int64_t n = 0;
@@ -144,28 +149,29 @@ struct QuantizedBatch {
     std::vector<int8_t> sign;    // [block][n][64]: the sign of x (AVX2, scalar)
     std::vector<float> scale;    // [block][n]
 
-    QuantizedBatch(int64_t n, int64_t in) : n(n), bytes(n * in), sign(n * in), scale(n * (in / kBlock)) {}
+    QuantizedBatch(int64_t n, int64_t in)
+        : n(n), bytes(n * in), sign(kKeepsSign ? n * in : 0), scale(n * (in / kBlock)) {}
 
     // block k of sequence b, from its inputs xk [64]
     void quantize(int64_t k, int64_t b, const float *xk) {
-        {
-            float top = 0.0f;
-            for (int64_t i = 0; i < kBlock; i++) top = std::max(top, std::fabs(xk[i]));
-            const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-            scale[k * n + b] = top / 127.0f;
-            uint8_t *out = bytes.data() + (k * n + b) * kBlock;
-            int8_t *signs = sign.data() + (k * n + b) * kBlock;
-#pragma omp simd
-            for (int64_t i = 0; i < kBlock; i++) {
-                const float v = (xk[i] * inverse + 12582912.0f) - 12582912.0f;  // round to nearest even
+        float top = 0.0f;
+        for (int64_t i = 0; i < kBlock; i++) top = std::max(top, std::fabs(xk[i]));
+        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+        scale[k * n + b] = top / 127.0f;
+        uint8_t *out = bytes.data() + (k * n + b) * kBlock;
 #if defined(__AVXVNNI__) || defined(__AVX512VNNI__)
-                out[i] = uint8_t(int(v) + 128);
+#pragma omp simd
+        for (int64_t i = 0; i < kBlock; i++)
+            out[i] = uint8_t(int((xk[i] * inverse + 12582912.0f) - 12582912.0f) + 128);  // round to nearest even
 #else
-                out[i] = uint8_t(std::fabs(v));
-                signs[i] = int8_t(v > 0.0f ? 1 : v < 0.0f ? -1 : 0);
-#endif
-            }
+        int8_t *signs = sign.data() + (k * n + b) * kBlock;
+#pragma omp simd
+        for (int64_t i = 0; i < kBlock; i++) {
+            const float v = (xk[i] * inverse + 12582912.0f) - 12582912.0f;  // round to nearest even
+            out[i] = uint8_t(std::fabs(v));
+            signs[i] = int8_t(v > 0.0f ? 1 : v < 0.0f ? -1 : 0);
         }
+#endif
     }
 };
 
