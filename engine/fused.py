@@ -1,4 +1,5 @@
-"""The decode step as one native call (engine/csrc/decode_step.cpp), for the lean path on CPU.
+"""The decode step as one native call (engine/csrc/decode_step.cpp), for the lean path on CPU; and
+prefill's attention, which reads the cached keys where they lie in the paged pool.
 
 A decode step reads every weight once for a batch of tokens (one per running sequence), so it should
 run at memory bandwidth; in eager PyTorch most of it went to ~25 small ops per layer. The C++ file has no torch headers: it is built once
@@ -91,6 +92,12 @@ class FusedDecode:
         self._top_batch.restype = None
         self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._attend = native.ps_prefill_attention
+        self._attend.restype = ctypes.c_int
+        self._attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self.has_prefill_attention = lean.head_dim in (64, 128)
+        self._heads, self._kv_heads = lean.num_heads, lean.num_kv_heads
         self._eps = lean.eps
         self.is_int8 = lean.precision == "int8"
         hidden, intermediate = lean.embed.shape[1], lean.layers[0].down.input_features
@@ -124,6 +131,25 @@ class FusedDecode:
         expected = torch.int8 if self.is_int8 else torch.float32
         assert weight.dtype == expected, (weight.dtype, expected)
         return [self._ptr(weight), self._ptr(scale), self._ptr(None if bias is None else bias.float().contiguous())]
+
+    def prefill_attention(self, qkv: torch.Tensor, layer: int, pos: int, sequence: SequenceKV) -> torch.Tensor:
+        """Causal attention of a prefill chunk, T tokens at positions [pos, pos+T): qkv [T, (H + 2KV) * D]
+        with q and k rotated -> [T, H * D]. Writes the chunk's keys and values into the sequence's slots of
+        the pool, then reads every key through the block table, without gathering them into one tensor."""
+        pool, (num_tokens, width) = sequence.pool, qkv.shape
+        assert qkv.is_contiguous() and qkv.dtype == torch.float32 and pool.kv.is_contiguous()
+        end = sequence.reserve(pos, num_tokens)
+        head_dim = pool.kv.shape[-1]
+        out = torch.empty((num_tokens, self._heads * head_dim), dtype=torch.float32)
+        dims = torch.tensor([self._heads, self._kv_heads, head_dim, pool.kv.shape[3], pool.block_size,
+                             torch.get_num_threads()], dtype=torch.int64)
+        status = self._attend(dims.data_ptr(), qkv.data_ptr(), width, pool.kv[layer, 0].data_ptr(),
+                              pool.kv[layer, 1].data_ptr(), sequence.block_table.data_ptr(), pos, num_tokens,
+                              out.data_ptr())
+        assert status == 0, "has_prefill_attention said this head dimension has a kernel"
+        if layer == pool.num_layers - 1:
+            sequence.mark_written(end)
+        return out
 
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
         """sampling.top_logits, natively: the k largest logits' ids and values, and logsumexp."""

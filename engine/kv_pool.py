@@ -123,16 +123,23 @@ class SequenceKV:
         positions = torch.arange(start, end, device=self.pool.kv.device)
         return self._device_table[positions // size] * size + positions % size
 
-    def update_kv(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write kv ([2, kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer and return that
-        layer's keys and values for positions [0, pos+T), [kv_heads, pos+T, head_dim] each."""
+    def write_kv(self, layer: int, pos: int, kv: torch.Tensor) -> None:
+        """Write kv ([2, kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer."""
         end = self.reserve(pos, kv.shape[2])
-        pool = self.pool.kv[layer]  # [2, KV, slots, D]
-        pool[:, :, self._slots(pos, end)] = kv
+        self.pool.kv[layer][:, :, self._slots(pos, end)] = kv  # [2, KV, slots, D]
         if layer == self.pool.num_layers - 1:
             self.num_tokens = max(self.num_tokens, end)
-        both = pool[:, :, self._slots(0, end)]
+
+    def layer_kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values of positions [0, end), [kv_heads, end, head_dim] each: views of
+        the pool where the blocks are consecutive, else copies."""
+        both = self.pool.kv[layer][:, :, self._slots(0, end)]
         return both[0], both[1]
+
+    def update_kv(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """write_kv, then that layer's keys and values for positions [0, pos+T)."""
+        self.write_kv(layer, pos, kv)
+        return self.layer_kv(layer, pos + kv.shape[2])
 
     def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same with keys and values apart, [kv_heads, T, head_dim] each."""

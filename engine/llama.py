@@ -101,8 +101,8 @@ class LeanLlama:
 
     @contextmanager
     def pytorch_decode(self) -> Iterator[None]:
-        """Within the block, decode runs the PyTorch ops even where the native step is built (to
-        compare the two, or to measure what the prefill kernels do at T = 1)."""
+        """Within the block, decode and prefill's attention run the PyTorch ops even where the native
+        library is built (to compare the two, or to measure what the prefill kernels do at T = 1)."""
         native, self.fused = self.fused, None
         try:
             yield
@@ -220,7 +220,10 @@ class LeanLlama:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
             torch.view_as_complex(qk).mul_(self.rotations[pos:pos + num_tokens])  # rotary embedding, in place
             kv = qkv[:, heads * head_dim:].view(num_tokens, 2, kv_heads, head_dim).permute(1, 2, 0, 3)
-            keys, values = cache.update_kv(index, pos, kv)  # [KV, pos+T, D] each, one copy in
+            if self.fused is not None and self.fused.has_prefill_attention:  # writes k, v into the pool and
+                return self.fused.prefill_attention(qkv, index, pos, cache)  # reads them there, in place
+            cache.write_kv(index, pos, kv)
+            keys, values = cache.layer_kv(index, pos + num_tokens)  # [KV, pos+T, D] each
             q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         else:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)

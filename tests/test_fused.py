@@ -1,15 +1,18 @@
-"""The native decode step (engine/csrc/decode_step.cpp) against the PyTorch ops it replaces."""
+"""The native decode step and prefill attention (engine/csrc/decode_step.cpp) against the PyTorch ops they
+replace."""
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import tiny_model
 from engine import Engine, EngineConfig, SamplingParams
 from engine.fused import KernelUnavailable, build_library
 from engine.hf_runner import make_runner
+from engine.kv_pool import SequenceKV
 from engine.llama import LeanLlama
 from engine.sampling import top_logits
 
@@ -44,6 +47,32 @@ def test_fp32_native_decode_equals_pytorch_ops(tokenizer, kind, heads, kv_heads,
     assert native_cache.num_tokens == ops_cache.num_tokens == len(ids) + 6
     assert torch.allclose(native_cache.pool.kv[..., :native_cache.num_tokens, :],  # same keys and values,
                           ops_cache.pool.kv[..., :ops_cache.num_tokens, :], atol=1e-5)  # same slots
+
+
+@pytest.mark.parametrize("heads, kv_heads, hidden", [(4, 4, 256), (6, 2, 384), (2, 1, 256)])  # D 64, 64, 128
+def test_native_prefill_attention_reads_a_scattered_table_like_sdpa_reads_gathered_keys(tokenizer, heads, kv_heads,
+                                                                                        hidden):
+    runner = make_runner(tiny_model(tokenizer, num_heads=heads, num_kv_heads=kv_heads, hidden=hidden).model, "fp32")
+    assert runner.fused.has_prefill_attention
+    pool = runner.new_pool(1 << 24, prefix_caching=False)
+    head_dim, generator = runner.head_dim, torch.Generator().manual_seed(0)
+    pool.kv.normal_(generator=generator)  # the cached prefix: whatever the pool holds
+    cached, num_tokens = 37, 21
+    sequence = SequenceKV(pool, [9, 2, 5, 0], num_cached_tokens=cached)  # not consecutive: no view would do
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    out = runner.fused.prefill_attention(qkv, 0, cached, sequence)
+
+    keys, values = sequence.layer_kv(0, cached + num_tokens)  # gathered: [KV, 58, D]
+    written = qkv[:, heads * head_dim:].view(num_tokens, 2, kv_heads, head_dim).permute(1, 2, 0, 3)
+    assert torch.equal(keys[:, cached:], written[0]) and torch.equal(values[:, cached:], written[1])
+    q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim).transpose(0, 1)
+    causal = torch.arange(cached + num_tokens)[None, :] <= torch.arange(cached, cached + num_tokens)[:, None]
+    expected = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=causal,
+                                              enable_gqa=heads != kv_heads)[0].transpose(0, 1).flatten(1)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    # a token's output does not depend on how the prompt was cut into chunks (prefix caching stays exact)
+    tail = runner.fused.prefill_attention(qkv[-5:].clone(), 0, cached + num_tokens - 5, sequence)
+    assert torch.equal(tail, out[-5:])
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

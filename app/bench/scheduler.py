@@ -83,13 +83,13 @@ def _first_turn_text(engine: Engine, num_tokens: int) -> str:
 
 def second_turn(engine: Engine, first_tokens: int, repetitions: int, reply_tokens: int = 32) -> dict:
     """TTFT of a chat's second turn after a first turn of first_tokens, with and without prefix caching,
-    against the TTFT of the same second message sent alone in a fresh chat."""
+    against the TTFT of the same second message sent alone in a fresh chat. Each sample is a chat of its
+    own (its first turn numbered), so that what is cached is that chat's first turn and reply, as in the
+    app, and never an earlier sample's second turn."""
     greedy = SamplingParams(max_new_tokens=reply_tokens, temperature=0)
-    first = [{"role": "user", "content": _first_turn_text(engine, first_tokens)}]
-    asked = itertools.count(1)
-
-    def question() -> dict:  # new each time: a second message is never in the cache already
-        return {"role": "user", "content": f"Question {next(asked)}: which of the two phases sets the TTFT?"}
+    text = _first_turn_text(engine, first_tokens)
+    chats = itertools.count(1)
+    question = {"role": "user", "content": "Which of the two phases sets the TTFT?"}
 
     def ttft(messages: list[dict]) -> tuple[float, int, int]:
         m = engine.generate(messages, SamplingParams(max_new_tokens=1, temperature=0)).metrics
@@ -98,17 +98,19 @@ def second_turn(engine: Engine, first_tokens: int, repetitions: int, reply_token
     def turn(caching: bool) -> Callable[[], tuple[float, int, int]]:
         def run() -> tuple[float, int, int]:
             with _prefix_caching(engine, caching):
+                first = [{"role": "user", "content": f"Chat {next(chats)}. {text}"}]
                 reply = engine.generate(first, greedy).text  # the first turn; its blocks stay in the pool
-                return ttft(first + [{"role": "assistant", "content": reply}, question()])
+                return ttft(first + [{"role": "assistant", "content": reply}, question])
         return run
 
     def fresh() -> tuple[float, int, int]:
         with _prefix_caching(engine, False):
-            return ttft([question()])
+            return ttft([question])
 
     samples = interleaved({"with prefix cache": turn(True), "without": turn(False), "alone": fresh}, repetitions)
-    out = {name: {"ttft_ms": round(statistics.median(v[0] for v in values), 2), "prompt_tokens": values[0][1],
-                  "cached_tokens": values[0][2]} for name, values in samples.items()}
+    out = {name: {"ttft_ms": round(statistics.median(v[0] for v in values), 2),
+                  "prompt_tokens": round(statistics.median(v[1] for v in values)),
+                  "cached_tokens": round(statistics.median(v[2] for v in values))} for name, values in samples.items()}
     for name in ("with prefix cache", "without"):
         out[name]["vs_alone"] = round(out[name]["ttft_ms"] / out["alone"]["ttft_ms"], 2)
     return out

@@ -15,6 +15,7 @@
 //   q/k rows paired per head, (x_i, x_{i+D/2}) adjacent, so the rotary embedding is a complex product;
 //   kv pool [layers][2][kv_heads][slots][head_dim] fp32, the same tensor the PyTorch path fills; a
 //   sequence's position p lives in slot table[p / block_size] * block_size + p % block_size (paged).
+// Also prefill's attention (ps_prefill_attention, below), which reads the paged pool in place.
 // No torch headers: built with g++ in about a second and called through ctypes.
 #include <omp.h>
 #if defined(__x86_64__)
@@ -404,6 +405,122 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
     }
 }
 
+// --- prefill attention -------------------------------------------------------------------------------
+// The T tokens of one prefill chunk (positions [pos, pos + T) of a sequence) attend causally over the
+// sequence's keys and values, read in place through its block table: no copy of the cached prefix into
+// one tensor, which a scattered table (a shared system prompt, then this chat's blocks) would need in
+// PyTorch. Per KV group, the group's query heads times a tile of tokens are the rows of two small matrix
+// products: scores = Q K^T, 32 keys at a time transposed to [D][32] so that a row's 32 scores are lanes
+// of two vectors (no horizontal sums); a softmax per row; out = P V, each value row loaded once for
+// several rows. Every row's sums run over exactly its own keys in one fixed order, so a token's output does
+// not depend on how the prompt was cut into chunks: prefix caching stays exact.
+typedef float Vec16 __attribute__((vector_size(64), aligned(4)));  // 16 floats; unaligned loads
+constexpr int64_t kKeyTile = 32;     // keys per score tile: two Vec16 per row
+constexpr int64_t kScoreRows = 6;    // query rows whose scores are computed together (12 accumulators)
+constexpr int64_t kValueRows = 4;    // rows whose outputs are accumulated together (4 x D / 16 accumulators)
+constexpr int64_t kTileTokens = 16;  // tokens per task
+
+// Scratch memory of this thread, kept between calls (a fresh allocation per call was a page fault per
+// 4 KB, as long as the arithmetic itself); which: one of a few buffers in use at once.
+float *scratch(int which, int64_t size) {
+    thread_local std::vector<float> buffers[3];
+    if (int64_t(buffers[which].size()) < size) buffers[which].resize(size);
+    return buffers[which].data();
+}
+
+inline float sum_lanes16(Vec16 v) {
+    float total = 0.0f;
+    for (int i = 0; i < 16; i++) total += v[i];
+    return total;
+}
+
+// softmax of s[0, n) in place, in a fixed order for a given n; returns 1 / (sum of exponentials)
+inline float softmax_row(float *s, int64_t n) {
+    float most = -INFINITY;
+    for (int64_t i = 0; i < n; i++) most = std::max(most, s[i]);
+    Vec16 lanes = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        Vec16 e;
+        for (int j = 0; j < 16; j++) e[j] = fast_exp(s[i + j] - most);
+        *reinterpret_cast<Vec16 *>(s + i) = e;
+        lanes += e;
+    }
+    float total = sum_lanes16(lanes);
+    for (; i < n; i++) total += (s[i] = fast_exp(s[i] - most));
+    return 1.0f / total;
+}
+
+// Rows [0, rows) of one (KV group, token tile): row r is token t0 + r / group, query head r % group of the
+// group, at position pos + t0 + r / group. q points at the group's first head of token 0; out likewise.
+// Keys [0, n) of one KV group, 32 at a time transposed: kt [n / 32 rounded up][D][32], zero past n.
+void transpose_keys(const float *k, const int64_t *table, int64_t bs, int64_t D, int64_t n, int64_t tile,
+                    float *kt) {
+    float *out = kt + tile * D * kKeyTile;
+    for (int64_t j = 0; j < kKeyTile; j++) {
+        const int64_t p = tile * kKeyTile + j;
+        const float *key = p < n ? k + (table[p / bs] * bs + p % bs) * D : nullptr;
+        for (int64_t d = 0; d < D; d++) out[d * kKeyTile + j] = key ? key[d] : 0.0f;
+    }
+}
+
+// kt: the group's keys from transpose_keys; v: its values in the pool.
+template <int D>
+void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const float *kt, const float *v,
+                         const int64_t *table, int64_t bs, int64_t pos, int64_t t0, int64_t t1, float scale,
+                         float *out, int64_t out_stride) {
+    constexpr int V = D / 16;
+    const int64_t rows = (t1 - t0) * group, n = pos + t1;  // the tile's last token sees n keys
+    const int64_t width = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
+    float *scores = scratch(0, rows * width);  // every entry a row reads is written below
+    auto q_row = [&](int64_t r) { return q + (t0 + r / group) * q_stride + (r % group) * D; };
+    auto limit = [&](int64_t r) { return pos + t0 + r / group + 1; };  // keys [0, limit) are visible
+    for (int64_t start = 0; start < n; start += kKeyTile) {
+        const int64_t count = std::min(kKeyTile, n - start);
+        const float *keys = kt + start * D;  // keys [start, start + 32) as [D][32]
+        for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+            if (limit(std::min(rows, r0 + kScoreRows) - 1) <= start) continue;  // all these keys are in the future
+            const float *qr[kScoreRows];
+            for (int64_t i = 0; i < kScoreRows; i++) qr[i] = q_row(std::min(r0 + i, rows - 1));
+            Vec16 acc[kScoreRows][2] = {};
+            for (int d = 0; d < D; d++) {
+                const Vec16 k0 = *reinterpret_cast<const Vec16 *>(keys + d * kKeyTile);
+                const Vec16 k1 = *reinterpret_cast<const Vec16 *>(keys + d * kKeyTile + 16);
+                for (int64_t i = 0; i < kScoreRows; i++) {
+                    acc[i][0] += qr[i][d] * k0;
+                    acc[i][1] += qr[i][d] * k1;
+                }
+            }
+            for (int64_t i = 0; i < std::min(kScoreRows, rows - r0); i++) {
+                float *s = scores + (r0 + i) * width + start;
+                for (int64_t j = 0; j < count; j++) s[j] = (j < 16 ? acc[i][0][j] : acc[i][1][j - 16]) * scale;
+            }
+        }
+    }
+    float *inverse = scratch(1, rows);
+    for (int64_t r = 0; r < rows; r++) {  // past its limit a row's weights are 0
+        float *s = scores + r * width;
+        inverse[r] = softmax_row(s, limit(r));
+        std::fill(s + limit(r), s + width, 0.0f);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
+        const int64_t count = std::min(kValueRows, rows - r0), last = limit(r0 + count - 1);
+        Vec16 acc[kValueRows][V] = {};
+        for (int64_t p = 0; p < last; p++) {
+            const Vec16 *value = reinterpret_cast<const Vec16 *>(v + (table[p / bs] * bs + p % bs) * D);
+            for (int64_t i = 0; i < kValueRows; i++) {
+                const float weight = i < count ? scores[(r0 + i) * width + p] : 0.0f;  // 0 past a row's limit
+                for (int j = 0; j < V; j++) acc[i][j] += weight * value[j];
+            }
+        }
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t r = r0 + i;
+            float *o = out + (t0 + r / group) * out_stride + (r % group) * D;
+            for (int j = 0; j < V; j++) *reinterpret_cast<Vec16 *>(o + j * 16) = acc[i][j] * inverse[r];
+        }
+    }
+}
+
 }  // namespace
 
 // dims: Dims as 11 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
@@ -463,6 +580,53 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
     for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(model_ptrs[1]), C, eps, h.data() + b * C);
     const Linear lm_head{ptr(model_ptrs[2]), ptr(model_ptrs[3]), ptr(model_ptrs[4])};
     linear(d, lm_head, h.data(), n, C, d.vocab, logits);
+    return 0;
+}
+
+// Attention of a prefill chunk: tokens at positions [pos, pos + T) of one sequence. dims: heads,
+// kv_heads, head_dim, num_slots, block_size, threads. qkv [T] rows of q_stride floats: the query heads,
+// then the key heads, then the value heads (q and k pair-rotated); the chunk's keys and values are
+// written into keys, values (one layer's [kv_heads][slots][D]) at the sequence's slots, then every token
+// attends over positions [0, its own]. table: the sequence's block ids; out [T][heads * D]. Returns 0, or
+// 1 for a head dimension it has no kernel for (64 and 128 only; the caller then uses PyTorch's).
+extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, float *keys,
+                                    float *values, const int64_t *table, int64_t pos, int64_t T, float *out) {
+    const float *q = qkv;
+    const int64_t heads = dims[0], kv_heads = dims[1], D = dims[2], num_slots = dims[3], bs = dims[4];
+    const int64_t group = heads / kv_heads, tiles = (T + kTileTokens - 1) / kTileTokens;
+    if (D != 64 && D != 128) return 1;
+    const float scale = 1.0f / std::sqrt(float(D));
+    const int64_t n = pos + T, key_tiles = (n + kKeyTile - 1) / kKeyTile, group_keys = key_tiles * kKeyTile * D;
+    float *kt = scratch(2, kv_heads * group_keys);  // each group's keys transposed once, for all its tiles
+#pragma omp parallel num_threads(dims[5])
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {  // the chunk's keys and values into the pool
+            const int64_t p = pos + t, slot = table[p / bs] * bs + p % bs;
+            const float *row = qkv + t * q_stride + heads * D;  // key heads, then value heads
+            for (int64_t g = 0; g < kv_heads; g++) {
+                std::memcpy(keys + (g * num_slots + slot) * D, row + g * D, D * sizeof(float));
+                std::memcpy(values + (g * num_slots + slot) * D, row + (kv_heads + g) * D, D * sizeof(float));
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * key_tiles; task++) {
+            const int64_t g = task / key_tiles;
+            transpose_keys(keys + g * num_slots * D, table, bs, D, n, task % key_tiles, kt + g * group_keys);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < kv_heads * tiles; task++) {  // later tiles see more keys: dynamic
+            const int64_t g = task % kv_heads, t0 = task / kv_heads * kTileTokens;
+            const int64_t t1 = std::min(T, t0 + kTileTokens);
+            const float *k = kt + g * group_keys, *v = values + g * num_slots * D;
+            if (D == 64)
+                attend_prefill_tile<64>(q + g * group * D, q_stride, group, k, v, table, bs, pos, t0, t1, scale,
+                                        out + g * group * D, heads * D);
+            else
+                attend_prefill_tile<128>(q + g * group * D, q_stride, group, k, v, table, bs, pos, t0, t1, scale,
+                                         out + g * group * D, heads * D);
+        }
+    }
     return 0;
 }
 
