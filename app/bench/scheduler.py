@@ -45,8 +45,11 @@ def concurrency(engine: Engine, levels: list[int], num_gen: int, repetitions: in
             finished = engine.run_all(requests)
             elapsed = time.perf_counter() - start
             metrics = [f.metrics for f in finished]
-            # decode throughput: decode tokens over the span the batch spent decoding (prefill left out)
-            decode = sum(m.num_generated_tokens - 1 for m in metrics) * 1000 / max(m.decode_ms for m in metrics)
+            # decode throughput: decode tokens over the span the batch spent decoding, from the step after
+            # the last prefill (every first token comes from the step that admits them all) to the last token;
+            # one request's own decode span would count the prefills of those admitted after it
+            decoding_ns = max(r.token_ns[-1] for r in requests) - max(r.token_ns[0] for r in requests)
+            decode = sum(len(r.token_ns) - 1 for r in requests) * 1e9 / decoding_ns
             return (decode, batch * num_gen / elapsed, statistics.fmean(m.tpot_ms for m in metrics),
                     [f.text for f in finished] == alone[:batch])
         return run

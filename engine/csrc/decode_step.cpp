@@ -436,18 +436,21 @@ inline float sum_lanes16(Vec16 v) {
 
 // softmax of s[0, n) in place, in a fixed order for a given n; returns 1 / (sum of exponentials)
 inline float softmax_row(float *s, int64_t n) {
-    float most = -INFINITY;
-    for (int64_t i = 0; i < n; i++) most = std::max(most, s[i]);
-    Vec16 lanes = {};
+    Vec16 top = s[0] - Vec16{};  // s[0] in every lane; a maximum is the same in any order
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        Vec16 e;
-        for (int j = 0; j < 16; j++) e[j] = fast_exp(s[i + j] - most);
-        *reinterpret_cast<Vec16 *>(s + i) = e;
-        lanes += e;
+        const Vec16 x = *reinterpret_cast<const Vec16 *>(s + i);
+        top = x > top ? x : top;
     }
+    float most = top[0];
+    for (int j = 1; j < 16; j++) most = std::max(most, top[j]);
+    for (; i < n; i++) most = std::max(most, s[i]);
+#pragma omp simd
+    for (i = 0; i < n; i++) s[i] = fast_exp(s[i] - most);
+    Vec16 lanes = {};  // the sum in lanes of 16 whatever the compiler does: the same order for the same n
+    for (i = 0; i + 16 <= n; i += 16) lanes += *reinterpret_cast<const Vec16 *>(s + i);
     float total = sum_lanes16(lanes);
-    for (; i < n; i++) total += (s[i] = fast_exp(s[i] - most));
+    for (; i < n; i++) total += s[i];
     return 1.0f / total;
 }
 
@@ -457,11 +460,14 @@ inline float softmax_row(float *s, int64_t n) {
 void transpose_keys(const float *k, const int64_t *table, int64_t bs, int64_t D, int64_t n, int64_t tile,
                     float *kt) {
     float *out = kt + tile * D * kKeyTile;
+    static const float zeros[256] = {};  // the keys past n (D <= 256)
+    const float *key[kKeyTile];
     for (int64_t j = 0; j < kKeyTile; j++) {
         const int64_t p = tile * kKeyTile + j;
-        const float *key = p < n ? k + (table[p / bs] * bs + p % bs) * D : nullptr;
-        for (int64_t d = 0; d < D; d++) out[d * kKeyTile + j] = key ? key[d] : 0.0f;
+        key[j] = p < n ? k + (table[p / bs] * bs + p % bs) * D : zeros;
     }
+    for (int64_t d = 0; d < D; d++)  // stores in order; the 32 key rows stay in L1
+        for (int64_t j = 0; j < kKeyTile; j++) out[d * kKeyTile + j] = key[j][d];
 }
 
 // kt: the group's keys from transpose_keys; v: its values in the pool.
