@@ -33,8 +33,19 @@ def build_app(engine: Engine, store: Store) -> gr.Blocks:
     return app
 
 
+def _plotly_js() -> Path:
+    """plotly.js as the plotly package ships it: the page draws the charts itself (no CDN)."""
+    import plotly
+
+    return Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
+
+
 def launch_options() -> dict:
-    return dict(theme=gr.themes.Soft(primary_hue="blue"), css_paths=[STATIC / "app.css"])
+    scripts = [_plotly_js(), STATIC / "phasescope.js"]
+    gr.set_static_paths(scripts)  # served as files, cached by the browser
+    head = "".join(f'<script src="/gradio_api/file={path}"></script>' for path in scripts)
+    return dict(theme=gr.themes.Soft(primary_hue="blue"), css_paths=[STATIC / "app.css"], head=head,
+                js="() => { const go = () => window.phasescope ? window.phasescope.start() : setTimeout(go, 100); go(); }")
 
 
 def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,

@@ -21,8 +21,13 @@ if not Path(CHROMIUM).exists():
 
 
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    process, url = start_app("--db", str(tmp_path_factory.mktemp("db") / "history.db"))
+def app_db(tmp_path_factory):
+    return tmp_path_factory.mktemp("db") / "history.db"
+
+
+@pytest.fixture(scope="module")
+def app_url(app_db):
+    process, url = start_app("--db", str(app_db))
     yield url
     process.terminate()
     process.wait(timeout=30)
@@ -73,6 +78,33 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
     if os.environ.get("PHASESCOPE_UPDATE_SCREENSHOT"):
         shutil.copy(tmp_path / "chat.png", ROOT / "docs" / "screenshot.png")
+
+
+def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page, app_db):
+    from app.history.store import Store
+
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", 400)
+    send(page, "Write a long story about a lighthouse keeper, with many chapters.")
+    wait_phase(page, "decode")
+    # while it decodes, the text grows in the reply's live span and points are added to the open figure
+    page.wait_for_function("() => { const s = document.querySelector('#ps-chatbot .ps-live'); "
+                           "return s && s.textContent.length > 40; }", timeout=60_000)
+    streaming = plot_traces(page, "ps-latency").get("decode", 0)
+    assert "done" == wait_phase(page, "done")
+    page.wait_for_timeout(500)
+    generated = int(kpi(page, "generated_tokens"))
+    assert 0 < streaming < generated  # drawn while streaming, not only at the end
+    assert 0 == page.locator("#ps-chatbot .ps-live").count()  # the final reply replaced the live span
+    store = Store.open(app_db)
+    session = store.sessions()[0]
+    reply = store.messages(session["id"])[-1]
+    decode_steps = [row for row in store.steps(reply["id"]) if row["phase"] == "decode"]
+    shown = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+    assert " ".join(shown.split()).startswith(" ".join(reply["content"].split()))  # Markdown reflows lines
+    assert generated == len(decode_steps) == reply["generated_tokens"]
+    assert (1, generated) == (plot_traces(page, "ps-latency")["prefill"], plot_traces(page, "ps-latency")["decode"])
+    assert generated + 2 == plot_traces(page, "ps-kv")["turn 1"]
 
 
 def test_second_turn_reuses_the_first_turns_kv(page):

@@ -1,10 +1,14 @@
 """Figures and panels are pure functions of events: checked here without a browser."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import plotly.graph_objects as go
 import pytest
 
 from app.ui import charts, panels
+from app.ui.live import LiveReply
 from app.ui.session import ActiveRequests
 from app.ui.trace import ReplyTrace
 from engine import DecodeStep, Finished, PrefillChunk, SamplingParams, Started
@@ -188,3 +192,51 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     assert [] == session.warnings  # delivered to the page
     assert "cancelled" == session.traces[-1].finished.reason  # the engine ended it; the thread lives on
     assert "" == session.pending
+
+
+def _replay(messages: list[str]) -> tuple[dict, dict, str]:
+    """What static/phasescope.js does with the stream's messages: figures reset, then traces extended."""
+    figures, text = {}, ""
+    for raw in messages:
+        message = json.loads(raw)
+        text += message.get("text", "")
+        for name, spec in (message.get("reset") or {}).items():
+            figures[name] = spec
+        for name, ext in (message.get("append") or {}).items():
+            trace = figures[name]["data"][ext["trace"]]
+            for key, values in ext["points"].items():
+                holder, attribute = (trace["marker"], "color") if key == "marker.color" else (trace, key)
+                holder[attribute] = list(holder[attribute]) + values
+            trace["mode"] = ext["mode"]
+    return figures["latency"], figures["kv"], text
+
+
+@pytest.mark.parametrize("cached", [0, 16])
+def test_streamed_points_rebuild_the_final_figures(cached):
+    """The page draws whole figures once the first token came, then only appends points; what it then
+    shows equals the figures built from every event (all but the TPOT line and the allocated span,
+    which the final figures sent at the end of a reply add)."""
+    first = fake_reply(num_steps=3)
+    full = fake_reply(num_prompt=40, num_steps=70, turn=2)
+    if cached:
+        full.started = dataclasses.replace(full.started, num_cached_tokens=cached)
+    streaming = ReplyTrace(turn=2)
+    live = LiveReply("chat-2", [first, streaming])
+    messages = []
+    for event in full.events:
+        streaming.add(event)
+        if isinstance(event, DecodeStep) and event.step % 7 in (0, 3):  # updates at uneven intervals
+            messages.append(live.update())
+    messages.append(live.update())
+    latency, kv, text = _replay(messages)
+    expected_latency = charts.latency_figure(full.events).to_dict()
+    expected_kv = charts.kv_figure([first.events, full.events]).to_dict()
+    decode = expected_latency["data"][charts.DECODE_TRACE]
+    assert {k: decode[k] for k in ("x", "y", "customdata", "mode")} == \
+        {k: latency["data"][charts.DECODE_TRACE][k] for k in ("x", "y", "customdata", "mode")}
+    assert decode["marker"]["color"] == latency["data"][charts.DECODE_TRACE]["marker"]["color"]
+    turn = next(i for i, t in enumerate(expected_kv["data"]) if t["name"] == "turn 2")
+    for key in ("x", "y", "customdata", "mode"):
+        assert expected_kv["data"][turn][key] == kv["data"][turn][key], key
+    assert expected_kv["data"][turn]["marker"]["color"] == kv["data"][turn]["marker"]["color"]
+    assert "".join(s.text for s in full.steps) == text

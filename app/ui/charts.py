@@ -36,13 +36,24 @@ def _figure(data: list[dict], title: str, xaxis: dict, yaxis: dict, **layout) ->
     return go.Figure(spec, _validate=False)
 
 
-def _mode(num_points: int) -> str:
+def point_mode(num_points: int) -> str:
     # one SVG marker per point makes every browser redraw slower, competing with decode for the CPU
     return "lines+markers" if num_points <= MAX_MARKERS else "lines"
 
 
 def _legend_dot(name: str, color: str) -> dict:
     return dict(type="scatter", x=[None], y=[None], mode="markers", name=name, marker=dict(color=color, size=8))
+
+
+DECODE_TRACE = 1  # the latency figure's decode trace: the page extends it while a reply streams
+
+
+def decode_points(steps: Sequence[DecodeStep]) -> dict[str, list]:
+    """The decode trace's values for these steps, by Plotly attribute (the figure's, and what the page
+    appends to it while streaming)."""
+    return {"x": [s.step + 1 for s in steps], "y": [s.latency_ms for s in steps],
+            "marker.color": [PREFILL_COLOR if s.step == 0 else DECODE_COLOR for s in steps],
+            "customdata": [[repr(s.text), s.kv_tokens] for s in steps]}
 
 
 def latency_figure(events: Sequence[Event]) -> go.Figure:
@@ -53,6 +64,7 @@ def latency_figure(events: Sequence[Event]) -> go.Figure:
     """
     chunks = [e for e in events if isinstance(e, PrefillChunk)]
     steps = [e for e in events if isinstance(e, DecodeStep)]
+    points = decode_points(steps)
     data = [dict(
         type="bar", name="prefill", x=[i - len(chunks) + 1 for i in range(len(chunks))],
         y=[c.latency_ms for c in chunks], marker=dict(color=PREFILL_COLOR), width=0.8,
@@ -60,10 +72,9 @@ def latency_figure(events: Sequence[Event]) -> go.Figure:
         hovertemplate="prefill chunk %{customdata[0]}: %{customdata[1]} tokens [%{customdata[2]}, "
                       "%{customdata[3]})<br>%{y:.1f} ms<extra></extra>",
     ), dict(
-        type="scatter", name="decode", mode=_mode(len(steps)), x=[s.step + 1 for s in steps],
-        y=[s.latency_ms for s in steps], line=dict(color=DECODE_COLOR, width=1),
-        marker=dict(color=[PREFILL_COLOR if s.step == 0 else DECODE_COLOR for s in steps], size=5),
-        customdata=[[repr(s.text), s.kv_tokens] for s in steps],
+        type="scatter", name="decode", mode=point_mode(len(steps)), x=points["x"], y=points["y"],
+        line=dict(color=DECODE_COLOR, width=1), marker=dict(color=points["marker.color"], size=5),
+        customdata=points["customdata"],
         hovertemplate="token %{x}: %{customdata[0]}<br>%{y:.1f} ms · KV %{customdata[1]} tokens<extra></extra>",
     )]
     shapes, annotations = [], []
@@ -94,7 +105,7 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[di
         kept_tokens = started.num_cached_tokens
         kept_mb = kept_tokens * started.kv_capacity_bytes / started.kv_capacity_tokens / 1e6
     traces = [dict(
-        type="scatter", mode=_mode(len(xs)), name=f"turn {number}", showlegend=False, x=xs,
+        type="scatter", mode=point_mode(len(xs)), name=f"turn {number}", showlegend=False, x=xs,
         y=[kept_mb] + [p.kv_bytes / 1e6 for p in points], line=dict(color=DECODE_COLOR, width=1.5, shape="hv"),
         marker=dict(color=[{"decode": DECODE_COLOR, "kept": CACHED_COLOR}.get(ph, PREFILL_COLOR) for ph in phases],
                     size=5),
@@ -116,6 +127,22 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[di
                            hovertemplate=f"allocated: {started.kv_capacity_tokens:,} tokens, {capacity:.2f} MB"
                                          "<extra></extra>"))
     return traces, xs[-1] + 1
+
+
+def kv_turn_position(earlier_turns: Sequence[Sequence[Event]]) -> tuple[int, int]:
+    """Where the next turn begins in kv_figure: the index of its first trace and its first x."""
+    count, x = 0, 0
+    for number, events in enumerate(earlier_turns, start=1):
+        traces, x = _turn_traces(number, events, x)
+        count += len(traces)
+    return count, x
+
+
+def kv_step_points(steps: Sequence[DecodeStep], x_start: int) -> dict[str, list]:
+    """Decode steps as points of their turn's trace in kv_figure, the first at x_start (what the page
+    appends to the trace while a reply streams)."""
+    return {"x": list(range(x_start, x_start + len(steps))), "y": [s.kv_bytes / 1e6 for s in steps],
+            "marker.color": [DECODE_COLOR] * len(steps), "customdata": [[s.kv_tokens, "decode"] for s in steps]}
 
 
 def kv_figure(turns: Sequence[Sequence[Event]]) -> go.Figure:

@@ -1,7 +1,6 @@
 """The Chat tab: the conversation on the left, the live prefill/decode panel on the right."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,15 +8,16 @@ import gradio as gr
 
 from engine import Engine, Event, Request, SamplingParams, Status
 
-from . import charts, panels
+from . import live, panels
 from .session import ActiveRequests, ChatSession, ReplyWorker
 from .trace import ReplyTrace
 
-TEXT_EVERY_S = 0.25  # how often the reply text and tiles are sent to the browser (4/s)
-# how often a figure is redrawn, the two taking turns; the final figures always hold every step.
-# Each redraw costs the browser a full Plotly relayout, which on a 2-core machine competes with decode.
-PLOT_EVERY_S = 0.5
+# How often the page is sent what is new (text, points, tiles): static/phasescope.js appends it in place.
+# The charts redraw at most every 0.4 s there: each redraw is a Plotly relayout, on the cores decode uses.
+UPDATE_EVERY_S = 0.25
+PLOT_DIV = '<div class="ps-plot"></div>'  # filled by static/phasescope.js with Plotly
 
+NUM_OUTPUTS = 9  # ChatTab.outputs
 RecorderFactory = Callable[[ChatSession, list[dict], SamplingParams, ReplyTrace], Callable[[Event], None]]
 
 
@@ -29,15 +29,14 @@ class ChatTab:
     phase: gr.HTML
     kpis: gr.HTML
     split: gr.HTML
-    latency: gr.Plot
-    kv: gr.Plot
+    stream: gr.Textbox  # hidden: the messages of app/ui/live.py, applied by static/phasescope.js
     kv_check: gr.HTML
     pool: gr.HTML
 
     @property
     def outputs(self) -> list[gr.components.Component]:
-        return [self.chatbot, self.message, self.phase, self.kpis, self.split, self.latency, self.kv,
-                self.kv_check, self.pool, self.session]
+        return [self.chatbot, self.message, self.phase, self.kpis, self.split, self.stream, self.kv_check,
+                self.pool, self.session]
 
 
 def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None) -> str:
@@ -54,19 +53,18 @@ def _pool(engine: Engine) -> str:
     return panels.pool_html(engine.kv_usage(), *engine.load())
 
 
-def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
-           plots: tuple[bool, bool] = (True, True), request: Request | None = None) -> tuple:
-    """Every output of the tab, for one moment of a chat; plots says which of the (latency, KV)
-    figures to redraw, the others are left as they are."""
+def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, stream: str | None = None,
+           chatbot: bool = True, request: Request | None = None) -> tuple:
+    """Every output of the tab, for one moment of a chat. stream: what the page is sent for the
+    figures (by default both whole); chatbot: whether to send the conversation again."""
     while session.warnings:
         gr.Warning(session.warnings.pop(0))
     metrics = trace.metrics() if trace else None
-    latency = charts.latency_figure(trace.events if trace else []) if plots[0] else gr.skip()
-    kv = charts.kv_figure([t.events for t in session.traces]) if plots[1] else gr.skip()
-    return (session.display, gr.skip(), _phase(engine, trace, request), panels.kpi_html(trace),
-            panels.time_split_html(metrics if trace and trace.steps else None), latency, kv,
-            panels.kv_measured_html(trace, engine.info), _pool(engine),
-            session)
+    if stream is None:
+        stream = live.reset(trace.events if trace else [], [t.events for t in session.traces])
+    return (session.display if chatbot else gr.skip(), gr.skip(), _phase(engine, trace, request),
+            panels.kpi_html(trace), panels.time_split_html(metrics if trace and trace.steps else None), stream,
+            panels.kv_measured_html(trace, engine.info), _pool(engine), session)
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams:
@@ -94,7 +92,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
     def respond(session, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
         text = session.pending if session else ""
         if not text:
-            yield (gr.skip(),) * 10
+            yield (gr.skip(),) * NUM_OUTPUTS
             return
         system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
         messages = system_messages + session.messages + [{"role": "user", "content": text}]
@@ -105,7 +103,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             active.finish(session.id)
             session.pending = ""
             session.show_error(str(exc))
-            yield render(session, engine, None, plots=(False, False))
+            yield render(session, engine, None, stream=gr.skip())
             return
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
@@ -117,16 +115,15 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
                 session.warn(f"this reply will not be saved to the history: {exc}")
         active.start(session.id, request)
         worker = ReplyWorker(engine, request, trace, hooks)
+        updates = live.LiveReply(f"{session.id}-{trace.turn}", session.traces)
+        session.show_live()
         try:
-            last_plot, turn = 0.0, 0
+            first = True
             while worker.is_running:
-                worker.wait(TEXT_EVERY_S)
-                session.show_reply(trace)
-                plots = (False, False)
-                if time.monotonic() - last_plot >= PLOT_EVERY_S:  # one figure at a time, in turn
-                    last_plot, turn = time.monotonic(), turn + 1
-                    plots = (turn % 2 == 1, turn % 2 == 0)
-                yield render(session, engine, trace, plots=plots, request=request)
+                worker.wait(UPDATE_EVERY_S)
+                # the conversation once, with the reply's live span; then only what is new
+                yield render(session, engine, trace, stream=updates.update(), chatbot=first, request=request)
+                first = False
         finally:
             if worker.is_running:  # the browser went away: stop generating for nobody
                 request.cancel()
@@ -149,8 +146,7 @@ def new_chat(engine: Engine, active: ActiveRequests):
             active.cancel(session.id)
         fresh = ChatSession()
         return (fresh.display, "", panels.phase_html(None), panels.kpi_html(None), panels.time_split_html(None),
-                charts.latency_figure([]), charts.kv_figure([]), "", _pool(engine),
-                fresh)
+                live.reset([], []), "", _pool(engine), fresh)
 
     return handler
 
@@ -181,11 +177,13 @@ def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | No
             phase = gr.HTML(panels.phase_html(None), elem_id="ps-phase")
             kpis = gr.HTML(panels.kpi_html(None), elem_id="ps-kpis")
             split = gr.HTML(panels.time_split_html(None), elem_id="ps-split")
-            latency = gr.Plot(charts.latency_figure([]), show_label=False, elem_id="ps-latency")
-            kv = gr.Plot(charts.kv_figure([]), show_label=False, elem_id="ps-kv")
+            gr.HTML(PLOT_DIV, elem_id="ps-latency")
+            gr.HTML(PLOT_DIV, elem_id="ps-kv")
+            stream = gr.Textbox(live.reset([], []), visible="hidden", elem_id="ps-stream")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
             pool = gr.HTML(_pool(engine), elem_id="ps-pool")
-    tab = ChatTab(session, chatbot, message, phase, kpis, split, latency, kv, kv_check, pool)
+    tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
+    stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
     accept, respond = make_accept(active), make_respond(engine, active, recorder)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit

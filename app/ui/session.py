@@ -35,6 +35,10 @@ class ChatSession:
         self.pending = user_text
         self.display += [{"role": "user", "content": as_text(user_text)}, {"role": "assistant", "content": "…"}]
 
+    def show_live(self) -> None:
+        """The reply as an empty span that the page fills as text streams (static/phasescope.js)."""
+        self.display[-1] = {"role": "assistant", "content": '<span class="ps-live"></span>'}
+
     def show_reply(self, trace: ReplyTrace) -> None:
         content = as_text(trace.text)
         if trace.finished and trace.finished.reason == "error":

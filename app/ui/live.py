@@ -1,0 +1,83 @@
+"""What the page is sent while a reply streams: only what is new since the last update.
+
+The messages go through one hidden textbox (#ps-stream) to static/phasescope.js, which applies them in
+place. A message is a JSON object with any of:
+  reply   an id for the reply the text belongs to (a new id starts a new text)
+  text    the reply's text since the previous message
+  reset   whole figures, {"latency": spec, "kv": spec}: drawn anew (start and end of a reply, a new
+          chat, a chat opened from the history, and whenever a figure gains a trace)
+  append  new points, {"latency" | "kv": {"trace": index, "points": {attribute: [values]}, "mode": ...}}:
+          added to that trace with Plotly.extendTraces
+  seq     a counter, so that every message differs from the last (the page reacts to changes)
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+from engine import Event
+
+from . import charts
+from .trace import ReplyTrace
+
+_seq = itertools.count(1)
+
+
+def message(**fields) -> str:
+    return json.dumps({**fields, "seq": next(_seq)}, separators=(",", ":"))
+
+
+def _spec(figure: go.Figure) -> dict:
+    return json.loads(figure.to_json())
+
+
+def reset(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], reply: str | None = None) -> str:
+    """Both figures whole: the latency of one reply and the KV cache over every turn of the chat."""
+    return message(reply=reply, reset={"latency": _spec(charts.latency_figure(latency_events)),
+                                       "kv": _spec(charts.kv_figure(turns))})
+
+
+class LiveReply:
+    """The messages for one streaming reply: whole figures when their shape changes (the prompt was
+    read, the first token came), then each update's new text and new points only."""
+
+    def __init__(self, reply_id: str, traces: Sequence[ReplyTrace]) -> None:
+        self.reply_id = reply_id
+        self.traces = traces  # the chat's replies, the streaming one last
+        self._shape: tuple | None = None
+        self._sent_steps = 0
+
+    @property
+    def trace(self) -> ReplyTrace:
+        return self.traces[-1]
+
+    def update(self) -> str:
+        trace = self.trace
+        steps = list(trace.steps)
+        new, first = steps[self._sent_steps:], self._sent_steps
+        self._sent_steps = len(steps)
+        text = "".join(s.text for s in new)
+        shape = (trace.started is not None, len(trace.chunks), bool(steps))
+        if shape != self._shape:  # a new trace or bar: the whole figures, still small at this point
+            self._shape = shape
+            return message(reply=self.reply_id, text=text, reset={
+                "latency": _spec(charts.latency_figure(trace.events)),
+                "kv": _spec(charts.kv_figure([t.events for t in self.traces]))})
+        if not new:
+            return message(reply=self.reply_id)
+        return message(reply=self.reply_id, text=text, append={
+            "latency": {"trace": charts.DECODE_TRACE, "points": charts.decode_points(new),
+                        "mode": charts.point_mode(len(steps))},
+            "kv": self._kv_append(new, first, len(steps))})
+
+    def _kv_append(self, new, first: int, num_steps: int) -> dict:
+        """The new steps as points of this turn's trace in the KV figure (see charts.kv_figure)."""
+        earlier = [t.events for t in self.traces[:-1]]
+        index, x0 = charts.kv_turn_position(earlier)
+        trace = self.trace
+        points = charts.kv_step_points(new, x0 + 1 + len(trace.chunks) + first)
+        return {"trace": index + (1 if trace.num_cached_tokens else 0), "points": points,
+                "mode": charts.point_mode(1 + len(trace.chunks) + num_steps)}
