@@ -18,8 +18,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (see --precision)")
     parser.add_argument("--precision", default=os.environ.get("PHASESCOPE_PRECISION", "auto"),
-                        help="auto, fp32, fp16, bf16 or int8 (weights int8, lean path on CPU; env "
-                             "PHASESCOPE_PRECISION)")
+                        help="auto (int8 on CPU where the native decode step builds), fp32, fp16, bf16 or "
+                             "int8 (weights int8, lean path on CPU); env PHASESCOPE_PRECISION")
     parser.add_argument("--kv-cache-mb", type=float, help="the KV cache pool's size in MB (default: an eighth of "
                                                           "the memory, at most 2 GiB)")
     parser.add_argument("--no-prefix-cache", action="store_true",
@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default="1,2,4,8",
                        help="requests decoding at once, comma-separated (default 1,2,4,8; 0: skip)")
     bench.add_argument("--quick", action="store_true", help="a smoke run: pp32, tg8, one repetition, concurrency 1,2")
+    bench.add_argument("--browser", action="store_true",
+                       help="also decode speed streamed to a real browser (Chromium) vs the CLI, per mode")
     return parser
 
 
@@ -208,8 +210,9 @@ def tune_openmp_for_the_app(precision: str) -> None:
     """The browser drawing the page shares the CPU with the model. OpenMP threads that spin briefly
     between parallel regions leave it room: fp32 decode in the browser measured 29.8 vs 23.7 tok/s
     with libgomp's default spin. int8's steps are short and back to back; for it the default did as
-    well or better (106.9 vs 101.0). Must run before torch is loaded; a value you set yourself wins."""
-    if precision != "int8":
+    well or better (106.9 vs 101.0), and auto means int8 on CPU. Must run before torch is loaded; a value
+    you set yourself wins."""
+    if precision in ("fp32", "fp16", "bf16"):
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
@@ -269,8 +272,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
                        baseline=not args.no_baseline, llama_bench_path=args.llama_bench,
                        log=lambda line: print(line, file=sys.stderr, flush=True), concurrency_levels=levels)
+    if args.browser:
+        report["summary"]["browser"] = _browser_bench(modes, args.quick)
     print(bench.render(report, args.output))
     return 0
+
+
+def _browser_bench(modes: tuple[str, ...], quick: bool) -> dict:
+    from app.bench.browser import browser_available, stream_vs_cli
+
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    why_not = browser_available()
+    if why_not:
+        log(f"  browser: not measured: {why_not}")
+        return {"skipped": why_not}
+    rounds, tokens = (1, 16) if quick else (3, 128)
+    results = {mode: stream_vs_cli(mode, rounds, tokens, log) for mode in modes}
+    log(f"  browser vs CLI: {results}")
+    return results
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

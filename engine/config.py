@@ -55,8 +55,8 @@ class EngineConfig:
 
     model: None for the bundled SmolLM2-135M-Instruct, else a local Hugging Face folder or a .gguf file.
     precision: the weights' number format: fp32 (the reference), fp16, bf16, int8 (weights int8,
-        activations quantized per call; lean path on CPU), or auto (dtype decides: fp32 on CPU,
-        bf16 on CUDA).
+        activations quantized per call; lean path on CPU), or auto: int8 for a Llama-family model on CPU
+        where the native decode step builds, else the dtype's (fp32 on CPU, bf16 on CUDA).
     prefill_chunk: prompt tokens per prefill forward pass; 0 means the whole prompt in one pass.
     kv_cache_mb: the KV pool's size in MB (10^6 bytes); None: an eighth of the machine's memory, at most 2 GiB.
     kv_block_tokens: tokens per KV block (the unit of paging and of prefix reuse).

@@ -11,15 +11,18 @@ steps on the caller's thread until its request is done (the CLI, tests, benchmar
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +38,11 @@ from .scheduler import Scheduler
 from .text import TextStream
 
 NUM_TOP = 5  # alternatives reported with each token
+T = TypeVar("T")
+
+
+class EngineBusy(RuntimeError):
+    """A change that needs an idle engine (e.g. another precision) asked for while requests run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +86,15 @@ class Engine:
         self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir)
         self.eos_ids = _eos_ids(loaded)
         mb = self.config.kv_cache_mb
-        budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
-        self.pool = self.runner.new_pool(budget, self.config.kv_block_tokens, self.config.prefix_caching)
+        self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
+        self.pool = self.runner.new_pool(self.pool_budget, self.config.kv_block_tokens, self.config.prefix_caching)
         self.scheduler = Scheduler(self.pool, self.config.max_running, self.config.max_step_tokens)
         self._hooks: list[Hook] = []
         self._ids = itertools.count(1)
         self._step_lock = threading.Lock()  # one step at a time, whichever thread steps
         self._wakeup = threading.Event()  # a request arrived for the serving loop
         self._stopped = threading.Event()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # calls to run on the serving thread
         self.is_serving = False
 
     @classmethod
@@ -103,9 +112,10 @@ class Engine:
         config = self.loaded.model.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        element = torch.tensor([], dtype=self.loaded.dtype).element_size()
+        dtype = self.runner.dtype  # the loaded model's, or the copy a half-precision switch made
+        element = torch.tensor([], dtype=dtype).element_size()
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
-                         str(self.loaded.dtype).removeprefix("torch."), self.runner.name,
+                         str(dtype).removeprefix("torch."), self.runner.name,
                          getattr(self.runner, "decode_path", "PyTorch ops"), self.runner.precision,
                          config.num_hidden_layers, kv_heads, head_dim, self.context_window,
                          kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1))
@@ -234,11 +244,54 @@ class Engine:
         self.is_serving = True
         try:
             while not self._stopped.is_set():
+                self._run_jobs()
                 if not self.step():
                     self._wakeup.wait(0.1)
                     self._wakeup.clear()
         finally:
             self.is_serving = False
+            self._run_jobs()
+
+    def call(self, job: Callable[[], T]) -> T:
+        """Run job between two steps on the engine's own thread (the serving one, which owns the OpenMP
+        team; or this one when nothing serves) and return its result or raise its exception here."""
+        if not self.is_serving:
+            with self._step_lock:
+                return job()
+        done, outcome = threading.Event(), {}
+        self._jobs.put((job, done, outcome))
+        self._wakeup.set()
+        done.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def _run_jobs(self) -> None:
+        while not self._jobs.empty():
+            job, done, outcome = self._jobs.get()
+            try:
+                outcome["value"] = job()
+            except BaseException as exc:  # handed back to the caller
+                outcome["error"] = exc
+            done.set()
+
+    def switch_precision(self, precision: str) -> None:
+        """Run the model in another precision from the next request on: the forward is rebuilt from the
+        weights already loaded (no reload), with a new KV pool (the cached prefixes were computed in the
+        old precision). Refused while requests run. Call it through call() when the engine serves."""
+        config = dataclasses.replace(self.config, precision=precision)  # checks the name
+        running, waiting = self.load()
+        if running or waiting:
+            raise EngineBusy(f"{running + waiting} replies are running or waiting: stop them or let them "
+                             f"finish, then switch to {precision}")
+        model = self.loaded.model
+        if config.load_dtype in ("float16", "bfloat16") and model.dtype != getattr(torch, config.load_dtype):
+            model = copy.deepcopy(model).to(getattr(torch, config.load_dtype))
+        runner = make_runner(model, precision, cache_dir=config.cache_dir)
+        self.runner, self.config = runner, config
+        self.pool = runner.new_pool(self.pool_budget, config.kv_block_tokens, config.prefix_caching)
+        self.scheduler.pool = self.pool
+        self.__dict__.pop("info", None)  # the cached ModelInfo describes the old runner
 
     def stop(self) -> None:
         self._stopped.set()

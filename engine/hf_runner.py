@@ -80,6 +80,7 @@ class TransformersRunner:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.dtype = model.dtype
         self.precision = DTYPE_NAMES.get(model.dtype, "")
         self.context_window = getattr(model.config, "max_position_embeddings", 2048)
         self.device = model.device
@@ -109,8 +110,17 @@ class TransformersRunner:
 
 def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bool = True,
                 cache_dir: str | None = None):
-    """The lean Llama path when the architecture allows it, else transformers' forward."""
+    """The lean Llama path when the architecture allows it, else transformers' forward.
+
+    precision "auto": int8 for an fp32 model on CPU where the native decode step runs it (about 3x
+    fp32's decode speed at ~91% top-1 agreement with fp32, measured by `phasescope bench`), else the
+    model's own dtype (fp32 on CPU, bf16 on CUDA)."""
     if prefer_lean and LeanLlama.supports(model):
+        if precision == "auto" and model.device.type == "cpu" and model.dtype == torch.float32:
+            runner = LeanLlama(model, "int8", cache_dir=cache_dir)
+            if runner.fused is not None:
+                return runner
+            precision = "fp32"  # no native step here (no compiler, odd widths): fp32 decodes faster
         return LeanLlama(model, precision, cache_dir=cache_dir)
     if precision == "int8":
         raise ValueError(f"precision int8 needs the lean Llama-family path; {model.config.model_type} models "

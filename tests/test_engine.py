@@ -57,7 +57,7 @@ def test_cache_reports_its_own_size():
 @pytest.mark.parametrize("chunks", [[1000], [1] * 7 + [1000], [3, 5, 1000]])
 def test_lean_forward_matches_transformers(tokenizer, kind, chunks):
     loaded = tiny_model(tokenizer, kind)
-    runner = make_runner(loaded.model)
+    runner = make_runner(loaded.model, "fp32")
     assert isinstance(runner, LeanLlama)
     ids = torch.tensor(tokenizer("The KV cache holds keys and values of earlier tokens.")["input_ids"])
     with torch.no_grad():

@@ -110,7 +110,7 @@ def test_every_instruction_set_path_gives_the_same_logits(tokenizer, tmp_path, m
 
 @pytest.mark.model
 def test_bundled_greedy_tokens_are_the_same_natively_and_with_pytorch_ops(bundled):
-    engine = Engine(bundled, EngineConfig())
+    engine = Engine(bundled, EngineConfig(precision="fp32"))
     assert "fused C++" == engine.runner.decode_path
     messages = [{"role": "user", "content": "Name three colors."}]
     sampling = SamplingParams(max_new_tokens=24, temperature=0)

@@ -13,6 +13,8 @@ PROMPTS = ["The cat sat on the mat.", "Tell me about the sea, please.", "One two
            "Why is the sky blue?", "Prefill then decode.", "A longer prompt that takes a few more tokens to say.",
            "Hello", "What is a KV cache, and why does decode need one?"]
 
+FP32 = EngineConfig(precision="fp32")  # exact comparisons need the reference precision
+
 
 BLOCK_MB = 2 * 2 * 2 * 16 * 4 * 16 / 1e6  # the tiny model's 16-token block: K and V, 2 layers, 2 heads, 16 dims
 
@@ -71,7 +73,7 @@ def test_batched_tokens_equal_alone_with_requests_joining_and_leaving(tokenizer,
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_untouched(tokenizer):
-    engine = Engine(tiny_model(tokenizer))
+    engine = Engine(tiny_model(tokenizer), FP32)
     expected = [alone(engine, p, 12) for p in PROMPTS[:3]]
     requests = [engine.new_request(user(p), greedy(12)) for p in PROMPTS[:3]]
     cancel_at_3 = lambda e: requests[1].cancel() if isinstance(e, DecodeStep) and e.step == 3 else None  # noqa: E731
@@ -91,7 +93,8 @@ def test_a_request_cancelled_mid_batch_leaves_the_others_untouched(tokenizer):
 
 def test_prefix_reuse_across_turns_is_exact(tokenizer):
     loaded = tiny_model(tokenizer, max_positions=1024)
-    cached, fresh = Engine(loaded), Engine(loaded, EngineConfig(prefix_caching=False))
+    # fp32: int8 prefill quantizes each chunk's activations as a whole, so a cached prefix changes them
+    cached, fresh = Engine(loaded, FP32), Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False))
     conversation = user("Explain prefill and decode in detail. " * 4)
     previous = 0  # the previous turn's prompt tokens
     for turn in range(3):
@@ -110,7 +113,7 @@ def test_prefix_reuse_across_turns_is_exact(tokenizer):
 
 
 def test_a_shared_system_prompt_is_prefilled_once(tokenizer):
-    engine = Engine(tiny_model(tokenizer, max_positions=1024))
+    engine = Engine(tiny_model(tokenizer, max_positions=1024), FP32)
     system = [{"role": "system", "content": "You are a careful teacher of inference engines. " * 6}]
     first = list(engine.stream(system + user("What is TTFT?"), greedy(4)))
     second = list(engine.stream(system + user("What is TPOT?"), greedy(4)))
@@ -121,8 +124,8 @@ def test_a_shared_system_prompt_is_prefilled_once(tokenizer):
     chunk = second[1]
     assert (started.num_cached_tokens, started.num_prompt_tokens) == (chunk.start, chunk.end)
     assert second[-1].metrics.num_cached_tokens == started.num_cached_tokens
-    fresh = Engine(engine.loaded, EngineConfig(prefix_caching=False)).generate(system + user("What is TPOT?"),
-                                                                              greedy(4))
+    fresh = Engine(engine.loaded, EngineConfig(precision="fp32", prefix_caching=False)).generate(
+        system + user("What is TPOT?"), greedy(4))
     assert fresh.text == second[-1].text
 
 
@@ -160,7 +163,7 @@ def test_a_request_waits_while_the_pool_is_full(tokenizer):
 
 
 def test_the_serving_thread_runs_requests_from_several_threads_together(tokenizer):
-    engine = Engine(tiny_model(tokenizer))
+    engine = Engine(tiny_model(tokenizer), FP32)
     expected = [alone(engine, p, 30) for p in PROMPTS[:3]]
     loop = threading.Thread(target=engine.serve_forever, daemon=True)
     loop.start()

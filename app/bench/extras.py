@@ -146,6 +146,31 @@ def quality_vs(reference, other, tokenizer) -> dict:
             "mean_kl_nats": round(kl_sum / total, 4), "max_logit_diff": round(max_diff, 3)}
 
 
+def decode_speed(runner, num_tokens: int = 32) -> float:
+    """tok/s of num_tokens greedy decode steps after a one-token prompt, on a bare forward loop."""
+    cache = runner.new_cache(num_tokens + 2)
+    token = int(runner.forward(torch.tensor([1]), 0, cache).argmax())
+    start = time.perf_counter()
+    for pos in range(1, num_tokens + 1):
+        token = int(runner.decode([token], [pos], [cache])[0].argmax())
+    return num_tokens / (time.perf_counter() - start)
+
+
+def precision_report(loaded, runner) -> dict:
+    """What a precision costs and buys, measured here and now: its agreement with fp32 (quality_vs)
+    and its decode speed against fp32's. For the app's precision switch; ~3 s for the bundled model."""
+    from engine.hf_runner import make_runner
+
+    speed = decode_speed(runner)
+    if runner.precision == "fp32":
+        return {"precision": "fp32", "decode_tokens_per_s": round(speed, 1)}
+    reference = make_runner(loaded.model, "fp32")
+    report = quality_vs(reference, runner, loaded.tokenizer)
+    reference_speed = decode_speed(reference)
+    return {"precision": runner.precision, **report, "decode_tokens_per_s": round(speed, 1),
+            "fp32_decode_tokens_per_s": round(reference_speed, 1), "decode_vs_fp32": round(speed / reference_speed, 2)}
+
+
 def int8_prefill_quality(reference, int8_runner, tokenizer) -> dict:
     """int8 prefill runs FBGEMM's kernels, whose activations are quantized per tensor rather than in
     blocks of 64 like the native decode step's: its quality, measured through the same positions."""

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from engine import Engine, Event, Request, SamplingParams, Status
+from engine import Engine, EngineBusy, Event, Request, SamplingParams, Status
 
+from ..bench.extras import precision_report
 from . import live, panels
 from .session import ActiveRequests, ChatSession, ReplyWorker
 from .trace import ReplyTrace
@@ -140,6 +141,30 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
     return respond
 
 
+def precisions(engine: Engine) -> list[str]:
+    """The precisions the running model can switch to: int8 on the lean path on CPU (the default
+    there), the float formats everywhere (fp16 and bf16 run PyTorch ops on CPU: slower, for comparison)."""
+    int8 = engine.runner.name == "lean-llama" and engine.loaded.device.type == "cpu"
+    return (["int8"] if int8 else []) + ["fp32", "fp16", "bf16"]
+
+
+def make_switch(engine: Engine):
+    """The precision selector: rebuild the running engine's forward in another precision (the weights
+    stay loaded), then measure what that costs and buys against fp32 on this machine."""
+    def switch(precision):
+        if precision == engine.info.precision:
+            return gr.skip(), gr.skip(), gr.skip()
+        try:
+            engine.call(lambda: engine.switch_precision(precision))
+        except (EngineBusy, ValueError) as exc:
+            gr.Warning(str(exc))
+            return engine.info.precision, gr.skip(), gr.skip()
+        report = engine.call(lambda: precision_report(engine.loaded, engine.runner))
+        return gr.skip(), panels.model_html(engine.info), panels.precision_html(report)
+
+    return switch
+
+
 def new_chat(engine: Engine, active: ActiveRequests):
     def handler(session):
         if session:
@@ -172,7 +197,11 @@ def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | No
                 seed = gr.Number(label="Seed (-1 = random)", value=-1, precision=0, minimum=-1, elem_id="ps-seed")
                 prefill_chunk = gr.Slider(0, 1024, value=0, step=16, label="Prefill chunk (tokens, 0 = whole prompt)",
                                           elem_id="ps-prefill-chunk")
-            gr.HTML(panels.model_html(engine.info))
+            with gr.Row():
+                precision = gr.Dropdown(precisions(engine), value=engine.info.precision, label="Precision",
+                                        scale=1, min_width=110, elem_id="ps-precision")
+                precision_note = gr.HTML(panels.precision_html(None), elem_id="ps-precision-note")
+            model_line = gr.HTML(panels.model_html(engine.info), elem_id="ps-model-line")
         with gr.Column(scale=6, min_width=420):
             phase = gr.HTML(panels.phase_html(None), elem_id="ps-phase")
             kpis = gr.HTML(panels.kpi_html(None), elem_id="ps-kpis")
@@ -194,6 +223,8 @@ def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | No
         for trigger in (message.submit, send.click)
     ]
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
+    precision.input(make_switch(engine), [precision], [precision, model_line, precision_note],
+                    concurrency_id="engine", show_progress="minimal")
     # closing a running reply's generator cancels its request (see respond's finally)
     new.click(new_chat(engine, active), [session], tab.outputs, cancels=replies)
     return tab

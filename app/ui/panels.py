@@ -150,3 +150,18 @@ def pool_html(usage: PoolUsage, num_running: int, num_waiting: int) -> str:
             f'<span class="ps-d-fg">■ {usage.num_used * mb:,.1f} MB held by {_plural(num_running, "request")}'
             f'{waiting}</span><span class="ps-cached-fg">■ {usage.num_cached * mb:,.1f} MB cached prefixes</span>'
             f'<span>{usage.num_free * mb:,.0f} of {usage.capacity_bytes / 1e6:,.0f} MB free</span></div></div>')
+
+
+def precision_html(report: dict | None) -> str:
+    """What the running precision costs in quality and buys in speed, as measured when it was chosen."""
+    if not report:
+        return ('<div class="ps-model" data-kpi="precision">Switching measures each precision against fp32 '
+                'here: top-1 agreement, KL divergence and decode speed.</div>')
+    if report["precision"] == "fp32":
+        return (f'<div class="ps-model" data-kpi="precision"><b>fp32</b>: the reference · decode '
+                f'{report["decode_tokens_per_s"]:,.0f} tok/s (measured just now)</div>')
+    return (f'<div class="ps-model" data-kpi="precision"><b>{escape(report["precision"])}</b>: '
+            f'{100 * report["top1_agreement"]:.1f}% top-1 agreement with fp32, KL {report["mean_kl_nats"]:.3f} nats '
+            f'({report["positions"]} positions) · decode {report["decode_vs_fp32"]:.1f}× fp32 '
+            f'({report["decode_tokens_per_s"]:,.0f} vs {report["fp32_decode_tokens_per_s"]:,.0f} tok/s), '
+            'measured just now</div>')

@@ -1,18 +1,25 @@
-"""Helpers to drive the running app in Debian's Chromium through Playwright (tests and benchmarks)."""
+"""The app in a real browser: helpers to drive `phasescope ui` in Debian's Chromium through Playwright
+(the browser tests use them), and `phasescope bench --browser`: decode speed seen in the page against the
+same reply from the CLI."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -113,3 +120,72 @@ def history_titles(page) -> list[str]:
     """The title column of the History table (the second of seven columns)."""
     cells = page.locator(HISTORY_CELLS).all_inner_texts()
     return [cells[i] for i in range(1, len(cells), 7)]
+
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _cli_decode(precision: str, max_new_tokens: int) -> float:
+    out = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--prompt", PROMPT, "--temperature", "0",
+                          "--max-new-tokens", str(max_new_tokens), "--precision", precision, "--json"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return json.loads(out.splitlines()[-1])["metrics"]["decode_tokens_per_s"]
+
+
+def _page_decode(page, max_new_tokens: int) -> float:
+    page.click("#ps-new")
+    page.wait_for_selector("#ps-phase .ps-idle")
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", max_new_tokens)
+    send(page, PROMPT)
+    # poll twice a second: Playwright's default polls every frame, which makes the page draw all the time
+    page.wait_for_function("() => !!document.querySelector('#ps-phase [data-phase=done]')", polling=500,
+                           timeout=300_000)
+    return float(kpi(page, "decode_tps").split()[0].replace(",", ""))
+
+
+def stream_vs_cli(precision: str, rounds: int = 3, max_new_tokens: int = 128, log=print, browser=None) -> dict:
+    """Decode tok/s of a greedy reply streamed to the page vs the same reply from `phasescope generate`
+    (same tokens), in alternating rounds after a warm-up; medians and their ratio. browser: a Playwright
+    browser to use (else one is launched)."""
+    process, url = start_app("--precision", precision)
+    cli, page_speeds = [], []
+    try:
+        with _browser(browser) as chromium:
+            page = open_chat(chromium, url)
+            _page_decode(page, 8)
+            for _ in range(rounds):
+                cli.append(_cli_decode(precision, max_new_tokens))
+                page_speeds.append(_page_decode(page, max_new_tokens))
+                log(f"  browser {precision}: CLI {cli[-1]:.1f} tok/s, page {page_speeds[-1]:.1f} tok/s")
+            page.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    cli_tps, page_tps = statistics.median(cli), statistics.median(page_speeds)
+    return {"cli_decode_tokens_per_s": round(cli_tps, 1), "browser_decode_tokens_per_s": round(page_tps, 1),
+            "browser_vs_cli": round(page_tps / cli_tps, 3), "rounds": rounds, "tokens": max_new_tokens}
+
+
+@contextmanager
+def _browser(given=None) -> Iterator:
+    if given is not None:
+        yield given
+        return
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = launch_browser(playwright)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def browser_available() -> str | None:
+    """None when the browser bench can run here, else why not."""
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} not installed (apt-get install -y chromium)"
+    if importlib.util.find_spec("playwright") is None:
+        return "Playwright for Python is not installed (pip install playwright)"
+    return None
