@@ -30,7 +30,7 @@ from .config import EngineConfig, SamplingParams
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
 from .hf_runner import make_runner
 from .kv_pool import PoolUsage, kv_bytes_formula
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, load_lean_model, load_model
 from .prompt import PromptTooLong, check_messages, render_prompt
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
@@ -100,7 +100,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        return cls(load_model(config.model, config.device, config.load_dtype, config.cache_dir), config)
+        where = (config.model, config.device, config.load_dtype, config.cache_dir)
+        return cls(load_lean_model(*where) or load_model(*where), config)  # the first skips transformers' model
 
     @property
     def context_window(self) -> int:
@@ -286,7 +287,9 @@ class Engine:
                              f"finish, then switch to {precision}")
         model = self.loaded.model
         if config.load_dtype in ("float16", "bfloat16") and model.dtype != getattr(torch, config.load_dtype):
-            model = copy.deepcopy(model).to(getattr(torch, config.load_dtype))
+            if isinstance(model, torch.nn.Module):  # its to() converts in place
+                model = copy.deepcopy(model)
+            model = model.to(getattr(torch, config.load_dtype))
         runner = make_runner(model, precision, cache_dir=config.cache_dir)
         self.runner, self.config = runner, config
         self.pool = runner.new_pool(self.pool_budget, config.kv_block_tokens, config.prefix_caching)

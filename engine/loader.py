@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ class ModelError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    model: torch.nn.Module  # a transformers *ForCausalLM, in eval mode, on its device
+    model: torch.nn.Module  # a transformers *ForCausalLM in eval mode on its device, or a FolderModel
     tokenizer: object
     name: str
     source: str  # the path the user named (or the bundled GGUF)
@@ -92,13 +93,13 @@ def _check_gguf(path: Path) -> None:
 
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     """Return a folder with the GGUF's weights as safetensors, converting it on the first call."""
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     _check_gguf(gguf)
     target = cache_root(cache_dir) / "converted" / f"{gguf.stem}-{_file_hash(gguf)}"
     if (target / "model.safetensors").exists():
         return target
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -143,16 +144,55 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer. A plain tokenizers-backed one is built directly: AutoTokenizer first
+    resolves the model's config class, which imports much of transformers (1.4 s of a 3.3 s start)."""
+    try:
+        tokenizer_class = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class in PLAIN_TOKENIZER_CLASSES and (folder / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+
+
+def load_lean_model(source: str | None, device: str = "auto", dtype: str = "auto",
+                    cache_dir: str | None = None) -> LoadedModel | None:
+    """A Llama-family model read straight from its folder for the lean forward (folder_model.py), or
+    None when the folder needs transformers' own loading (load_model)."""
+    from .folder_model import load_folder_model, supports
+
+    folder = model_folder(source, cache_dir)
+    if not supports(folder):
+        return None
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    try:
+        tokenizer = load_tokenizer(folder)
+        model = load_folder_model(folder, torch_device, torch_dtype)
+    except Exception as exc:
+        raise ModelError(f"cannot load the model in {folder}: {exc}".splitlines()[0]) from exc
+    name = DEFAULT_MODEL_NAME if source is None else Path(source).name
+    return LoadedModel(model, tokenizer, name, str(source or default_model_path()), torch_device, torch_dtype)
+
+
 def load_model(source: str | None, device: str = "auto", dtype: str = "auto",
                cache_dir: str | None = None) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     folder = model_folder(source, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        tokenizer = load_tokenizer(folder)
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch_dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False
         )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import ModelError, default_model_path
 from engine.loader import model_folder, resolve_device
@@ -51,3 +52,55 @@ def test_cpu_is_the_fallback_device():
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
         resolve_device("cuda")
+
+
+def _logits(model, ids, precision="fp32"):
+    from engine.hf_runner import make_runner
+
+    runner = make_runner(model, precision)
+    cache = runner.new_cache(len(ids) + 4)
+    prefill = runner.forward(torch.tensor(ids), 0, cache)
+    step = runner.decode([7], [len(ids)], [cache])[0]
+    return torch.stack([prefill, step])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_folder_loader_builds_the_same_forward_as_transformers(tmp_path, tokenizer, kind):
+    from conftest import tiny_model
+    from engine.folder_model import FolderModel
+    from engine.loader import load_lean_model
+
+    tiny = tiny_model(tokenizer, kind, hidden=128)
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    loaded = load_lean_model(str(tmp_path), device="cpu", dtype="float32")
+    assert isinstance(loaded.model, FolderModel)  # no transformers model was built
+    ids = tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"]
+    for precision in ("fp32", "int8"):
+        torch.testing.assert_close(_logits(loaded.model, ids, precision), _logits(tiny.model, ids, precision),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_the_bundled_model_loads_from_its_folder_with_the_same_logits(bundled):
+    from engine.loader import load_lean_model
+
+    loaded = load_lean_model(None, device="cpu", dtype="float32")
+    ids = bundled.tokenizer("The two phases of inference are prefill and decode.")["input_ids"]
+    torch.testing.assert_close(_logits(loaded.model, ids), _logits(bundled.model, ids), atol=1e-4, rtol=1e-4)
+    messages = [{"role": "user", "content": "Hi 你好"}]
+    assert loaded.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        bundled.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_folder_with_rope_scaling_loads_through_transformers(tmp_path, tokenizer):
+    import json
+
+    from conftest import tiny_model
+    from engine.folder_model import supports
+
+    tiny_model(tokenizer).model.save_pretrained(tmp_path)
+    assert supports(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert not supports(tmp_path)

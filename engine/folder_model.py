@@ -1,0 +1,95 @@
+"""A Llama-family model straight from its folder, for the lean forward: config.json and memory-mapped
+safetensors, without building the transformers model.
+
+The lean path only reads weights, and building transformers' model object (importing its modeling code,
+initializing every module) took ~1.3 s of a ~4 s cold start. FolderModel holds the same tensors under
+the same attribute names (model.layers[i].self_attn.q_proj.weight, ...), so LeanLlama builds the same
+forward from either. Other architectures, RoPE scalings other than the default, and the bench's
+transformers baseline load through loader.load_model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # as engine.llama; kept here to import nothing heavy
+
+
+def _rope(config: dict) -> tuple[str, float]:
+    """(rope type, theta), from transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    rope_type = parameters.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return rope_type, float(parameters.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def supports(folder: Path) -> bool:
+    """A folder this loader reads: a Llama-family config with the default RoPE, and safetensors weights."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get("model_type") in SUPPORTED_MODEL_TYPES and _rope(config)[0] == "default"
+            and (folder / "model.safetensors").exists())
+
+
+def _linear(tensors: dict, name: str) -> SimpleNamespace:
+    return SimpleNamespace(weight=tensors[f"{name}.weight"], bias=tensors.get(f"{name}.bias"))
+
+
+def _norm(tensors: dict, name: str) -> SimpleNamespace:
+    return SimpleNamespace(weight=tensors[f"{name}.weight"])
+
+
+class FolderModel:
+    """The weights and config of a Llama-family model, named as transformers names them."""
+
+    def __init__(self, config: SimpleNamespace, tensors: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.config, self.device, self.dtype = config, device, dtype
+        self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id)
+        self._tensors = tensors
+        layers = [SimpleNamespace(
+            self_attn=SimpleNamespace(**{p: _linear(tensors, f"model.layers.{i}.self_attn.{p}")
+                                         for p in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+            mlp=SimpleNamespace(**{p: _linear(tensors, f"model.layers.{i}.mlp.{p}")
+                                   for p in ("gate_proj", "up_proj", "down_proj")}),
+            input_layernorm=_norm(tensors, f"model.layers.{i}.input_layernorm"),
+            post_attention_layernorm=_norm(tensors, f"model.layers.{i}.post_attention_layernorm"),
+        ) for i in range(config.num_hidden_layers)]
+        # tied embedding and head: safetensors keeps one tensor, under either name
+        embed = tensors.get("model.embed_tokens.weight", tensors.get("lm_head.weight"))
+        self.model = SimpleNamespace(layers=layers, embed_tokens=SimpleNamespace(weight=embed),
+                                     norm=_norm(tensors, "model.norm"), rotary_emb=self.rotary)
+        self.lm_head = SimpleNamespace(weight=tensors.get("lm_head.weight", embed))
+
+    def rotary(self, probe: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' default RoPE: (cos, sin) of positions [1, P], each [1, P, head_dim]."""
+        dim = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        freqs = positions[0].float()[:, None] * inv_freq.to(positions.device)[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return angles.cos()[None].to(probe.dtype), angles.sin()[None].to(probe.dtype)
+
+    def to(self, dtype: torch.dtype) -> FolderModel:
+        """A copy in another dtype (half-precision modes)."""
+        return FolderModel(self.config, {k: v.to(dtype) for k, v in self._tensors.items()}, self.device, dtype)
+
+
+def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) -> FolderModel:
+    from safetensors import safe_open
+
+    raw = json.loads((folder / "config.json").read_text())
+    heads = raw["num_attention_heads"]
+    config = SimpleNamespace(
+        model_type=raw["model_type"], num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads, hidden_size=raw["hidden_size"],
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=raw["rms_norm_eps"],
+        max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
+        rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"))
+    with safe_open(str(folder / "model.safetensors"), framework="pt", device=str(device)) as f:
+        tensors = {name: f.get_tensor(name).to(dtype) for name in f.keys()}
+    return FolderModel(config, tensors, device, dtype)
