@@ -48,8 +48,9 @@ class FolderModel:
     """The weights and config of a Llama-family model, named as transformers names them."""
 
     def __init__(self, config: SimpleNamespace, tensors: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, cache_key: str | None = None) -> None:
         self.config, self.device, self.dtype = config, device, dtype
+        self.cache_key = cache_key  # names these weights for caches derived from them (int8)
         self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id)
         self._tensors = tensors
         layers = [SimpleNamespace(
@@ -76,7 +77,8 @@ class FolderModel:
 
     def to(self, dtype: torch.dtype) -> FolderModel:
         """A copy in another dtype (half-precision modes)."""
-        return FolderModel(self.config, {k: v.to(dtype) for k, v in self._tensors.items()}, self.device, dtype)
+        return FolderModel(self.config, {k: v.to(dtype) for k, v in self._tensors.items()}, self.device, dtype,
+                           f"{self.cache_key}|{dtype}")
 
 
 def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) -> FolderModel:
@@ -90,6 +92,9 @@ def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) ->
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=raw["rms_norm_eps"],
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
         rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"))
-    with safe_open(str(folder / "model.safetensors"), framework="pt", device=str(device)) as f:
+    weights = folder / "model.safetensors"
+    with safe_open(str(weights), framework="pt", device=str(device)) as f:
         tensors = {name: f.get_tensor(name).to(dtype) for name in f.keys()}
-    return FolderModel(config, tensors, device, dtype)
+    stat = weights.stat()  # a file rewritten in place gets a new size or time, so a new key
+    key = f"{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
+    return FolderModel(config, tensors, device, dtype, key)

@@ -7,6 +7,7 @@ runs one token of each of B sequences (a decode step), reading every weight once
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,10 +19,11 @@ from .fused import load_fused_decode
 from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for
 from .loader import cache_root
-from .quantize import linear_factory
+from .quantize import Int8Cache, Int8Linear, linear_factory
 from .sampling import top_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+INT8_FORMAT = 1  # the layout of the cached int8 weights: raise it when LeanLlama's fusing or quantizing changes
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -80,6 +82,10 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self.context_window = min(config.max_position_embeddings, max_positions)
         make = linear_factory(self.precision, self.device)
+        weights_key = getattr(model, "cache_key", None)  # a model read from a folder: its int8 form is kept
+        if make is Int8Linear and weights_key:
+            name = hashlib.sha256(f"{INT8_FORMAT}|{weights_key}".encode()).hexdigest()[:20]
+            make = Int8Cache(cache_root(cache_dir) / "int8" / f"{name}.safetensors")
         # fp32 activations (fp32, int8): rotary embedding as one in-place complex product on paired q/k
         # rows; half precision keeps the halves layout (complex half ops are thin on CPU)
         self.pair_rope = self.dtype == torch.float32
@@ -87,6 +93,8 @@ class LeanLlama:
         self.embed = model.model.embed_tokens.weight.detach()
         self.final_norm = model.model.norm.weight.detach()
         self.lm_head = make(model.lm_head.weight.detach(), None)
+        if isinstance(make, Int8Cache):
+            make.save()
         self.cos, self.sin = self._rope_tables(model, self.context_window)
         half = self.head_dim // 2  # cos + i sin per position and pair (the stored sine's first half is negated)
         self.rotations = torch.complex(self.cos[..., :half], -self.sin[..., :half]) if self.pair_rope else None

@@ -5,7 +5,9 @@ A handler makes the quantized weights once, at load, and is then called like F.l
 """
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +45,25 @@ class Int8Linear:
         with warnings.catch_warnings():  # quantized tensor constructors are deprecated, not yet replaced
             warnings.simplefilter("ignore")
             quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+        self._setup(quantized, scales.float(), bias)
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """The linear of already quantized weights: int8 rows [out, in] and their fp32 scales [out]."""
+        linear = cls.__new__(cls)
+        zero_points = torch.zeros(rows.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # deprecated like quantize_per_channel, not yet replaced
+            warnings.simplefilter("ignore")
+            quantized = torch._make_per_channel_quantized_tensor(rows, scales.double(), zero_points, 0)
+        linear._setup(quantized, scales.float(), bias)
+        return linear
+
+    def _setup(self, quantized: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         bias = None if bias is None else bias.detach().float().cpu().contiguous()
-        self._packed = torch.ops.quantized.linear_prepack(quantized, bias)
-        self._nbytes = weight.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
-        self.output_features, self.input_features = weight.shape
-        self._native_layout = (quantized.int_repr().contiguous(), scales.float().contiguous(), bias)
+        self._packed = torch.ops.quantized.linear_prepack(quantized, bias)  # FBGEMM's layout, for prefill
+        self.output_features, self.input_features = quantized.shape
+        self._nbytes = quantized.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
+        self._native_layout = (quantized.int_repr().contiguous(), scales.contiguous(), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x, self._packed)
@@ -59,6 +75,53 @@ class Int8Linear:
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+
+class Int8Cache:
+    """Makes Int8Linears as the class does, but keeps their int8 rows and scales in a safetensors file
+    on the first load and reads them back on later loads of the same weights: quantizing took ~0.5 s of
+    a cold start. Linears are matched by the order they are made in (LeanLlama makes them in a fixed
+    order); a file that does not match (another layout, a damaged file) is made again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._saved: dict[str, torch.Tensor] = {}
+        self._made: list[Int8Linear] = []
+        self._complete = True  # every linear so far came from the file
+        try:
+            from safetensors.torch import load_file
+
+            self._saved = load_file(str(path)) if path.exists() else {}
+        except Exception:  # a damaged or foreign file: quantize again, and replace it
+            self._saved = {}
+
+    def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        rows, scales = self._saved.get(f"w{len(self._made)}"), self._saved.get(f"s{len(self._made)}")
+        if rows is not None and scales is not None and rows.dtype == torch.int8 and rows.shape == weight.shape \
+                and scales.shape == weight.shape[:1]:
+            linear = Int8Linear.from_rows(rows, scales, bias)
+        else:
+            linear, self._complete = Int8Linear(weight, bias), False
+        self._made.append(linear)
+        return linear
+
+    def save(self) -> None:
+        """Write the file if any linear was quantized now; a cache that cannot be written is skipped."""
+        if self._complete and len(self._saved) == 2 * len(self._made):
+            return
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for i, linear in enumerate(self._made):
+            rows, scales, _ = linear.native_layout()
+            tensors[f"w{i}"], tensors[f"s{i}"] = rows, scales
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            save_file(tensors, str(scratch))
+            os.replace(scratch, self.path)  # atomic: another process reads the old file or the new one
+        except OSError:
+            pass
 
 
 def int8_available() -> bool:

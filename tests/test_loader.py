@@ -104,3 +104,30 @@ def test_a_folder_with_rope_scaling_loads_through_transformers(tmp_path, tokeniz
     config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert not supports(tmp_path)
+
+
+def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeypatch):
+    from conftest import tiny_model
+    from engine import quantize
+    from engine.hf_runner import make_runner
+    from engine.loader import load_lean_model
+
+    folder, cache = tmp_path / "model", tmp_path / "cache"
+    tiny_model(tokenizer, hidden=128).model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ids = torch.tensor(tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"])
+
+    def logits() -> torch.Tensor:
+        runner = make_runner(load_lean_model(str(folder), "cpu", "float32").model, "int8", cache_dir=str(cache))
+        return runner.forward(ids, 0, runner.new_cache(len(ids)))
+
+    first = logits()
+    [saved] = (cache / "int8").glob("*.safetensors")
+    quantized = []
+    real = quantize.Int8Linear.__init__
+    monkeypatch.setattr(quantize.Int8Linear, "__init__", lambda self, *a: quantized.append(1) or real(self, *a))
+    assert torch.equal(first, logits()) and not quantized  # read back, not quantized again
+    saved.write_bytes(b"not safetensors")
+    assert torch.equal(first, logits()) and quantized  # a damaged file is quantized again and rewritten
+    before = len(quantized)
+    assert torch.equal(first, logits()) and before == len(quantized)  # ... and read back next time
