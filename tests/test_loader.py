@@ -131,3 +131,25 @@ def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeyp
     assert torch.equal(first, logits()) and quantized  # a damaged file is quantized again and rewritten
     before = len(quantized)
     assert torch.equal(first, logits()) and before == len(quantized)  # ... and read back next time
+
+
+def test_the_engines_tokenizer_reads_like_transformers(bundled):
+    from engine.loader import load_tokenizer, model_folder
+    from engine.tokenizer import FolderTokenizer
+
+    ours, theirs = load_tokenizer(model_folder(None), light=True), bundled.tokenizer
+    assert isinstance(ours, FolderTokenizer)
+    for text in ["Hello, world!", "我是小明，你好。", "def f(x):\n    return x  # 😀", "  spaced  ", "<|im_end|>x", ""]:
+        for special in (True, False):
+            assert theirs(text, add_special_tokens=special)["input_ids"] == ours(text, add_special_tokens=special)[
+                "input_ids"]
+        ids = theirs(text)["input_ids"] + [theirs.eos_token_id]
+        for skip in (True, False):
+            assert theirs.decode(ids, skip_special_tokens=skip) == ours.decode(ids, skip_special_tokens=skip)
+        assert theirs.convert_ids_to_tokens(ids) == ours.convert_ids_to_tokens(ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    for generation_prompt in (True, False):
+        assert theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt) == \
+            ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt)
+    assert (theirs.eos_token_id, theirs.bos_token_id, len(theirs)) == (ours.eos_token_id, ours.bos_token_id, len(ours))
