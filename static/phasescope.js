@@ -10,8 +10,7 @@
   let reply = {id: null, text: ""};
 
   function chartDiv(name) {
-    const box = document.querySelector(`#ps-${name} .ps-plot`);
-    return box;
+    return document.querySelector(`#ps-${name} .ps-plot`);
   }
 
   function draw(name, spec) {
