@@ -186,6 +186,15 @@ class Engine:
         self._wakeup.set()
         return request
 
+    def allow(self, request: Request, steps: int | None) -> None:
+        """Step by step (explain mode): let a request take `steps` more decode steps and then hold, its
+        KV cache kept (0 before submit: it holds after its prefill and first token); None: run to the
+        end. Safe from any thread. A held request leaves the batch to the others until allowed."""
+        if steps is not None and steps < 0:
+            raise ValueError(f"steps must be >= 0 or None, got {steps!r}")
+        request.decode_allowance = steps
+        self._wakeup.set()
+
     def run(self, request: Request, hooks: Iterable[Hook] = ()) -> Iterator[Event]:
         """Submit a request and yield its events as they happen, ending with Finished. Closing the
         iterator early cancels the request (hooks still get its Finished event). A hook that raises
@@ -372,6 +381,8 @@ class Engine:
         batch_top = getattr(self.runner, "top_logits_batch", None)  # every row's top tokens in one call
         tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(requests)
         for r, row, top in zip(requests, logits, tops):
+            if r.decode_allowance is not None:
+                r.decode_allowance -= 1
             self._name_blocks(r)
             if r.is_cancelled:
                 self._finish(r, "cancelled")

@@ -43,11 +43,19 @@ class Request:
     hook_error: Exception | None = None  # the first exception a hook raised (it cancels the request)
     text_stream: object | None = field(default=None, repr=False)  # TextStream while decoding
     generator: object | None = field(default=None, repr=False)  # torch.Generator for sampling
+    # decode steps it may still take (step by step, explain mode); None: as many as it needs
+    decode_allowance: int | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def cancel(self) -> None:
         """Ask the engine to stop; safe from any thread, takes effect within one step."""
         self._cancelled.set()
+
+    @property
+    def may_decode(self) -> bool:
+        """Not held: free to decode, or allowed more steps (Engine.allow)."""
+        allowance = self.decode_allowance
+        return allowance is None or allowance > 0
 
     @property
     def is_cancelled(self) -> bool:

@@ -65,7 +65,7 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_cancelled]
             self.waiting = deque(r for r in self.waiting if not r.is_cancelled)
         budget = self.max_step_tokens
-        plan.decodes = [r for r in self.running if r.status == Status.DECODING]
+        plan.decodes = [r for r in self.running if r.status == Status.DECODING and r.may_decode]
         budget -= len(plan.decodes)
         for request in self.running:
             if request.status == Status.PREFILLING and budget > 0:

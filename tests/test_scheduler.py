@@ -1,6 +1,7 @@
 """The engine as a scheduler: continuous batching, the paged KV pool, prefix caching."""
 from __future__ import annotations
 
+import queue
 import threading
 from contextlib import nullcontext
 
@@ -185,3 +186,54 @@ def test_the_serving_thread_runs_requests_from_several_threads_together(tokenize
     assert expected == [results[i] for i in range(3)]
     assert max(sizes) > 1  # they decoded together
     assert (0, 0) == engine.load()
+
+
+def test_a_held_request_decodes_only_the_steps_it_is_allowed(tokenizer):
+    """Step by step (explain mode): held after its prefill, one token per allowed step, the others in
+    the batch going on meanwhile; the same tokens as running free."""
+    engine = Engine(tiny_model(tokenizer), EngineConfig(precision="fp32", prefix_caching=False))
+    expected = alone(engine, PROMPTS[0], 8)
+    held, other = (engine.new_request(user(p), greedy(8)) for p in PROMPTS[:2])
+    events = []
+    engine.allow(held, 0)  # hold it after its prefill
+    engine.submit(held, [events.append])
+    engine.submit(other)
+    for _ in range(12):
+        engine.step()
+    assert (1, True) == (held.num_generated, other.is_finished)  # the prefill's token only; the other ran on
+    assert [] == [e for e in events if isinstance(e, DecodeStep) and e.step > 0]
+    for allowed, total in ((1, 2), (2, 4), (0, 4)):
+        engine.allow(held, allowed)
+        for _ in range(4):
+            engine.step()
+        assert total == held.num_generated
+    engine.allow(held, None)  # run to the end
+    while not held.is_finished:
+        engine.step()
+    assert expected == held.generated_ids
+    assert [e.step for e in events if isinstance(e, DecodeStep)] == list(range(8))
+    with pytest.raises(ValueError):
+        engine.allow(held, -1)
+
+
+def test_a_serving_engine_holds_and_steps_on_request_from_another_thread(tokenizer):
+    engine = Engine(tiny_model(tokenizer), FP32)
+    loop = threading.Thread(target=engine.serve_forever, daemon=True)
+    loop.start()
+    try:
+        request = engine.new_request(user(PROMPTS[3]), greedy(6))
+        tokens = queue.SimpleQueue()
+        engine.allow(request, 0)
+        engine.submit(request, [lambda e: tokens.put(e.step) if isinstance(e, DecodeStep) else None])
+        assert 0 == tokens.get(timeout=30)  # the prefill's token
+        with pytest.raises(queue.Empty):
+            tokens.get(timeout=0.3)  # held
+        engine.allow(request, 1)
+        assert 1 == tokens.get(timeout=10)  # "Next token": exactly one more
+        with pytest.raises(queue.Empty):
+            tokens.get(timeout=0.3)
+        engine.allow(request, None)  # "Run to end"
+        assert [2, 3, 4, 5] == [tokens.get(timeout=10) for _ in range(4)]
+    finally:
+        engine.stop()
+        loop.join(timeout=10)
