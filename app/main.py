@@ -9,7 +9,7 @@ import gradio as gr
 
 from engine import Engine, EngineConfig
 
-from .ui import chat_tab, history_tab
+from .ui import chat_tab, explain_tab, history_tab
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
 from .history.store import Store
@@ -27,6 +27,8 @@ def build_app(engine: Engine, store: Store) -> gr.Blocks:
         with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
                 chat = chat_tab.build(engine, active, make_recorder(store, engine.info))
+            with gr.Tab("Explain", id="explain", elem_id="ps-explain-tab"):
+                explain_tab.build(engine)
             with gr.Tab("History", id="history", elem_id="ps-history-tab"):
                 history_tab.build(engine, store, chat, tabs)
     app.queue(default_concurrency_limit=1)

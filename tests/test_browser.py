@@ -285,3 +285,19 @@ def test_precision_switch_keeps_the_app_running(page):
                                "[data-testid=bot]')].pop().innerText.trim())")  # the stats line: a whole reply
     note = page.inner_text("#ps-precision-note")
     assert re.search(r"int8: [\d.]+% top-1 agreement with fp32, KL [\d.]+ nats .* decode [\d.]+× fp32", note)
+
+
+def test_explain_tab_steps_one_token_at_a_time(page):
+    page.get_by_role("tab", name="Explain").click()
+    page.click("#ps-explain-start")  # prefill, held after its token
+    page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
+    assert "Prefill" in page.inner_text("#ps-explain-steps")
+    for count in (2, 3):
+        page.click("#ps-explain-next")  # exactly one decode step each
+        page.wait_for_selector(f"#ps-explain-steps [data-explain=held][data-tokens='{count}']", timeout=60_000)
+    steps = page.inner_text("#ps-explain-steps")
+    assert "Decode step 2" in steps and "hidden state [1, 576]" in steps
+    candidates = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').data[0]")
+    assert 5 == len(candidates["x"]) and abs(sum(candidates["x"])) <= 1.0
+    page.click("#ps-explain-run")
+    page.wait_for_selector("#ps-explain-steps [data-explain=done]", timeout=60_000)
