@@ -318,13 +318,20 @@ class Engine:
         ids = torch.tensor(request.prompt_ids[start:end], device=self.runner.device)
         return self.runner.forward(ids, start, request.kv_cache, need_logits=end == request.num_prompt_tokens)
 
-    def decode_step(self, requests: list[Request]) -> torch.Tensor:
+    def decode_step(self, requests: list[Request]) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
         """One forward pass over exactly one new token (the last generated) of each request, all in one
-        batch: every weight is read once for all of them. Returns next-token logits [B, vocab]."""
+        batch: every weight is read once for all of them. Returns next-token logits [B, vocab], and the
+        attention weights [layers, heads, positions] of the first request that asked for them (with its
+        index), where the runner can give them."""
         for r in requests:
             assert r.kv_cache.num_tokens == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
-        return self.runner.decode([r.generated_ids[-1] for r in requests],
-                                  [r.kv_cache.num_tokens for r in requests], [r.kv_cache for r in requests])
+        args = ([r.generated_ids[-1] for r in requests], [r.kv_cache.num_tokens for r in requests],
+                [r.kv_cache for r in requests])
+        capture = next((i for i, r in enumerate(requests) if r.capture_attention), None)
+        if capture is None or not getattr(self.runner, "can_capture_attention", False):
+            return self.runner.decode(*args), None
+        logits, weights = self.runner.decode(*args, capture=capture)
+        return logits, None if weights is None else (capture, weights)
 
     # --- one step: schedule -> run -> postprocess -------------------------------------------------
 
@@ -373,21 +380,22 @@ class Engine:
 
     def _run_decodes(self, requests: list[Request]) -> None:
         try:
-            logits = self.decode_step(requests)
+            logits, captured = self.decode_step(requests)
         except Exception as exc:  # a failed forward ends the requests in it, not the engine
             for r in requests:
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             return
         batch_top = getattr(self.runner, "top_logits_batch", None)  # every row's top tokens in one call
         tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(requests)
-        for r, row, top in zip(requests, logits, tops):
+        for index, (r, row, top) in enumerate(zip(requests, logits, tops)):
             if r.decode_allowance is not None:
                 r.decode_allowance -= 1
             self._name_blocks(r)
             if r.is_cancelled:
                 self._finish(r, "cancelled")
             else:
-                self._take_token(r, row, batch_size=len(requests), top=top)
+                attention = captured[1] if captured and captured[0] == index else None
+                self._take_token(r, row, batch_size=len(requests), top=top, attention=attention)
 
     def _name_blocks(self, r: Request) -> None:
         """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
@@ -395,9 +403,11 @@ class Engine:
         if self.pool.prefix_caching and r.kv_cache.has_unnamed_full_block:
             self.pool.name_full_blocks(r.kv_cache, r.prompt_ids + r.generated_ids)
 
-    def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None) -> None:
+    def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None,
+                    attention: torch.Tensor | None = None) -> None:
         """Sample the next token from a request's logits, report it, and end the request if it is done.
-        top: the logits' top tokens and log-sum-exp, when already computed for the whole batch."""
+        top: the logits' top tokens and log-sum-exp, when already computed for the whole batch;
+        attention: the step's attention weights, when the request asked for them."""
         penalize = r.sampling.repetition_penalty != 1.0
         top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
         if top is not None:
@@ -414,7 +424,7 @@ class Engine:
         is_eos = picked.token_id in self.eos_ids and not r.sampling.ignore_eos
         piece = "" if is_eos else r.text_stream.push(picked.token_id)
         r.text = r.text_stream.text
-        self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size))
+        self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size, attention))
         if is_eos or r.text_stream.is_stopped:
             self._finish(r, "eos" if is_eos else "stop")
         elif r.num_generated == r.max_new_tokens:
@@ -447,12 +457,12 @@ class Engine:
                           first_sample_ms=(now_ns - r.prefill_end_ns) / 1e6)
 
     def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
-                      batch_size: int) -> DecodeStep:
+                      batch_size: int, attention: torch.Tensor | None = None) -> DecodeStep:
         decode = self.tokenizer.convert_ids_to_tokens
         top = tuple(TopToken(i, decode(i), p) for i, p in zip(picked.top_ids, picked.top_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
-                          picked.prob, top, batch_size)
+                          picked.prob, top, batch_size, attention)
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         end_ns = self._now_ns()

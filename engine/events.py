@@ -24,7 +24,9 @@ class Event:
 
     def to_dict(self) -> dict:
         """Plain JSON-ready data (dataclasses.asdict deep-copies: ~10x slower, and this runs per token)."""
-        return {"type": self.type, **_plain(self)}
+        data = {"type": self.type, **_plain(self)}
+        data.pop("attention", None)  # a tensor, for the explain mode's own use
+        return data
 
 
 def _plain(value):
@@ -100,6 +102,9 @@ class DecodeStep(Event):
     prob: float  # the model's probability of this token (softmax of the logits)
     top: tuple[TopToken, ...]  # the five most likely tokens at this step
     batch_size: int = 1  # sequences in the decode forward this token came from (step 0: its prefill, 1)
+    # the step's attention weights, a float32 tensor [layers, heads, positions], when the request asked
+    # for them (explain mode; to_dict leaves them out)
+    attention: object | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,7 @@ class FusedDecode:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_void_p]
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         self._top = native.ps_top_logits
         self._top.restype = ctypes.c_float
         self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -174,9 +174,11 @@ class FusedDecode:
             raise ValueError("the model produced no finite logits")
         return list(zip(ids.tolist(), values.tolist(), lse.tolist()))
 
-    def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV]) -> torch.Tensor:
+    def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV],
+                 capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, vocab] after tokens[b] at positions[b] of sequences[b] (all in one pool); their keys
-        and values land in the pool."""
+        and values land in the pool. capture: a sequence's index in the batch, whose attention weights
+        [layers, heads, positions + 1] are returned beside the logits."""
         ends = [seq.reserve(pos, 1) for seq, pos in zip(sequences, positions)]
         pool = sequences[0].pool
         assert pool.kv.dtype == torch.float32 and pool.kv.is_contiguous()
@@ -188,14 +190,17 @@ class FusedDecode:
                                           torch.get_num_threads()], dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
+        weights = None
+        if capture is not None:  # [layers, heads, positions + 1]
+            weights = torch.empty((self._dims[0], self._dims[1], positions[capture] + 1), dtype=torch.float32)
         status = self._fn(dims.data_ptr(), self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
                           pool.kv.data_ptr(), len(tokens), token_ids.data_ptr(), where.data_ptr(), tables.data_ptr(),
-                          width, logits.data_ptr())
+                          width, logits.data_ptr(), _address(weights), -1 if capture is None else capture)
         if status != 0:
             raise ValueError(f"decode step refused tokens {tokens} at positions {positions}")
         for seq, end in zip(sequences, ends):
             seq.mark_written(end)
-        return logits
+        return logits if weights is None else (logits, weights)
 
 
 def load_fused_decode(lean, cache_dir: Path) -> FusedDecode | None:

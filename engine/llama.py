@@ -175,11 +175,21 @@ class LeanLlama:
         logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits)
         return None if logits is None else logits[0]
 
+    @property
+    def can_capture_attention(self) -> bool:
+        """Whether decode() can hand out a sequence's attention weights (the native step can)."""
+        return self.fused is not None
+
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int], caches: list[SequenceKV]) -> torch.Tensor:
-        """One token for each of B sequences: tokens[b] at positions[b]. Returns logits [B, vocab]."""
+    def decode(self, tokens: list[int], positions: list[int], caches: list[SequenceKV],
+               capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One token for each of B sequences: tokens[b] at positions[b]. Returns logits [B, vocab]; with
+        capture (an index into the batch, native step only) also that sequence's attention weights
+        [layers, heads, positions + 1]."""
         if self.fused is not None and max(positions) < self.fused.num_positions:
-            return self.fused(tokens, positions, caches)  # one native call for the whole batch
+            return self.fused(tokens, positions, caches, capture)  # one native call for the whole batch
+        if capture is not None:  # the PyTorch ops do not hand out attention weights
+            return self.decode(tokens, positions, caches), None
         ids = torch.tensor(tokens, device=self.device)
         if self.precision == "int8":
             # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations

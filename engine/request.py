@@ -45,6 +45,7 @@ class Request:
     generator: object | None = field(default=None, repr=False)  # torch.Generator for sampling
     # decode steps it may still take (step by step, explain mode); None: as many as it needs
     decode_allowance: int | None = None
+    capture_attention: bool = False  # its decode steps report their attention weights (explain mode)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def cancel(self) -> None:

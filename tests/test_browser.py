@@ -297,6 +297,9 @@ def test_explain_tab_steps_one_token_at_a_time(page):
         page.wait_for_selector(f"#ps-explain-steps [data-explain=held][data-tokens='{count}']", timeout=60_000)
     steps = page.inner_text("#ps-explain-steps")
     assert "Decode step 2" in steps and "hidden state [1, 576]" in steps
+    assert "attention to each earlier token (mean of all layers, mean of all heads" in steps
+    shaded = page.locator("#ps-explain-steps .ps-tok[style*=box-shadow]").count()
+    assert shaded == len(page.locator("#ps-explain-steps .ps-tok").all()) - 1  # all but the step's own output
     candidates = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').data[0]")
     assert 5 == len(candidates["x"]) and abs(sum(candidates["x"])) <= 1.0
     page.click("#ps-explain-run")

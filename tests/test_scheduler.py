@@ -6,6 +6,7 @@ import threading
 from contextlib import nullcontext
 
 import pytest
+import torch
 
 from conftest import shape, tiny_model, user
 from engine import DecodeStep, Engine, EngineConfig, Finished, KVPoolTooSmall, SamplingParams, Started
@@ -237,3 +238,25 @@ def test_a_serving_engine_holds_and_steps_on_request_from_another_thread(tokeniz
     finally:
         engine.stop()
         loop.join(timeout=10)
+
+
+def test_a_request_can_ask_for_its_attention_weights(tokenizer):
+    """Explain mode: a decode step reports the new token's attention over every cached position, per
+    layer and head, without changing the tokens; the others in the batch report none."""
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)  # head dimension 64: native
+    engine = Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False))
+    expected = alone(engine, PROMPTS[0], 5)
+    watched, other = (engine.new_request(user(p), greedy(5)) for p in PROMPTS[:2])
+    watched.capture_attention = True
+    seen = {watched.request_id: [], other.request_id: []}
+    engine.run_all([watched, other], hooks=[lambda e: seen[e.request_id].append(e) if isinstance(e, DecodeStep)
+                                            else None])
+    assert expected == watched.generated_ids
+    steps = seen[watched.request_id]
+    assert steps[0].attention is None  # step 0 samples from the prefill's logits: no decode forward
+    for step in steps[1:]:
+        weights = step.attention  # [layers, heads, positions]
+        assert weights.shape == (2, 4, step.kv_tokens)
+        assert (weights >= 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 4), atol=1e-5)
+    assert all(e.attention is None for e in seen[other.request_id])
+    assert "attention" not in steps[1].to_dict()  # the JSON events stay as they were

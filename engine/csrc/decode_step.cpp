@@ -381,7 +381,7 @@ void attend_head_any(const float *q, const float *k, const float *v, const int64
 // out[b][h] = softmax(q_bh . K^T / sqrt(D)) V over positions [0, pos_b] of sequence b's blocks, for every
 // sequence and head: one task per (sequence, head), each reading its own cache length.
 void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const float *keys,
-               const float *values, float *out) {
+               const float *values, float *out, float *capture, int64_t capture_b) {
     const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
     const float scale = 1.0f / std::sqrt(float(D));
     std::vector<int64_t> offset(batch.size + 1, 0);  // each (sequence, head)'s scores in one buffer
@@ -401,6 +401,14 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
         } else {
             for (int64_t h = 0; h < group; h++)
                 attend_head_any(qg + h * D, k, v, table, bs, n, D, scale, s + h * n, o + h * D);
+        }
+        if (capture != nullptr && b == capture_b) {  // this sequence's attention weights, [heads][n]
+            for (int64_t h = 0; h < group; h++) {
+                const float *weights = s + h * n;  // exp(score - max), not yet normalized
+                float total = 0.0f;
+                for (int64_t t = 0; t < n; t++) total += weights[t];
+                for (int64_t t = 0; t < n; t++) capture[(g * group + h) * n + t] = weights[t] / total;
+            }
         }
     }
 }
@@ -533,10 +541,13 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
 // bias; then attn_norm, mlp_norm); model_ptrs: embed [vocab][hidden], final_norm, lm_head weight, scale,
 // bias, cos [positions][D/2], sin [positions][D/2]. For each of the n sequences: tokens[b] at
 // positions[b], block table row b of tables [n][table_stride]. Writes each one's K/V at its position and
-// logits [n][vocab]. Returns 0, or 1 for an input out of range (nothing is written then).
+// logits [n][vocab]. capture: null, or [layers][heads][positions[capture_b] + 1] for the attention weights
+// of sequence capture_b (the explain mode). Returns 0, or 1 for an input out of range (nothing is
+// written then).
 extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *layer_ptrs, const int64_t *model_ptrs,
                                float *kv, int64_t n, const int64_t *tokens, const int64_t *positions,
-                               const int64_t *tables, int64_t table_stride, float *logits) {
+                               const int64_t *tables, int64_t table_stride, float *logits, float *capture,
+                               int64_t capture_b) {
     const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10]};
     const Batch batch{n, tokens, positions, tables, table_stride};
     for (int64_t b = 0; b < n; b++) {
@@ -568,7 +579,8 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
                 std::memcpy(values + (g * d.num_slots + slot) * D, row + q_size + kv_size + g * D, D * sizeof(float));
             }
         }
-        attention(d, batch, qkv.data(), qkv_size, keys, values, attn.data());
+        float *layer_capture = capture ? capture + l * d.heads * (positions[capture_b] + 1) : nullptr;
+        attention(d, batch, qkv.data(), qkv_size, keys, values, attn.data(), layer_capture, capture_b);
         linear(d, o_proj, attn.data(), n, q_size, C, proj.data());
         for (int64_t i = 0; i < n * C; i++) x[i] += proj[i];
         // MLP block
