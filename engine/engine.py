@@ -379,12 +379,14 @@ class Engine:
             self._take_token(r, logits, batch_size=1)
 
     def _run_decodes(self, requests: list[Request]) -> None:
+        begin_ns = self._now_ns()
         try:
             logits, captured = self.decode_step(requests)
         except Exception as exc:  # a failed forward ends the requests in it, not the engine
             for r in requests:
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             return
+        forward_ms = (self._now_ns() - begin_ns) / 1e6
         batch_top = getattr(self.runner, "top_logits_batch", None)  # every row's top tokens in one call
         tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(requests)
         for index, (r, row, top) in enumerate(zip(requests, logits, tops)):
@@ -395,7 +397,8 @@ class Engine:
                 self._finish(r, "cancelled")
             else:
                 attention = captured[1] if captured and captured[0] == index else None
-                self._take_token(r, row, batch_size=len(requests), top=top, attention=attention)
+                self._take_token(r, row, batch_size=len(requests), top=top, attention=attention,
+                                 forward_ms=forward_ms)
 
     def _name_blocks(self, r: Request) -> None:
         """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
@@ -404,7 +407,7 @@ class Engine:
             self.pool.name_full_blocks(r.kv_cache, r.prompt_ids + r.generated_ids)
 
     def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None,
-                    attention: torch.Tensor | None = None) -> None:
+                    attention: torch.Tensor | None = None, forward_ms: float = 0.0) -> None:
         """Sample the next token from a request's logits, report it, and end the request if it is done.
         top: the logits' top tokens and log-sum-exp, when already computed for the whole batch;
         attention: the step's attention weights, when the request asked for them."""
@@ -424,7 +427,8 @@ class Engine:
         is_eos = picked.token_id in self.eos_ids and not r.sampling.ignore_eos
         piece = "" if is_eos else r.text_stream.push(picked.token_id)
         r.text = r.text_stream.text
-        self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size, attention))
+        self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size, forward_ms,
+                                            attention))
         if is_eos or r.text_stream.is_stopped:
             self._finish(r, "eos" if is_eos else "stop")
         elif r.num_generated == r.max_new_tokens:
@@ -457,12 +461,12 @@ class Engine:
                           first_sample_ms=(now_ns - r.prefill_end_ns) / 1e6)
 
     def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
-                      batch_size: int, attention: torch.Tensor | None = None) -> DecodeStep:
+                      batch_size: int, forward_ms: float = 0.0, attention: torch.Tensor | None = None) -> DecodeStep:
         decode = self.tokenizer.convert_ids_to_tokens
         top = tuple(TopToken(i, decode(i), p) for i, p in zip(picked.top_ids, picked.top_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
-                          picked.prob, top, batch_size, attention)
+                          picked.prob, top, batch_size, forward_ms, attention)
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         end_ns = self._now_ns()

@@ -102,6 +102,7 @@ class DecodeStep(Event):
     prob: float  # the model's probability of this token (softmax of the logits)
     top: tuple[TopToken, ...]  # the five most likely tokens at this step
     batch_size: int = 1  # sequences in the decode forward this token came from (step 0: its prefill, 1)
+    forward_ms: float = 0.0  # the decode forward this token came from (shared by its batch); step 0: 0
     # the step's attention weights, a float32 tensor [layers, heads, positions], when the request asked
     # for them (explain mode; to_dict leaves them out)
     attention: object | None = None

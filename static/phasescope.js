@@ -98,5 +98,15 @@
       .observe(document.querySelector("#ps-chatbot") || document.body, {childList: true, subtree: true});
   }
 
+  // the Explain tab from the keyboard, for a presenter: → next token (not while typing)
+  document.addEventListener("keydown", (event) => {
+    const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement?.tagName || "");
+    const next = document.querySelector("#ps-explain-next");
+    if (event.key === "ArrowRight" && !typing && next && next.offsetParent !== null) {
+      event.preventDefault();
+      next.click();
+    }
+  });
+
   window.phasescope = {apply, start};
 })();

@@ -166,7 +166,7 @@ def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path
     first, second = open_chat(browser, app_url), open_chat(browser, app_url)
     try:
         set_setting(first, "ps-temperature", 0)  # greedy: this prompt runs long, no early EOS
-        set_setting(first, "ps-max-new", 400)
+        set_setting(first, "ps-max-new", 1500)  # int8 makes ~250 tok/s here: still running when the second ends
         set_setting(second, "ps-temperature", 0)
         set_setting(second, "ps-max-new", 100)  # long enough to overlap the first for a second or more
         send(first, "Write a long story about a lighthouse keeper.")
@@ -292,9 +292,14 @@ def test_explain_tab_steps_one_token_at_a_time(page):
     page.click("#ps-explain-start")  # prefill, held after its token
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     assert "Prefill" in page.inner_text("#ps-explain-steps")
-    for count in (2, 3):
-        page.click("#ps-explain-next")  # exactly one decode step each
-        page.wait_for_selector(f"#ps-explain-steps [data-explain=held][data-tokens='{count}']", timeout=60_000)
+    assert "prefill is compute-bound" in page.inner_text("#ps-explain-steps")
+    page.click("#ps-explain-next")  # exactly one decode step
+    page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='2']", timeout=60_000)
+    page.locator("#ps-explain-steps").click()  # focus out of the prompt box: → is "next token"
+    page.keyboard.press("ArrowRight")
+    page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='3']", timeout=60_000)
+    assert re.search(r"Its forward took [\d.]+ ms .* decode is memory-bound", page.inner_text("#ps-explain-steps"))
+    assert "id " in page.get_attribute("#ps-explain-steps .ps-tok >> nth=0", "title")
     steps = page.inner_text("#ps-explain-steps")
     assert "Decode step 2" in steps and "hidden state [1, 576]" in steps
     assert "attention to each earlier token (mean of all layers, mean of all heads" in steps

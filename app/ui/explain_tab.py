@@ -91,7 +91,12 @@ def steps_html(engine: Engine, walk: Walkthrough | None, layer: str = "mean", he
         heat = ""
         if weights is not None and position < len(weights):  # the step's own output has no key yet
             heat = f' style="box-shadow: inset 0 -4px 0 rgba(47, 111, 223, {weights[position]:.2f})"'
-        return f'<span class="ps-tok ps-tok-{phase}"{heat}>{escape(shown(tokenizer, token_id))}</span>'
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        note = " · part of a character: its bytes alone are not valid UTF-8" if "\ufffd" in tokenizer.decode(
+            [token_id]) else ""
+        title = escape(f"position {position} · id {token_id} · piece {piece!r}{note}", quote=True)
+        return (f'<span class="ps-tok ps-tok-{phase}" title="{title}"{heat}>'
+                f'{escape(shown(tokenizer, token_id))}</span>')
 
     prompt = "".join(token(p, request.prompt_ids[p], "p") for p in range(first, request.num_prompt_tokens))
     generated = "".join(token(request.num_prompt_tokens + i, s.token_id, "d") for i, s in enumerate(trace.steps))
@@ -102,14 +107,25 @@ def steps_html(engine: Engine, walk: Walkthrough | None, layer: str = "mean", he
                       f'({which}; the strongest full)</div>')
     num_steps = len(trace.steps)
     hidden = engine.loaded.model.config.hidden_size
+    weight_mb = getattr(engine.runner, "weight_bytes", 0) / 1e6
     if num_steps <= 1:
+        prefill_ms = sum(c.latency_ms for c in trace.chunks)
+        ttft = f"{trace.steps[0].latency_ms:,.0f} ms" if trace.steps else "–"
         what = (f"<b>Prefill</b>: {request.num_prompt_tokens:,} prompt tokens in one forward pass, "
                 f"hidden states [{request.num_prompt_tokens}, {hidden}] through {info.num_layers} layers; "
-                "their keys and values fill the KV cache; the last position's logits gave token 1.")
+                "their keys and values fill the KV cache; the last position's logits gave token 1. "
+                f"It took {prefill_ms:,.1f} ms ({request.num_prompt_tokens / max(prefill_ms, 1e-6) * 1000:,.0f} "
+                f"tokens/s): most of the time to the first token, {ttft}. All prompt tokens go through the "
+                "weights together, as matrix products: prefill is compute-bound.")
     else:
-        what = (f"<b>Decode step {num_steps - 1}</b>: one new token, hidden state [1, {hidden}] through "
+        step = num_steps - 1
+        took = (f" Its forward took {trace.steps[-1].forward_ms:,.1f} ms (a lone step after a pause is slower "
+                "than one in a stream: the CPU threads had gone to sleep).")
+        what = (f"<b>Decode step {step}</b>: one new token, hidden state [1, {hidden}] through "
                 f"{info.num_layers} layers, attending to the {trace.kv[0] - 1:,} cached positions; its keys "
-                "and values were appended to the cache.")
+                f"and values were appended to the cache.{took} For one token the model still reads all "
+                f"{weight_mb:,.0f} MB of its weights: decode is memory-bound, and the cache spares it from "
+                "recomputing the earlier tokens.")
     state = "done" if trace.finished else "held"
     kv_tokens, kv_bytes = trace.kv
     return (f'<div class="ps-explain" data-explain="{state}" data-tokens="{num_steps}">'
