@@ -305,6 +305,9 @@ def test_explain_tab_steps_one_token_at_a_time(page):
     assert "attention to each earlier token (mean of all layers, mean of all heads" in steps
     shaded = page.locator("#ps-explain-steps .ps-tok[style*=box-shadow]").count()
     assert shaded == len(page.locator("#ps-explain-steps .ps-tok").all()) - 1  # all but the step's own output
+    grid = page.evaluate("() => document.querySelector('#ps-explain-kv .js-plotly-plot').data[0]")
+    assert 30 == len(grid["z"]) and [1, 2] == sorted(set(grid["z"][0]))[-2:]  # layers; prefill and decode columns
+    assert len(grid["x"]) == len(grid["z"][0])
     candidates = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').data[0]")
     assert 5 == len(candidates["x"]) and abs(sum(candidates["x"])) <= 1.0
     page.click("#ps-explain-run")

@@ -65,6 +65,29 @@ def candidates_figure(tokenizer, step: DecodeStep | None):
     return charts.go.Figure(dict(data=data, layout=layout), _validate=False)
 
 
+def kv_grid_figure(engine: Engine, walk: Walkthrough | None):
+    """The KV cache as a grid: one column per cached position (the last ones shown, as the tokens
+    above), one row per layer; taken from the pool (cached prefix), written by prefill or by decode."""
+    data, title = [], "KV cache: one column per token, one row per layer"
+    if walk is not None and walk.trace.started is not None:
+        info, request, trace = engine.info, walk.request, walk.trace
+        kv_tokens = trace.kv[0]
+        first = max(0, request.num_prompt_tokens - SHOWN_PROMPT_TOKENS)
+        positions = list(range(first, kv_tokens))
+        cached, prompt = trace.num_cached_tokens, request.num_prompt_tokens
+        phase = [0 if p < cached else 1 if p < prompt else 2 for p in positions]  # cached, prefill, decode
+        data = [dict(type="heatmap", x=positions, y=list(range(info.num_layers)), z=[phase] * info.num_layers,
+                     zmin=0, zmax=2, showscale=False, xgap=1, ygap=1, hoverinfo="skip",
+                     colorscale=[[0, charts.CACHED_COLOR], [0.33, charts.CACHED_COLOR], [0.34, charts.PREFILL_COLOR],
+                                 [0.66, charts.PREFILL_COLOR], [0.67, charts.DECODE_COLOR], [1, charts.DECODE_COLOR]])]
+        title = (f"KV cache: {kv_tokens:,} tokens × {info.num_layers} layers × K and V "
+                 f"= {trace.kv[1] / 1e6:,.2f} MB (last {len(positions)} tokens shown)")
+    layout = dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=260, margin=dict(l=55, r=15, t=45, b=40),
+                  paper_bgcolor="white", plot_bgcolor="white", xaxis=dict(title=dict(text="position")),
+                  yaxis=dict(title=dict(text="layer"), autorange="reversed"))
+    return charts.go.Figure(dict(data=data, layout=layout), _validate=False)
+
+
 def attention_row(step: DecodeStep | None, layer: str, head: str) -> list[float] | None:
     """The step's attention weights over the positions for one layer (or the mean of all) and one head
     (or the mean of all), scaled so that the largest is 1."""
@@ -149,11 +172,15 @@ def build(engine: Engine) -> None:
         head = gr.Dropdown(["mean", *map(str, range(engine.loaded.model.config.num_attention_heads))], value="mean",
                            label="head", scale=1, elem_id="ps-explain-head")
     panel = gr.HTML(steps_html(engine, None), elem_id="ps-explain-steps")
-    figure = gr.Plot(candidates_figure(engine.tokenizer, None), show_label=False, elem_id="ps-explain-candidates")
+    with gr.Row():
+        figure = gr.Plot(candidates_figure(engine.tokenizer, None), show_label=False,
+                         elem_id="ps-explain-candidates")
+        grid = gr.Plot(kv_grid_figure(engine, None), show_label=False, elem_id="ps-explain-kv")
 
     def render(walk: Walkthrough | None, layer_choice: str = "mean", head_choice: str = "mean"):
         last = walk.trace.steps[-1] if walk and walk.trace.steps else None
-        return walk, steps_html(engine, walk, layer_choice, head_choice), candidates_figure(engine.tokenizer, last)
+        return (walk, steps_html(engine, walk, layer_choice, head_choice), candidates_figure(engine.tokenizer, last),
+                kv_grid_figure(engine, walk))
 
     def begin(text: str, walk: Walkthrough | None, layer_choice: str, head_choice: str):
         if walk is not None:
@@ -189,7 +216,7 @@ def build(engine: Engine) -> None:
             _wait(lambda: walk.trace.finished)
         return render(walk, layer_choice, head_choice)
 
-    outputs, choices = [state, panel, figure], [layer, head]
+    outputs, choices = [state, panel, figure, grid], [layer, head]
     start.click(begin, [prompt, state, *choices], outputs)
     step.click(next_token, [state, *choices], outputs)
     finish.click(run_to_end, [state, *choices], outputs)
