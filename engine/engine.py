@@ -463,7 +463,8 @@ class Engine:
     def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
                       batch_size: int, forward_ms: float = 0.0, attention: torch.Tensor | None = None) -> DecodeStep:
         decode = self.tokenizer.convert_ids_to_tokens
-        top = tuple(TopToken(i, decode(i), p) for i, p in zip(picked.top_ids, picked.top_probs))
+        top = tuple(TopToken(i, decode(i), p, q)
+                    for i, p, q in zip(picked.top_ids, picked.top_probs, picked.top_sample_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
                           picked.prob, top, batch_size, forward_ms, attention)

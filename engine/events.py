@@ -85,7 +85,10 @@ class FirstToken(Event):
 class TopToken:
     token_id: int
     text: str
-    prob: float
+    prob: float  # the model's probability (softmax of the raw logits)
+    # its probability under the rule that picked the token (after repetition penalty, temperature, top-k
+    # and top-p; greedy: 1 for the one taken, else 0)
+    sample_prob: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

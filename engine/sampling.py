@@ -17,6 +17,7 @@ class Sample:
     prob: float  # the model's probability of the token (softmax of the raw logits)
     top_ids: list[int]
     top_probs: list[float]
+    top_sample_probs: list[float]  # the same tokens under the rule that picked (greedy: 1 or 0)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -70,8 +71,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if params.is_greedy:
         token_id = top_ids[0] if scores is logits else int(scores.argmax())
+        sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]
     else:
-        scores = _filter_top_k_top_p(scores / params.temperature, params.top_k, params.top_p)
-        token_id = int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+        distribution = _filter_top_k_top_p(scores / params.temperature, params.top_k, params.top_p).softmax(-1)
+        token_id = int(torch.multinomial(distribution, 1, generator=generator))
+        sample_probs = distribution[top_ids].tolist()
     prob = math.exp(float(logits[token_id]) - lse)
-    return Sample(token_id, prob, top_ids, [math.exp(v - lse) for v in top_values])
+    return Sample(token_id, prob, top_ids, [math.exp(v - lse) for v in top_values], sample_probs)

@@ -312,3 +312,13 @@ def test_explain_tab_steps_one_token_at_a_time(page):
     assert 5 == len(candidates["x"]) and abs(sum(candidates["x"])) <= 1.0
     page.click("#ps-explain-run")
     page.wait_for_selector("#ps-explain-steps [data-explain=done]", timeout=60_000)
+    set_setting(page, "ps-explain-temperature", 0.8)  # sampled: the chances after the cut-offs beside the model's
+    set_setting(page, "ps-explain-top-k", 2)
+    page.click("#ps-explain-start")
+    page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
+    page.click("#ps-explain-next")
+    page.wait_for_selector("#ps-explain-steps [data-tokens='2']", timeout=60_000)
+    series = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').data"
+                           ".map(d => [d.name, d.x])")
+    assert ["model", "after the cut-offs"] == [name for name, _ in series]
+    assert [0, 0, 0] == series[1][1][2:]  # top-k 2 cut the third to fifth

@@ -96,3 +96,15 @@ def test_text_stream_stops_and_holds_back(tokenizer, text, stops, shown, stopped
     released += stream.flush()
     assert (shown, stopped) == (released, stream.is_stopped)
     assert stream.text == released
+
+
+def test_the_candidates_chances_under_the_rule_that_picked():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
+    greedy = sample(logits, SamplingParams(temperature=0), make_generator(0))
+    assert [1.0, 0.0, 0.0, 0.0, 0.0] == greedy.top_sample_probs
+    cut = sample(logits, SamplingParams(temperature=0.7, top_k=2), make_generator(0))
+    assert cut.top_ids == [0, 1, 2, 3, 4]
+    assert cut.top_sample_probs[2:] == [0.0, 0.0, 0.0]  # cut by top-k
+    expected = torch.tensor([4.0, 3.0]).div(0.7).softmax(-1).tolist()
+    assert cut.top_sample_probs[:2] == pytest.approx(expected)
+    assert cut.top_probs[:2] == pytest.approx(logits.softmax(-1)[:2].tolist())  # the model's own, unchanged

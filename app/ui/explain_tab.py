@@ -50,16 +50,32 @@ def shown(tokenizer, token_id: int) -> str:
     return text.replace("\n", "↵")
 
 
-def candidates_figure(tokenizer, step: DecodeStep | None):
-    """The model's top candidates for this step, with their probabilities; the one taken highlighted."""
+def candidates_figure(tokenizer, step: DecodeStep | None, sampling: SamplingParams | None = None):
+    """The model's top candidates for this step: their probabilities, and beside them their chances under
+    the rule that picked (temperature, then top-k and top-p cut the rest to 0); the one taken highlighted."""
     tops = list(step.top) if step else []
-    colors = [charts.DECODE_COLOR if t.token_id == step.token_id else "#c9d3e3" for t in tops]
     labels = [f"{shown(tokenizer, t.token_id)!r}" for t in tops]
-    data = [dict(type="bar", orientation="h", x=[t.prob for t in tops], y=labels,
-                 marker=dict(color=colors), hovertemplate="%{y}: %{x:.1%}<extra></extra>")]
-    title = f"Candidates for token {step.step + 1} (greedy: the most probable)" if step else "Candidates"
-    layout = dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=260,
+    taken = [charts.DECODE_COLOR if t.token_id == step.token_id else "#c9d3e3" for t in tops]
+    data = [dict(type="bar", orientation="h", name="model", x=[t.prob for t in tops], y=labels,
+                 marker=dict(color=taken), hovertemplate="%{y}: %{x:.1%} (model)<extra></extra>")]
+    if tops and sampling is not None and not sampling.is_greedy:
+        cut = [t.sample_prob == 0 for t in tops]
+        data.append(dict(type="bar", orientation="h", name="after the cut-offs", x=[t.sample_prob for t in tops],
+                         y=labels, marker=dict(color=["#ffffff" if c else charts.PREFILL_COLOR for c in cut],
+                                               line=dict(color=charts.PREFILL_COLOR, width=1),
+                                               pattern=dict(shape=["x" if c else "" for c in cut])),
+                         hovertemplate="%{y}: %{x:.1%} after temperature, top-k, top-p<extra></extra>"))
+    if step is None:
+        title = "Candidates"
+    elif sampling is None or sampling.is_greedy:
+        title = f"Candidates for token {step.step + 1}: greedy takes the most probable"
+    else:
+        title = (f"Candidates for token {step.step + 1}: sampled at temperature {sampling.temperature:g}"
+                 f"{f', top-k {sampling.top_k}' if sampling.top_k else ''}"
+                 f"{f', top-p {sampling.top_p:g}' if sampling.top_p < 1 else ''} (crossed: cut to 0)")
+    layout = dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=260, barmode="group",
                   margin=dict(l=110, r=15, t=45, b=40), paper_bgcolor="white", plot_bgcolor="white",
+                  legend=dict(orientation="h", y=-0.25), showlegend=len(data) > 1,
                   xaxis=dict(title=dict(text="probability"), tickformat=".0%", rangemode="tozero"),
                   yaxis=dict(autorange="reversed"))
     return charts.go.Figure(dict(data=data, layout=layout), _validate=False)
@@ -166,6 +182,11 @@ def build(engine: Engine) -> None:
         finish = gr.Button("Run to end", scale=1, elem_id="ps-explain-run")
         stop = gr.Button("Stop", variant="stop", scale=1, elem_id="ps-explain-stop")
     with gr.Row():
+        temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)",
+                                elem_id="ps-explain-temperature")
+        top_k = gr.Slider(0, 50, value=0, step=1, label="Top-k (0 = off)", elem_id="ps-explain-top-k")
+        top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top-p", elem_id="ps-explain-top-p")
+    with gr.Row():
         info = engine.info
         layer = gr.Dropdown(["mean", *map(str, range(info.num_layers))], value="mean", label="Attention: layer",
                             scale=1, elem_id="ps-explain-layer")
@@ -179,15 +200,17 @@ def build(engine: Engine) -> None:
 
     def render(walk: Walkthrough | None, layer_choice: str = "mean", head_choice: str = "mean"):
         last = walk.trace.steps[-1] if walk and walk.trace.steps else None
-        return (walk, steps_html(engine, walk, layer_choice, head_choice), candidates_figure(engine.tokenizer, last),
-                kv_grid_figure(engine, walk))
+        sampling = walk.request.sampling if walk else None
+        return (walk, steps_html(engine, walk, layer_choice, head_choice),
+                candidates_figure(engine.tokenizer, last, sampling), kv_grid_figure(engine, walk))
 
-    def begin(text: str, walk: Walkthrough | None, layer_choice: str, head_choice: str):
+    def begin(text: str, temperature, top_k, top_p, walk: Walkthrough | None, layer_choice: str, head_choice: str):
         if walk is not None:
             walk.cancel()
         try:
-            request = engine.new_request([{"role": "user", "content": text or ""}],
-                                         SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0))
+            sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=float(temperature),
+                                      top_k=int(top_k), top_p=float(top_p))
+            request = engine.new_request([{"role": "user", "content": text or ""}], sampling)
         except ValueError as exc:
             raise gr.Error(str(exc)) from None
         engine.allow(request, 0)  # held after the prefill and its token
@@ -217,7 +240,7 @@ def build(engine: Engine) -> None:
         return render(walk, layer_choice, head_choice)
 
     outputs, choices = [state, panel, figure, grid], [layer, head]
-    start.click(begin, [prompt, state, *choices], outputs)
+    start.click(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs)
     step.click(next_token, [state, *choices], outputs)
     finish.click(run_to_end, [state, *choices], outputs)
     stop.click(end, [state, *choices], outputs, queue=False)
