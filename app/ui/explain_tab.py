@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from html import escape
 
 import gradio as gr
+import plotly.graph_objects as go
 
 from engine import DecodeStep, Engine, Request, SamplingParams
 
@@ -78,7 +79,7 @@ def candidates_figure(tokenizer, step: DecodeStep | None, sampling: SamplingPara
                   legend=dict(orientation="h", y=-0.25), showlegend=len(data) > 1,
                   xaxis=dict(title=dict(text="probability"), tickformat=".0%", rangemode="tozero"),
                   yaxis=dict(autorange="reversed"))
-    return charts.go.Figure(dict(data=data, layout=layout), _validate=False)
+    return go.Figure(dict(data=data, layout=layout), _validate=False)
 
 
 def kv_grid_figure(engine: Engine, walk: Walkthrough | None):
@@ -101,7 +102,7 @@ def kv_grid_figure(engine: Engine, walk: Walkthrough | None):
     layout = dict(title=dict(text=title, x=0.01, font=dict(size=14)), height=260, margin=dict(l=55, r=15, t=45, b=40),
                   paper_bgcolor="white", plot_bgcolor="white", xaxis=dict(title=dict(text="position")),
                   yaxis=dict(title=dict(text="layer"), autorange="reversed"))
-    return charts.go.Figure(dict(data=data, layout=layout), _validate=False)
+    return go.Figure(dict(data=data, layout=layout), _validate=False)
 
 
 def attention_row(step: DecodeStep | None, layer: str, head: str) -> list[float] | None:
