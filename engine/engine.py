@@ -30,7 +30,7 @@ from .config import EngineConfig, SamplingParams
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
 from .hf_runner import make_runner
 from .kv_pool import PoolUsage, kv_bytes_formula
-from .loader import LoadedModel, load_lean_model, load_model
+from .loader import LoadedModel, load_model
 from .prompt import PromptTooLong, check_messages, render_prompt
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
@@ -100,8 +100,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        where = (config.model, config.device, config.load_dtype, config.cache_dir)
-        return cls(load_lean_model(*where) or load_model(*where), config)  # the first skips transformers' model
+        # lean: a Llama-family folder is read without building transformers' model
+        return cls(load_model(config.model, config.device, config.load_dtype, config.cache_dir, lean=True), config)
 
     @property
     def context_window(self) -> int:

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")  # as engine.llama; kept here to import nothing heavy
+from .llama import SUPPORTED_MODEL_TYPES
+
 
 
 def _rope(config: dict) -> tuple[str, float]:

@@ -173,41 +173,31 @@ def load_tokenizer(folder: Path, light: bool = False):
     return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
 
 
-def load_lean_model(source: str | None, device: str = "auto", dtype: str = "auto",
-                    cache_dir: str | None = None) -> LoadedModel | None:
-    """A Llama-family model read straight from its folder for the lean forward (folder_model.py), or
-    None when the folder needs transformers' own loading (load_model)."""
-    from .folder_model import load_folder_model, supports
+def load_model(source: str | None, device: str = "auto", dtype: str = "auto", cache_dir: str | None = None,
+               lean: bool = False) -> LoadedModel:
+    """The model a --model argument names, with its tokenizer. With lean, a Llama-family folder is read
+    straight into a FolderModel for the lean forward (folder_model.py), without transformers; any other
+    folder, and every one without lean (the bench's baseline, the tests' reference), through transformers."""
+    from . import folder_model  # here: it imports the lean forward, which imports this module
 
-    folder = model_folder(source, cache_dir)
-    if not supports(folder):
-        return None
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-    try:
-        tokenizer = load_tokenizer(folder, light=True)
-        model = load_folder_model(folder, torch_device, torch_dtype)
-    except Exception as exc:
-        raise ModelError(f"cannot load the model in {folder}: {exc}".splitlines()[0]) from exc
-    name = DEFAULT_MODEL_NAME if source is None else Path(source).name
-    return LoadedModel(model, tokenizer, name, str(source or default_model_path()), torch_device, torch_dtype)
-
-
-def load_model(source: str | None, device: str = "auto", dtype: str = "auto",
-               cache_dir: str | None = None) -> LoadedModel:
-    from transformers import AutoModelForCausalLM
-
-    _quiet_transformers()
     folder = model_folder(source, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    direct = lean and folder_model.supports(folder)
     try:
-        tokenizer = load_tokenizer(folder)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False
-        )
-    except Exception as exc:
+        tokenizer = load_tokenizer(folder, light=direct)
+        if direct:
+            model = folder_model.load_folder_model(folder, torch_device, torch_dtype)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            _quiet_transformers()
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch_dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False
+            )
+    except Exception as exc:  # transformers raises many types for a bad folder
         raise ModelError(f"cannot load the model in {folder}: {exc}".splitlines()[0]) from exc
-    model.to(torch_device).eval()
+    if not direct:
+        model.to(torch_device).eval()
     name = DEFAULT_MODEL_NAME if source is None else Path(source).name
     return LoadedModel(model, tokenizer, name, str(source or default_model_path()), torch_device, torch_dtype)

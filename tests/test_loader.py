@@ -68,12 +68,12 @@ def _logits(model, ids, precision="fp32"):
 def test_the_folder_loader_builds_the_same_forward_as_transformers(tmp_path, tokenizer, kind):
     from conftest import tiny_model
     from engine.folder_model import FolderModel
-    from engine.loader import load_lean_model
+    from engine.loader import load_model
 
     tiny = tiny_model(tokenizer, kind, hidden=128)
     tiny.model.save_pretrained(tmp_path)
     tiny.tokenizer.save_pretrained(tmp_path)
-    loaded = load_lean_model(str(tmp_path), device="cpu", dtype="float32")
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32", lean=True)
     assert isinstance(loaded.model, FolderModel)  # no transformers model was built
     ids = tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"]
     for precision in ("fp32", "int8"):
@@ -82,9 +82,9 @@ def test_the_folder_loader_builds_the_same_forward_as_transformers(tmp_path, tok
 
 
 def test_the_bundled_model_loads_from_its_folder_with_the_same_logits(bundled):
-    from engine.loader import load_lean_model
+    from engine.loader import load_model
 
-    loaded = load_lean_model(None, device="cpu", dtype="float32")
+    loaded = load_model(None, device="cpu", dtype="float32", lean=True)
     ids = bundled.tokenizer("The two phases of inference are prefill and decode.")["input_ids"]
     torch.testing.assert_close(_logits(loaded.model, ids), _logits(bundled.model, ids), atol=1e-4, rtol=1e-4)
     messages = [{"role": "user", "content": "Hi 你好"}]
@@ -110,7 +110,7 @@ def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeyp
     from conftest import tiny_model
     from engine import quantize
     from engine.hf_runner import make_runner
-    from engine.loader import load_lean_model
+    from engine.loader import load_model
 
     folder, cache = tmp_path / "model", tmp_path / "cache"
     tiny_model(tokenizer, hidden=128).model.save_pretrained(folder)
@@ -118,7 +118,7 @@ def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeyp
     ids = torch.tensor(tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"])
 
     def logits() -> torch.Tensor:
-        runner = make_runner(load_lean_model(str(folder), "cpu", "float32").model, "int8", cache_dir=str(cache))
+        runner = make_runner(load_model(str(folder), "cpu", "float32", lean=True).model, "int8", cache_dir=str(cache))
         return runner.forward(ids, 0, runner.new_cache(len(ids)))
 
     first = logits()
