@@ -11,7 +11,6 @@ steps on the caller's thread until its request is done (the CLI, tests, benchmar
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import os
@@ -28,7 +27,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
-from .hf_runner import make_runner
+from .hf_runner import in_dtype, make_runner
 from .kv_pool import PoolUsage, kv_bytes_formula
 from .loader import LoadedModel, load_model
 from .prompt import PromptTooLong, check_messages, render_prompt
@@ -295,10 +294,8 @@ class Engine:
             raise EngineBusy(f"{running + waiting} replies are running or waiting: stop them or let them "
                              f"finish, then switch to {precision}")
         model = self.loaded.model
-        if config.load_dtype in ("float16", "bfloat16") and model.dtype != getattr(torch, config.load_dtype):
-            if isinstance(model, torch.nn.Module):  # its to() converts in place
-                model = copy.deepcopy(model)
-            model = model.to(getattr(torch, config.load_dtype))
+        if config.load_dtype in ("float16", "bfloat16"):
+            model = in_dtype(model, getattr(torch, config.load_dtype))
         runner = make_runner(model, precision, cache_dir=config.cache_dir)
         self.runner, self.config = runner, config
         self.pool = runner.new_pool(self.pool_budget, config.kv_block_tokens, config.prefix_caching)

@@ -5,6 +5,7 @@ from the real tensors with the same properties as KVCache.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -106,6 +107,15 @@ class TransformersRunner:
         out = self.model(input_ids=ids[None], position_ids=positions[None], cache_position=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: cache.inner})
         return out.logits[0, -1] if need_logits else None
+
+
+def in_dtype(model, dtype: torch.dtype):
+    """The model with its weights in dtype: itself, or a converted copy (the loaded one stays as it is)."""
+    if model.dtype == dtype:
+        return model
+    if isinstance(model, torch.nn.Module):  # its to() converts in place; a FolderModel's returns a copy
+        model = copy.deepcopy(model)
+    return model.to(dtype)
 
 
 def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bool = True,

@@ -9,7 +9,6 @@ when it is found on PATH or given with --llama-bench.
 """
 from __future__ import annotations
 
-import copy
 import json
 import statistics
 import tempfile
@@ -21,7 +20,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
-from engine.hf_runner import make_runner
+from engine.hf_runner import in_dtype, make_runner
 
 from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, prefill_flops,
                            quality_vs)
@@ -94,7 +93,7 @@ def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
     for precision in modes:
         model = loaded.model
         if precision in ("fp16", "bf16"):
-            model = copy.deepcopy(loaded.model).to(getattr(torch, PRECISION_DTYPES[precision]))
+            model = in_dtype(loaded.model, getattr(torch, PRECISION_DTYPES[precision]))
         runner = make_runner(model, precision)
         engines[f"{runner.name} {runner.precision}"] = Engine(
             loaded, EngineConfig(precision=precision, kv_cache_mb=BENCH_KV_MB, prefix_caching=False), runner=runner)
