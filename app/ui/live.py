@@ -34,10 +34,13 @@ def _spec(figure: go.Figure) -> dict:
     return json.loads(figure.to_json())
 
 
+def _figures(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]]) -> dict:
+    return {"latency": _spec(charts.latency_figure(latency_events)), "kv": _spec(charts.kv_figure(turns))}
+
+
 def reset(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], reply: str | None = None) -> str:
     """Both figures whole: the latency of one reply and the KV cache over every turn of the chat."""
-    return message(reply=reply, reset={"latency": _spec(charts.latency_figure(latency_events)),
-                                       "kv": _spec(charts.kv_figure(turns))})
+    return message(reply=reply, reset=_figures(latency_events, turns))
 
 
 class LiveReply:
@@ -49,6 +52,8 @@ class LiveReply:
         self.traces = traces  # the chat's replies, the streaming one last
         self._shape: tuple | None = None
         self._sent_steps = 0
+        # where this turn's traces begin in the KV figure: the earlier turns are done, so once
+        self._kv_index, self._kv_x0 = charts.kv_turn_position([t.events for t in traces[:-1]])
 
     @property
     def trace(self) -> ReplyTrace:
@@ -63,9 +68,8 @@ class LiveReply:
         shape = (trace.started is not None, len(trace.chunks), bool(steps))
         if shape != self._shape:  # a new trace or bar: the whole figures, still small at this point
             self._shape = shape
-            return message(reply=self.reply_id, text=text, reset={
-                "latency": _spec(charts.latency_figure(trace.events)),
-                "kv": _spec(charts.kv_figure([t.events for t in self.traces]))})
+            return message(reply=self.reply_id, text=text,
+                           reset=_figures(trace.events, [t.events for t in self.traces]))
         if not new:
             return message(reply=self.reply_id)
         return message(reply=self.reply_id, text=text, append={
@@ -75,9 +79,7 @@ class LiveReply:
 
     def _kv_append(self, new, first: int, num_steps: int) -> dict:
         """The new steps as points of this turn's trace in the KV figure (see charts.kv_figure)."""
-        earlier = [t.events for t in self.traces[:-1]]
-        index, x0 = charts.kv_turn_position(earlier)
         trace = self.trace
-        points = charts.kv_step_points(new, x0 + 1 + len(trace.chunks) + first)
-        return {"trace": index + (1 if trace.num_cached_tokens else 0), "points": points,
+        points = charts.kv_step_points(new, self._kv_x0 + 1 + len(trace.chunks) + first)
+        return {"trace": self._kv_index + (1 if trace.num_cached_tokens else 0), "points": points,
                 "mode": charts.point_mode(1 + len(trace.chunks) + num_steps)}
