@@ -146,14 +146,23 @@ def quality_vs(reference, other, tokenizer) -> dict:
             "mean_kl_nats": round(kl_sum / total, 4), "max_logit_diff": round(max_diff, 3)}
 
 
+def bare_loop(runner, prompt: list[int], num_gen: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of the runner's forwards called directly, greedy, without the
+    engine: the prompt, then num_gen - 1 decode steps."""
+    cache = runner.new_cache(len(prompt) + num_gen)
+    start = time.perf_counter()
+    logits = runner.forward(torch.tensor(prompt), 0, cache)
+    prefilled = time.perf_counter()
+    token = int(logits.argmax())
+    for step in range(num_gen - 1):
+        token = int(runner.decode([token], [len(prompt) + step], [cache])[0].argmax())
+    end = time.perf_counter()
+    return len(prompt) / (prefilled - start), (num_gen - 1) / (end - prefilled)
+
+
 def decode_speed(runner, num_tokens: int = 32) -> float:
     """tok/s of num_tokens greedy decode steps after a one-token prompt, on a bare forward loop."""
-    cache = runner.new_cache(num_tokens + 2)
-    token = int(runner.forward(torch.tensor([1]), 0, cache).argmax())
-    start = time.perf_counter()
-    for pos in range(1, num_tokens + 1):
-        token = int(runner.decode([token], [pos], [cache])[0].argmax())
-    return num_tokens / (time.perf_counter() - start)
+    return bare_loop(runner, [1], num_tokens + 1)[1]
 
 
 def precision_report(loaded, runner) -> dict:

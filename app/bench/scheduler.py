@@ -16,7 +16,7 @@ import torch
 
 from engine import Engine, SamplingParams
 
-from .extras import interleaved
+from .extras import bare_loop, interleaved
 
 FIRST_TURN = ("Prefill reads the whole prompt in one forward pass and fills the KV cache; decode then adds one "
               "token per step, reading every weight and the cache once per token. ")
@@ -129,18 +129,8 @@ def scheduler_cost(engine: Engine, prompt: list[int], num_gen: int, repetitions:
         m = engine.run_all([engine.new_request_from_ids(prompt, sampling)])[0].metrics
         return m.prefill_tokens_per_s, m.decode_tokens_per_s
 
-    def bare_loop() -> tuple[float, float]:
-        cache = runner.new_cache(len(prompt) + num_gen)
-        start = time.perf_counter()
-        logits = runner.forward(torch.tensor(prompt), 0, cache)
-        prefilled = time.perf_counter()
-        token = int(logits.argmax())
-        for step in range(num_gen - 1):
-            token = int(runner.decode([token], [len(prompt) + step], [cache])[0].argmax())
-        end = time.perf_counter()
-        return len(prompt) / (prefilled - start), (num_gen - 1) / (end - prefilled)
-
-    samples = interleaved({"scheduler": through_engine, "bare": bare_loop}, repetitions)
+    samples = interleaved({"scheduler": through_engine, "bare": lambda: bare_loop(runner, prompt, num_gen)},
+                          repetitions)
     pp = {name: statistics.median(v[0] for v in values) for name, values in samples.items()}
     tg = {name: statistics.median(v[1] for v in values) for name, values in samples.items()}
     return {"prefill_vs_bare_loop": round(pp["scheduler"] / pp["bare"], 3),
