@@ -47,7 +47,8 @@ def launch_options() -> dict:
     gr.set_static_paths(scripts)  # served as files, cached by the browser
     head = "".join(f'<script src="/gradio_api/file={path}"></script>' for path in scripts)
     return dict(theme=gr.themes.Soft(primary_hue="blue"), css_paths=[STATIC / "app.css"], head=head,
-                js="() => { const go = () => window.phasescope ? window.phasescope.start() : setTimeout(go, 100); go(); }")
+                js="() => { const go = () => window.phasescope ? window.phasescope.start() : setTimeout(go, 100); "
+                   "go(); }")
 
 
 def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,

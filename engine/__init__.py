@@ -13,8 +13,8 @@ from .metrics import RequestMetrics, percentiles, session_summary
 from .request import Request, Status
 
 __all__ = [
-    "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook", "KVPool", "KVPoolTooSmall",
-    "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong", "Request", "SequenceKV",
+    "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook", "KVPool",
+    "KVPoolTooSmall", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong", "Request", "SequenceKV",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary",
 ]
