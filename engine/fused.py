@@ -4,9 +4,9 @@ prefill's attention, which reads the cached keys where they lie in the paged poo
 A decode step reads every weight once for a batch of tokens (one per running sequence), so it should
 run at memory bandwidth; in eager PyTorch most of it went to ~25 small ops per layer. The C++ file has
 no torch headers: it is built once per machine with the system's C++ compiler (about a second), cached
-beside the converted weights, and called through ctypes with the addresses of the tensors LeanLlama already holds. Where it cannot be
-built (no compiler, not x86/ARM Linux or macOS), or PHASESCOPE_FUSED_DECODE=0, decode runs the PyTorch
-ops instead, with the same results.
+beside the converted weights, and called through ctypes with the addresses of the tensors LeanLlama
+already holds. Where it cannot be built (no compiler, not x86/ARM Linux or macOS), or
+PHASESCOPE_FUSED_DECODE=0, decode runs the PyTorch ops instead, with the same results.
 """
 from __future__ import annotations
 
