@@ -6,14 +6,15 @@ charts or the store.
 from .config import EngineConfig, SamplingParams
 from .engine import Engine, EngineBusy, ModelInfo
 from .prompt import PromptTooLong, check_messages, render_prompt
-from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
+from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started,
+                     TopToken)
 from .kv_pool import KVPool, KVPoolTooSmall, PoolUsage, SequenceKV, kv_bytes_formula
 from .loader import LoadedModel, ModelError, default_model_path, load_model
 from .metrics import RequestMetrics, percentiles, session_summary
 from .request import Request, Status
 
 __all__ = [
-    "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook", "KVPool",
+    "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook", "KVPool",
     "KVPoolTooSmall", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong", "Request", "SequenceKV",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary",

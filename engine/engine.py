@@ -313,22 +313,27 @@ class Engine:
         Returns the logits of the last prompt token when the chunk ends the prompt."""
         assert start == request.kv_cache.num_tokens, "prefill chunks run in order"
         ids = torch.tensor(request.prompt_ids[start:end], device=self.runner.device)
-        return self.runner.forward(ids, start, request.kv_cache, need_logits=end == request.num_prompt_tokens)
+        need_logits = end == request.num_prompt_tokens
+        if request.explain and getattr(self.runner, "explains", False):
+            request.stage_ms = {}  # filled by the forward, reported with the chunk
+            return self.runner.forward(ids, start, request.kv_cache, need_logits, stage_ms=request.stage_ms)
+        return self.runner.forward(ids, start, request.kv_cache, need_logits=need_logits)
 
-    def decode_step(self, requests: list[Request]) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
+    def decode_step(self, requests: list[Request]) -> torch.Tensor:
         """One forward pass over exactly one new token (the last generated) of each request, all in one
-        batch: every weight is read once for all of them. Returns next-token logits [B, vocab], and the
-        attention weights [layers, heads, positions] of the first request that asked for them (with its
-        index), where the runner can give them."""
+        batch: every weight is read once for all of them. Returns next-token logits [B, vocab]. The first
+        request in explain mode gets the step's attention weights [layers, heads, positions] (where the
+        runner can give them) and time per stage, as request.attention and request.stage_ms."""
         for r in requests:
             assert r.kv_cache.num_tokens == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
         args = ([r.generated_ids[-1] for r in requests], [r.kv_cache.num_tokens for r in requests],
                 [r.kv_cache for r in requests])
-        capture = next((i for i, r in enumerate(requests) if r.capture_attention), None)
-        if capture is None or not getattr(self.runner, "can_capture_attention", False):
-            return self.runner.decode(*args), None
-        logits, weights = self.runner.decode(*args, capture=capture)
-        return logits, None if weights is None else (capture, weights)
+        explained = next((i for i, r in enumerate(requests) if r.explain), None)
+        if explained is None or not getattr(self.runner, "explains", False):
+            return self.runner.decode(*args)
+        logits, requests[explained].attention, requests[explained].stage_ms = self.runner.decode(*args,
+                                                                                                 capture=explained)
+        return logits
 
     # --- one step: schedule -> run -> postprocess -------------------------------------------------
 
@@ -368,7 +373,7 @@ class Engine:
         cache = r.kv_cache
         self._deliver(r, PrefillChunk(r.request_id, self._t_ms(r, r.prefill_end_ns), r.num_prefill_chunks - 1,
                                       start, end, r.num_prompt_tokens, (r.prefill_end_ns - begin_ns) / 1e6,
-                                      cache.num_tokens, cache.bytes_used))
+                                      cache.num_tokens, cache.bytes_used, r.take_stage_ms()))
         if end == r.num_prompt_tokens and not r.is_cancelled:
             r.status = Status.DECODING
             r.text_stream = TextStream(self.tokenizer, r.sampling.stop)
@@ -378,7 +383,7 @@ class Engine:
     def _run_decodes(self, requests: list[Request]) -> None:
         begin_ns = self._now_ns()
         try:
-            logits, captured = self.decode_step(requests)
+            logits = self.decode_step(requests)
         except Exception as exc:  # a failed forward ends the requests in it, not the engine
             for r in requests:
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
@@ -386,16 +391,14 @@ class Engine:
         forward_ms = (self._now_ns() - begin_ns) / 1e6
         batch_top = getattr(self.runner, "top_logits_batch", None)  # every row's top tokens in one call
         tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(requests)
-        for index, (r, row, top) in enumerate(zip(requests, logits, tops)):
+        for r, row, top in zip(requests, logits, tops):
             if r.decode_allowance is not None:
                 r.decode_allowance -= 1
             self._name_blocks(r)
             if r.is_cancelled:
                 self._finish(r, "cancelled")
             else:
-                attention = captured[1] if captured and captured[0] == index else None
-                self._take_token(r, row, batch_size=len(requests), top=top, attention=attention,
-                                 forward_ms=forward_ms)
+                self._take_token(r, row, batch_size=len(requests), top=top, forward_ms=forward_ms)
 
     def _name_blocks(self, r: Request) -> None:
         """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
@@ -404,10 +407,10 @@ class Engine:
             self.pool.name_full_blocks(r.kv_cache, r.prompt_ids + r.generated_ids)
 
     def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None,
-                    attention: torch.Tensor | None = None, forward_ms: float = 0.0) -> None:
+                    forward_ms: float = 0.0) -> None:
         """Sample the next token from a request's logits, report it, and end the request if it is done.
-        top: the logits' top tokens and log-sum-exp, when already computed for the whole batch;
-        attention: the step's attention weights, when the request asked for them."""
+        top: the logits' top tokens and log-sum-exp, when already computed for the whole batch."""
+        sample_start_ns = self._now_ns()
         penalize = r.sampling.repetition_penalty != 1.0
         top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
         if top is not None:
@@ -415,6 +418,10 @@ class Engine:
         picked = sample(logits, r.sampling, r.generator, r.prompt_ids + r.generated_ids if penalize else (),
                         top_fn=top_fn)
         now_ns = self._now_ns()
+        stage_ms = None
+        if r.explain:  # the forward's stages (none for token 1: the prefill's were reported), and sampling
+            stage_ms = {**(r.take_stage_ms() or {}), "sample": (now_ns - sample_start_ns) / 1e6}
+        attention, r.attention = r.attention, None
         previous_ns = r.token_ns[-1] if r.token_ns else r.submit_ns  # so the first token's latency is its TTFT
         r.generated_ids.append(picked.token_id)
         r.token_ns.append(now_ns)
@@ -425,7 +432,7 @@ class Engine:
         piece = "" if is_eos else r.text_stream.push(picked.token_id)
         r.text = r.text_stream.text
         self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size, forward_ms,
-                                            attention))
+                                            attention, stage_ms))
         if is_eos or r.text_stream.is_stopped:
             self._finish(r, "eos" if is_eos else "stop")
         elif r.num_generated == r.max_new_tokens:
@@ -458,13 +465,14 @@ class Engine:
                           first_sample_ms=(now_ns - r.prefill_end_ns) / 1e6)
 
     def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
-                      batch_size: int, forward_ms: float = 0.0, attention: torch.Tensor | None = None) -> DecodeStep:
+                      batch_size: int, forward_ms: float = 0.0, attention: torch.Tensor | None = None,
+                      stage_ms: dict | None = None) -> DecodeStep:
         decode = self.tokenizer.convert_ids_to_tokens
         top = tuple(TopToken(i, decode(i), p, q)
                     for i, p, q in zip(picked.top_ids, picked.top_probs, picked.top_sample_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
-                          picked.prob, top, batch_size, forward_ms, attention)
+                          picked.prob, top, batch_size, forward_ms, attention, stage_ms)
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         end_ns = self._now_ns()

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from .metrics import RequestMetrics
 
+# The stages of one forward pass, in order, as an explained request's events time them (stage_ms); the
+# order of the native step's Stage enum (csrc/decode_step.cpp). "norm" adds up every RMSNorm, "attention"
+# the QKV projection, rotary embedding, cache write, attention and output projection of every layer.
+FORWARD_STAGES = ("embedding", "norm", "attention", "ffn", "lm_head")
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -63,6 +67,7 @@ class PrefillChunk(Event):
     latency_ms: float
     kv_tokens: int
     kv_bytes: int
+    stage_ms: dict | None = None  # an explained request's time per FORWARD_STAGES (ms)
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +114,8 @@ class DecodeStep(Event):
     # the step's attention weights, a float32 tensor [layers, heads, positions], when the request asked
     # for them (explain mode; to_dict leaves them out)
     attention: object | None = None
+    # an explained request's time per FORWARD_STAGES of the decode forward, and "sample" (ms)
+    stage_ms: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)

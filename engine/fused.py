@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .events import FORWARD_STAGES as STAGES
 from .kv_pool import SequenceKV
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
@@ -84,7 +85,7 @@ class FusedDecode:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         self._top = native.ps_top_logits
         self._top.restype = ctypes.c_float
         self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -175,10 +176,11 @@ class FusedDecode:
         return list(zip(ids.tolist(), values.tolist(), lse.tolist()))
 
     def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV],
-                 capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Logits [B, vocab] after tokens[b] at positions[b] of sequences[b] (all in one pool); their keys
         and values land in the pool. capture: a sequence's index in the batch, whose attention weights
-        [layers, heads, positions + 1] are returned beside the logits."""
+        [layers, heads, positions + 1] are returned beside the logits, with the step's time per stage
+        ({stage: ms}, STAGES)."""
         ends = [seq.reserve(pos, 1) for seq, pos in zip(sequences, positions)]
         pool = sequences[0].pool
         assert pool.kv.dtype == torch.float32 and pool.kv.is_contiguous()
@@ -190,17 +192,21 @@ class FusedDecode:
                                           torch.get_num_threads()], dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
-        weights = None
+        weights = stage_ms = None
         if capture is not None:  # [layers, heads, positions + 1]
             weights = torch.empty((self._dims[0], self._dims[1], positions[capture] + 1), dtype=torch.float32)
+            stage_ms = torch.zeros(len(STAGES), dtype=torch.float64)
         status = self._fn(dims.data_ptr(), self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
                           pool.kv.data_ptr(), len(tokens), token_ids.data_ptr(), where.data_ptr(), tables.data_ptr(),
-                          width, logits.data_ptr(), _address(weights), -1 if capture is None else capture)
+                          width, logits.data_ptr(), _address(weights), -1 if capture is None else capture,
+                          _address(stage_ms))
         if status != 0:
             raise ValueError(f"decode step refused tokens {tokens} at positions {positions}")
         for seq, end in zip(sequences, ends):
             seq.mark_written(end)
-        return logits if weights is None else (logits, weights)
+        if weights is None:
+            return logits
+        return logits, weights, dict(zip(STAGES, stage_ms.tolist()))
 
 
 def load_fused_decode(lean, cache_dir: Path) -> FusedDecode | None:

@@ -8,6 +8,7 @@ runs one token of each of B sequences (a decode step), reading every weight once
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,24 @@ def _params(linear: torch.nn.Linear, pair_heads: int = 0) -> tuple[torch.Tensor,
     return reorder(weight), None if bias is None else reorder(bias.detach())
 
 
+class StageClock:
+    """Adds the wall time since the previous lap to a stage of the forward pass (the explain mode's
+    pipeline), after a device synchronize so that a stage's time is its own. Without a dict, nothing."""
+
+    def __init__(self, stage_ms: dict[str, float] | None, device: torch.device) -> None:
+        self.stage_ms, self.device = stage_ms, device
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        if self.stage_ms is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.stage_ms[stage] = self.stage_ms.get(stage, 0.0) + (now - self.last) * 1000
+        self.last = now
+
+
 @dataclass(slots=True)
 class _Layer:
     qkv: object  # x [T, C] -> [T, (H + 2*KV) * D]
@@ -64,6 +83,7 @@ class LeanLlama:
     """Llama-family forward over our KVCache. `forward` returns the last position's logits."""
 
     name = "lean-llama"
+    explains = True  # forward and decode can time their stages and hand out attention weights (explain mode)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -168,28 +188,28 @@ class LeanLlama:
         return pool.allocate([], capacity_tokens)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, pos: int, cache: SequenceKV, need_logits: bool = True) -> torch.Tensor | None:
-        """ids: [T] token ids of one sequence at positions [pos, pos+T). Returns logits [vocab] of the last."""
-        if ids.shape[0] == 1:
+    def forward(self, ids: torch.Tensor, pos: int, cache: SequenceKV, need_logits: bool = True,
+                stage_ms: dict[str, float] | None = None) -> torch.Tensor | None:
+        """ids: [T] token ids of one sequence at positions [pos, pos+T). Returns logits [vocab] of the last.
+        stage_ms: a dict that receives the time of each stage (FORWARD_STAGES), for the explain mode."""
+        if ids.shape[0] == 1 and stage_ms is None:
             return self.decode([int(ids[0])], [pos], [cache])[0]
-        logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits)
+        logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits, StageClock(stage_ms, self.device))
         return None if logits is None else logits[0]
-
-    @property
-    def can_capture_attention(self) -> bool:
-        """Whether decode() can hand out a sequence's attention weights (the native step can)."""
-        return self.fused is not None
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], caches: list[SequenceKV],
-               capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, dict]:
         """One token for each of B sequences: tokens[b] at positions[b]. Returns logits [B, vocab]; with
-        capture (an index into the batch, native step only) also that sequence's attention weights
-        [layers, heads, positions + 1]."""
+        capture (an index into the batch) also that sequence's attention weights [layers, heads,
+        positions + 1] (the native step only; else None) and the step's time per stage."""
         if self.fused is not None and max(positions) < self.fused.num_positions:
             return self.fused(tokens, positions, caches, capture)  # one native call for the whole batch
-        if capture is not None:  # the PyTorch ops do not hand out attention weights
-            return self.decode(tokens, positions, caches), None
+        if capture is not None:  # the PyTorch ops time their stages but do not hand out attention weights
+            stage_ms = {}
+            segments = [(cache, pos, 1) for cache, pos in zip(caches, positions)]
+            ids = torch.tensor(tokens, device=self.device)
+            return self._forward_rows(ids, segments, True, StageClock(stage_ms, self.device)), None, stage_ms
         ids = torch.tensor(tokens, device=self.device)
         if self.precision == "int8":
             # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations
@@ -200,27 +220,37 @@ class LeanLlama:
         return self._forward_rows(ids, [(cache, pos, 1) for cache, pos in zip(caches, positions)], True)
 
     def _forward_rows(self, ids: torch.Tensor, segments: list[tuple[SequenceKV, int, int]],
-                      need_logits: bool) -> torch.Tensor | None:
+                      need_logits: bool, clock: StageClock | None = None) -> torch.Tensor | None:
         """ids: [N] tokens of consecutive segments (cache, pos, T), one per sequence. Linears run on all
         N rows at once; attention runs per segment, over its own cache. Returns each segment's last
-        logits, [segments, vocab]."""
+        logits, [segments, vocab]. clock: where the time of each stage goes (explain mode)."""
+        clock = clock or StageClock(None, self.device)
         x = F.embedding(ids, self.embed)  # [N, C]
         shape = x.shape[-1:]
+        clock.lap("embedding")
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, shape, layer.attn_norm, self.eps)
+            clock.lap("norm")
             qkv = layer.qkv(h)  # [N, (H + 2KV) * D]: q, k, v side by side
             rows, start = [], 0
             for cache, pos, num_tokens in segments:
                 rows.append(self._attention(index, qkv[start:start + num_tokens], pos, cache))
                 start += num_tokens
             x = x + layer.o(torch.cat(rows) if len(rows) > 1 else rows[0])
+            clock.lap("attention")
             h = F.rms_norm(x, shape, layer.mlp_norm, self.eps)
+            clock.lap("norm")
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
             x = x + layer.down(F.silu(gate) * up)
+            clock.lap("ffn")
         if not need_logits:
             return None
         ends = torch.tensor([0] + [t for _, _, t in segments], device=self.device).cumsum(0)[1:] - 1
-        return self.lm_head(F.rms_norm(x[ends], shape, self.final_norm, self.eps))  # [segments, vocab]
+        h = F.rms_norm(x[ends], shape, self.final_norm, self.eps)
+        clock.lap("norm")
+        logits = self.lm_head(h)  # [segments, vocab]
+        clock.lap("lm_head")
+        return logits
 
     def _causal_mask(self, pos: int, num_tokens: int) -> torch.Tensor | None:
         if num_tokens == 1:

@@ -45,8 +45,16 @@ class Request:
     generator: object | None = field(default=None, repr=False)  # torch.Generator for sampling
     # decode steps it may still take (step by step, explain mode); None: as many as it needs
     decode_allowance: int | None = None
-    capture_attention: bool = False  # its decode steps report their attention weights (explain mode)
+    # explain mode: its decode steps report their attention weights, its forwards their time per stage
+    explain: bool = False
+    attention: object | None = field(default=None, repr=False)  # explain mode: the last decode step's weights
+    stage_ms: dict | None = None  # explain mode: the last forward's time per stage, until an event takes it
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def take_stage_ms(self) -> dict | None:
+        """The last forward's time per stage (explain mode), for the event that reports it; then None."""
+        stage_ms, self.stage_ms = self.stage_ms, None
+        return stage_ms
 
     def cancel(self) -> None:
         """Ask the engine to stop; safe from any thread, takes effect within one step."""

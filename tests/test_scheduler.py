@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import shape, tiny_model, user
-from engine import DecodeStep, Engine, EngineConfig, Finished, KVPoolTooSmall, SamplingParams, Started
+from engine import (FORWARD_STAGES, DecodeStep, Engine, EngineConfig, Finished, KVPoolTooSmall, PrefillChunk,
+                    SamplingParams, Started)
 
 PROMPTS = ["The cat sat on the mat.", "Tell me about the sea, please.", "One two three four five six",
            "Why is the sky blue?", "Prefill then decode.", "A longer prompt that takes a few more tokens to say.",
@@ -240,16 +241,19 @@ def test_a_serving_engine_holds_and_steps_on_request_from_another_thread(tokeniz
         loop.join(timeout=10)
 
 
-def test_a_request_can_ask_for_its_attention_weights(tokenizer):
+def test_a_request_can_ask_for_its_attention_weights_and_stage_times(tokenizer):
     """Explain mode: a decode step reports the new token's attention over every cached position, per
-    layer and head, without changing the tokens; the others in the batch report none."""
+    layer and head, and every forward its time per stage, without changing the tokens; the others in
+    the batch report neither."""
     loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)  # head dimension 64: native
     engine = Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False))
     expected = alone(engine, PROMPTS[0], 5)
     watched, other = (engine.new_request(user(p), greedy(5)) for p in PROMPTS[:2])
-    watched.capture_attention = True
+    watched.explain = True
     seen = {watched.request_id: [], other.request_id: []}
+    chunks = {watched.request_id: [], other.request_id: []}
     engine.run_all([watched, other], hooks=[lambda e: seen[e.request_id].append(e) if isinstance(e, DecodeStep)
+                                            else chunks[e.request_id].append(e) if isinstance(e, PrefillChunk)
                                             else None])
     assert expected == watched.generated_ids
     steps = seen[watched.request_id]
@@ -258,5 +262,12 @@ def test_a_request_can_ask_for_its_attention_weights(tokenizer):
         weights = step.attention  # [layers, heads, positions]
         assert weights.shape == (2, 4, step.kv_tokens)
         assert (weights >= 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 4), atol=1e-5)
-    assert all(e.attention is None for e in seen[other.request_id])
+    assert all(e.attention is None and e.stage_ms is None for e in seen[other.request_id])
     assert "attention" not in steps[1].to_dict()  # the JSON events stay as they were
+    (prefill,) = chunks[watched.request_id]
+    assert set(prefill.stage_ms) == set(FORWARD_STAGES) and all(ms > 0 for ms in prefill.stage_ms.values())
+    assert chunks[other.request_id][0].stage_ms is None
+    assert set(steps[0].stage_ms) == {"sample"}  # token 1: the prefill's logits, sampled
+    for step in steps[1:]:
+        assert set(step.stage_ms) == {*FORWARD_STAGES, "sample"}
+        assert sum(step.stage_ms.values()) <= step.latency_ms  # parts of the step, not more

@@ -215,7 +215,7 @@ def build(engine: Engine) -> None:
         except ValueError as exc:
             raise gr.Error(str(exc)) from None
         engine.allow(request, 0)  # held after the prefill and its token
-        request.capture_attention = True  # each decode step reports its attention weights
+        request.explain = True  # each step reports its time per stage, each decode step its attention
         walk = Walkthrough(request, ReplyTrace(turn=1))
         ReplyWorker(engine, request, walk.trace)
         _wait(lambda: walk.trace.steps or walk.trace.finished)

@@ -23,6 +23,7 @@
 #endif
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -542,12 +543,27 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
 // bias, cos [positions][D/2], sin [positions][D/2]. For each of the n sequences: tokens[b] at
 // positions[b], block table row b of tables [n][table_stride]. Writes each one's K/V at its position and
 // logits [n][vocab]. capture: null, or [layers][heads][positions[capture_b] + 1] for the attention weights
-// of sequence capture_b (the explain mode). Returns 0, or 1 for an input out of range (nothing is
-// written then).
+// of sequence capture_b (the explain mode). stage_ms: null, or kNumStages doubles to which the wall time
+// of each stage of the step is added (the explain mode's pipeline). Returns 0, or 1 for an input out of
+// range (nothing is written then).
+enum Stage { kEmbedding, kNorm, kAttention, kFfn, kLmHead, kNumStages };
+
+// Adds the time since the previous lap to one stage; does nothing without a place to add it to.
+struct StageClock {
+    double *ms;
+    std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+    void lap(Stage stage) {
+        if (ms == nullptr) return;
+        const auto now = std::chrono::steady_clock::now();
+        ms[stage] += std::chrono::duration<double, std::milli>(now - last).count();
+        last = now;
+    }
+};
+
 extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *layer_ptrs, const int64_t *model_ptrs,
                                float *kv, int64_t n, const int64_t *tokens, const int64_t *positions,
                                const int64_t *tables, int64_t table_stride, float *logits, float *capture,
-                               int64_t capture_b) {
+                               int64_t capture_b, double *stage_ms) {
     const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10]};
     const Batch batch{n, tokens, positions, tables, table_stride};
     for (int64_t b = 0; b < n; b++) {
@@ -561,13 +577,16 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
     std::vector<float> x(n * C), h(n * C), qkv(n * qkv_size), attn(n * q_size), proj(n * C), gate_up(n * 2 * I),
         act(n * I);
     auto ptr = [](int64_t address) { return reinterpret_cast<const float *>(address); };
+    StageClock clock{stage_ms};
     for (int64_t b = 0; b < n; b++) std::memcpy(x.data() + b * C, ptr(model_ptrs[0]) + tokens[b] * C, C * sizeof(float));
+    clock.lap(kEmbedding);
     for (int64_t l = 0; l < d.layers; l++) {
         const int64_t *p = layer_ptrs + l * 14;
         const Linear qkv_proj{ptr(p[0]), ptr(p[1]), ptr(p[2])}, o_proj{ptr(p[3]), ptr(p[4]), ptr(p[5])};
         const Linear gate_up_proj{ptr(p[6]), ptr(p[7]), ptr(p[8])}, down_proj{ptr(p[9]), ptr(p[10]), ptr(p[11])};
         // attention block
         for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(p[12]), C, eps, h.data() + b * C);
+        clock.lap(kNorm);
         linear(d, qkv_proj, h.data(), n, C, qkv_size, qkv.data());
         float *keys = kv + (l * 2 + 0) * d.kv_heads * d.num_slots * D, *values = keys + d.kv_heads * d.num_slots * D;
         for (int64_t b = 0; b < n; b++) {
@@ -583,8 +602,10 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
         attention(d, batch, qkv.data(), qkv_size, keys, values, attn.data(), layer_capture, capture_b);
         linear(d, o_proj, attn.data(), n, q_size, C, proj.data());
         for (int64_t i = 0; i < n * C; i++) x[i] += proj[i];
+        clock.lap(kAttention);
         // MLP block
         for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(p[13]), C, eps, h.data() + b * C);
+        clock.lap(kNorm);
         linear(d, gate_up_proj, h.data(), n, C, 2 * I, gate_up.data());
         for (int64_t b = 0; b < n; b++) {
             const float *gate = gate_up.data() + b * 2 * I, *up = gate + I;
@@ -594,10 +615,13 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
         }
         linear(d, down_proj, act.data(), n, I, C, proj.data());
         for (int64_t i = 0; i < n * C; i++) x[i] += proj[i];
+        clock.lap(kFfn);
     }
     for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(model_ptrs[1]), C, eps, h.data() + b * C);
+    clock.lap(kNorm);
     const Linear lm_head{ptr(model_ptrs[2]), ptr(model_ptrs[3]), ptr(model_ptrs[4])};
     linear(d, lm_head, h.data(), n, C, d.vocab, logits);
+    clock.lap(kLmHead);
     return 0;
 }
 
