@@ -9,28 +9,37 @@ import gradio as gr
 
 from engine import Engine, EngineConfig
 
-from .ui import chat_tab, explain_tab, history_tab
+from .i18n import DEFAULT, K, t
+from .ui import chat_tab, explain, history_tab, language
+from .ui.language import Texts
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
 from .history.store import Store
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 TITLE = "PhaseScope"
+FONTS = ("system-ui", "Noto Sans CJK SC", "Noto Sans SC", "PingFang SC", "Microsoft YaHei", "sans-serif")
+
+
+def header_html(lang: str) -> str:
+    return f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> <span class="ps-tagline">{t(lang, "header.tagline")}</span></div>'
 
 
 def build_app(engine: Engine, store: Store) -> gr.Blocks:
-    active = ActiveRequests()
+    active, texts = ActiveRequests(), Texts()
     with gr.Blocks(title=TITLE) as app:
-        gr.HTML(f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> '
-                '<span class="ps-tagline">watch the prompt being read in one burst (<b class="ps-p-fg">prefill</b>) '
-                'and the reply come token by token (<b class="ps-d-fg">decode</b>)</span></div>')
+        with gr.Row(equal_height=True):
+            header = gr.HTML(header_html(DEFAULT))
+            lang, remembered = language.switch(texts)
         with gr.Tabs() as tabs:
-            with gr.Tab("Chat", id="chat"):
-                chat = chat_tab.build(engine, active, make_recorder(store, engine.info))
-            with gr.Tab("Explain", id="explain", elem_id="ps-explain-tab"):
-                explain_tab.build(engine)
-            with gr.Tab("History", id="history", elem_id="ps-history-tab"):
-                history_tab.build(engine, store, chat, tabs)
+            with texts(gr.Tab, label=K("tab.chat"), id="chat"):
+                chat = chat_tab.build(engine, active, texts, lang, make_recorder(store, engine.info))
+            with texts(gr.Tab, label=K("tab.explain"), id="explain", elem_id="ps-explain-tab"):
+                explain.build(engine, texts, lang)
+            with texts(gr.Tab, label=K("tab.history"), id="history", elem_id="ps-history-tab"):
+                history_tab.build(engine, store, chat, tabs, texts, lang)
+        texts.on_switch(header_html, [], [header])
+        texts.wire(lang, remembered, app)
     app.queue(default_concurrency_limit=1)
     return app
 
@@ -46,7 +55,9 @@ def launch_options() -> dict:
     scripts = [_plotly_js(), STATIC / "phasescope.js"]
     gr.set_static_paths(scripts)  # served as files, cached by the browser
     head = "".join(f'<script src="/gradio_api/file={path}"></script>' for path in scripts)
-    return dict(theme=gr.themes.Soft(primary_hue="blue"), css_paths=[STATIC / "app.css"], head=head,
+    # the machine's own fonts, CJK included: a theme's default web font would be fetched from outside
+    theme = gr.themes.Soft(primary_hue="blue", font=list(FONTS), font_mono=["ui-monospace", "monospace"])
+    return dict(theme=theme, css_paths=[STATIC / "app.css"], head=head,
                 js="() => { const go = () => window.phasescope ? window.phasescope.start() : setTimeout(go, 100); "
                    "go(); }")
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from .metrics import RequestMetrics
 
 # The stages of one forward pass, in order, as an explained request's events time them (stage_ms); the
-# order of the native step's Stage enum (csrc/decode_step.cpp). "norm" adds up every RMSNorm, "attention"
-# the QKV projection, rotary embedding, cache write, attention and output projection of every layer.
-FORWARD_STAGES = ("embedding", "norm", "attention", "ffn", "lm_head")
+# order of the native step's Stage enum (csrc/decode_step.cpp). "norm" adds up the RMSNorms of every layer,
+# "attention" the QKV projection, rotary embedding, cache write, attention and output projection of every
+# layer, "ffn" the gate/up projection, SiLU and down projection of every layer.
+FORWARD_STAGES = ("embedding", "norm", "attention", "ffn", "final_norm", "lm_head")
 
 @dataclass(frozen=True, slots=True)
 class Event:

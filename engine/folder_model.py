@@ -92,6 +92,7 @@ def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) ->
         num_key_value_heads=raw.get("num_key_value_heads") or heads, hidden_size=raw["hidden_size"],
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=raw["rms_norm_eps"],
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
+        intermediate_size=raw["intermediate_size"],
         rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"))
     weights = folder / "model.safetensors"
     with safe_open(str(weights), framework="pt", device=str(device)) as f:

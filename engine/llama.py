@@ -247,7 +247,7 @@ class LeanLlama:
             return None
         ends = torch.tensor([0] + [t for _, _, t in segments], device=self.device).cumsum(0)[1:] - 1
         h = F.rms_norm(x[ends], shape, self.final_norm, self.eps)
-        clock.lap("norm")
+        clock.lap("final_norm")
         logits = self.lm_head(h)  # [segments, vocab]
         clock.lap("lm_head")
         return logits

@@ -98,13 +98,20 @@
       .observe(document.querySelector("#ps-chatbot") || document.body, {childList: true, subtree: true});
   }
 
-  // the Explain tab from the keyboard, for a presenter: → next token (not while typing)
+  // the Explain tab from the keyboard, for a presenter: → next token, space run / pause (not while typing)
   document.addEventListener("keydown", (event) => {
-    const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement?.tagName || "");
+    const typing = /^(INPUT|TEXTAREA|SELECT|BUTTON)$/.test(document.activeElement?.tagName || "");
     const next = document.querySelector("#ps-explain-next");
-    if (event.key === "ArrowRight" && !typing && next && next.offsetParent !== null) {
+    if (typing || !next || next.offsetParent === null) return;  // another tab is shown
+    let button = null;
+    if (event.key === "ArrowRight") button = next;
+    if (event.key === " ") {
+      const state = document.querySelector("#ps-explain-steps .ps-explain")?.dataset.explain;
+      button = document.querySelector(state === "running" ? "#ps-explain-pause" : "#ps-explain-run");
+    }
+    if (button) {
       event.preventDefault();
-      next.click();
+      button.click();
     }
   });
 

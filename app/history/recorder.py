@@ -140,9 +140,9 @@ def message_events(message: dict, steps: list[dict]) -> list[Event]:
     return events
 
 
-def load_chat(store: Store, session_id: int) -> ChatSession:
-    """A stored session as the chat tab holds it, to show it again and continue it."""
-    session = ChatSession(store_id=session_id)
+def load_chat(store: Store, session_id: int, lang: str = "en") -> ChatSession:
+    """A stored session as the chat tab holds it, to show it again and continue it (in the page's language)."""
+    session = ChatSession(store_id=session_id, lang=lang)
     messages = store.messages(session_id)
     questions = {m["turn"]: m["content"] for m in messages if m["role"] == "user"}
     for message in messages:

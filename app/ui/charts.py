@@ -12,13 +12,18 @@ import plotly.graph_objects as go
 
 from engine import DecodeStep, Event, PrefillChunk, Started
 
+from ..i18n import DEFAULT, t
+
 PREFILL_COLOR = "#e8871e"  # amber: the prompt read in one burst
 DECODE_COLOR = "#2f6fdf"  # blue: one token at a time
 CAPACITY_COLOR = "#9aa4b2"
 CACHED_COLOR = "#7d8fab"  # prompt tokens whose K/V were reused from the pool (prefix caching)
 CACHED_FILL = "rgba(125, 143, 171, 0.18)"
 GRID_COLOR = "#eceff3"
+# the page's own fonts, CJK included (static/app.css declares the same stack); nothing is fetched
+FONT_FAMILY = 'system-ui, "Noto Sans CJK SC", "Noto Sans SC", "PingFang SC", "Microsoft YaHei", sans-serif'
 MAX_MARKERS = 60
+STEP_WORDS = {"kept": "step.kept", "start": "step.start", "prefill": "step.prefill", "decode": "step.decode"}
 LOG_TICKS = [0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000]
 
 
@@ -29,7 +34,7 @@ def _axis(title: str, **extra) -> dict:
 def _figure(data: list[dict], title: str, xaxis: dict, yaxis: dict, **layout) -> go.Figure:
     spec = dict(data=data, layout=dict(
         title=dict(text=title, x=0.01, font=dict(size=14)), height=300, hovermode="closest",
-        font=dict(family="Inter, system-ui, sans-serif", size=12, color="#2a3240"),
+        font=dict(family=FONT_FAMILY, size=12, color="#2a3240"),
         paper_bgcolor="white", plot_bgcolor="white", margin=dict(l=55, r=15, t=45, b=45),
         legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
         xaxis=xaxis, yaxis=yaxis, **layout))
@@ -56,7 +61,7 @@ def decode_points(steps: Sequence[DecodeStep]) -> dict[str, list]:
             "customdata": [[repr(s.text), s.kv_tokens] for s in steps]}
 
 
-def latency_figure(events: Sequence[Event]) -> go.Figure:
+def latency_figure(events: Sequence[Event], lang: str = DEFAULT) -> go.Figure:
     """Per-step latency: a bar per prefill chunk, then one point per generated token.
 
     Prefill chunks sit at x <= 0 (the last chunk at 0); token k of the reply sits at x = k. Token 1
@@ -66,16 +71,15 @@ def latency_figure(events: Sequence[Event]) -> go.Figure:
     steps = [e for e in events if isinstance(e, DecodeStep)]
     points = decode_points(steps)
     data = [dict(
-        type="bar", name="prefill", x=[i - len(chunks) + 1 for i in range(len(chunks))],
+        type="bar", name=t(lang, "chart.prefill"), x=[i - len(chunks) + 1 for i in range(len(chunks))],
         y=[c.latency_ms for c in chunks], marker=dict(color=PREFILL_COLOR), width=0.8,
         customdata=[[c.chunk_index + 1, c.end - c.start, c.start, c.end] for c in chunks],
-        hovertemplate="prefill chunk %{customdata[0]}: %{customdata[1]} tokens [%{customdata[2]}, "
-                      "%{customdata[3]})<br>%{y:.1f} ms<extra></extra>",
+        hovertemplate=t(lang, "chart.chunk_hover") + "<extra></extra>",
     ), dict(
-        type="scatter", name="decode", mode=point_mode(len(steps)), x=points["x"], y=points["y"],
+        type="scatter", name=t(lang, "chart.decode"), mode=point_mode(len(steps)), x=points["x"], y=points["y"],
         line=dict(color=DECODE_COLOR, width=1), marker=dict(color=points["marker.color"], size=5),
         customdata=points["customdata"],
-        hovertemplate="token %{x}: %{customdata[0]}<br>%{y:.1f} ms · KV %{customdata[1]} tokens<extra></extra>",
+        hovertemplate=t(lang, "chart.token_hover") + "<extra></extra>",
     )]
     shapes, annotations = [], []
     if len(steps) >= 2:
@@ -88,11 +92,11 @@ def latency_figure(events: Sequence[Event]) -> go.Figure:
         annotations.append(dict(x=0.5, y=1, yref="paper", text=f"TTFT {steps[0].latency_ms:,.0f} ms",
                                 showarrow=False, font=dict(color=PREFILL_COLOR), yanchor="bottom"))
     ticks = dict(tickvals=LOG_TICKS, ticktext=[f"{v:g}" for v in LOG_TICKS])
-    return _figure(data, "Latency per step", _axis("← prefill chunks | generated token →"),
-                   _axis("latency (ms, log scale)", type="log", **ticks), shapes=shapes, annotations=annotations)
+    return _figure(data, t(lang, "chart.latency_title"), _axis(t(lang, "chart.latency_x")),
+                   _axis(t(lang, "chart.latency_y"), type="log", **ticks), shapes=shapes, annotations=annotations)
 
 
-def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[dict], int]:
+def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFAULT) -> tuple[list[dict], int]:
     started = next((e for e in events if isinstance(e, Started)), None)
     points = [e for e in events if isinstance(e, (PrefillChunk, DecodeStep))]
     if not points:
@@ -105,27 +109,27 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int) -> tuple[list[di
         kept_tokens = started.num_cached_tokens
         kept_mb = kept_tokens * started.kv_capacity_bytes / started.kv_capacity_tokens / 1e6
     traces = [dict(
-        type="scatter", mode=point_mode(len(xs)), name=f"turn {number}", showlegend=False, x=xs,
+        type="scatter", mode=point_mode(len(xs)), name=t(lang, "chart.turn", n=number), showlegend=False, x=xs,
         y=[kept_mb] + [p.kv_bytes / 1e6 for p in points], line=dict(color=DECODE_COLOR, width=1.5, shape="hv"),
         marker=dict(color=[{"decode": DECODE_COLOR, "kept": CACHED_COLOR}.get(ph, PREFILL_COLOR) for ph in phases],
                     size=5),
-        customdata=[[tokens, phase] for tokens, phase in zip([kept_tokens] + [p.kv_tokens for p in points], phases)],
-        hovertemplate=f"turn {number} · %{{customdata[1]}}<br>%{{customdata[0]}} tokens · %{{y:.2f}} MB"
-                      "<extra></extra>",
+        customdata=[[tokens, t(lang, STEP_WORDS[phase])]
+                    for tokens, phase in zip([kept_tokens] + [p.kv_tokens for p in points], phases)],
+        hovertemplate=t(lang, "chart.turn", n=number) + " · " + t(lang, "chart.kv_hover") + "<extra></extra>",
     )]
     if kept_tokens:
-        traces.insert(0, dict(type="scatter", mode="lines", name="kept from cache", showlegend=False,
+        traces.insert(0, dict(type="scatter", mode="lines", name=t(lang, "chart.kept"), showlegend=False,
                               x=[xs[0], xs[-1]], y=[kept_mb, kept_mb], fill="tozeroy", fillcolor=CACHED_FILL,
                               line=dict(color=CACHED_COLOR, width=1),
-                              hovertemplate=f"turn {number}: {kept_tokens:,} prompt tokens kept from the cache "
-                                            f"({kept_mb:.2f} MB), not prefilled again<extra></extra>"))
+                              hovertemplate=t(lang, "chart.kept_hover", n=number, tokens=kept_tokens, mb=kept_mb)
+                              + "<extra></extra>"))
     if started is not None:
         capacity = started.kv_capacity_bytes / 1e6
-        traces.append(dict(type="scatter", mode="lines", name="allocated", showlegend=number == 1,
+        traces.append(dict(type="scatter", mode="lines", name=t(lang, "chart.allocated"), showlegend=number == 1,
                            x=[xs[0], xs[-1]], y=[capacity, capacity],
                            line=dict(color=CAPACITY_COLOR, dash="dot", width=1),
-                           hovertemplate=f"allocated: {started.kv_capacity_tokens:,} tokens, {capacity:.2f} MB"
-                                         "<extra></extra>"))
+                           hovertemplate=t(lang, "chart.allocated_hover", tokens=started.kv_capacity_tokens,
+                                           mb=capacity) + "<extra></extra>"))
     return traces, xs[-1] + 1
 
 
@@ -138,14 +142,14 @@ def kv_turn_position(earlier_turns: Sequence[Sequence[Event]]) -> tuple[int, int
     return count, x
 
 
-def kv_step_points(steps: Sequence[DecodeStep], x_start: int) -> dict[str, list]:
+def kv_step_points(steps: Sequence[DecodeStep], x_start: int, lang: str = DEFAULT) -> dict[str, list]:
     """Decode steps as points of their turn's trace in kv_figure, the first at x_start (what the page
     appends to the trace while a reply streams)."""
     return {"x": list(range(x_start, x_start + len(steps))), "y": [s.kv_bytes / 1e6 for s in steps],
-            "marker.color": [DECODE_COLOR] * len(steps), "customdata": [[s.kv_tokens, "decode"] for s in steps]}
+            "marker.color": [DECODE_COLOR] * len(steps), "customdata": [[s.kv_tokens, t(lang, STEP_WORDS["decode"])] for s in steps]}
 
 
-def kv_figure(turns: Sequence[Sequence[Event]]) -> go.Figure:
+def kv_figure(turns: Sequence[Sequence[Event]], lang: str = DEFAULT) -> go.Figure:
     """KV cache size after every prefill chunk and decode step, over all turns of a chat.
 
     A turn starts from what the engine kept of the conversation (prefix caching: the earlier turns'
@@ -154,10 +158,10 @@ def kv_figure(turns: Sequence[Sequence[Event]]) -> go.Figure:
     """
     data, x = [], 0
     for number, events in enumerate(turns, start=1):
-        traces, x = _turn_traces(number, events, x)
+        traces, x = _turn_traces(number, events, x, lang)
         data += traces
-    if any(t.get("name") == "kept from cache" for t in data):
-        data.append(_legend_dot("kept from cache", CACHED_COLOR))
-    data += [_legend_dot("prefill", PREFILL_COLOR), _legend_dot("decode", DECODE_COLOR)]
-    return _figure(data, "KV cache size", _axis("step (all turns of this chat)"),
-                   _axis("KV cache (MB)", rangemode="tozero"))
+    if any(trace.get("fill") for trace in data):
+        data.append(_legend_dot(t(lang, "chart.kept"), CACHED_COLOR))
+    data += [_legend_dot(t(lang, "chart.prefill"), PREFILL_COLOR), _legend_dot(t(lang, "chart.decode"), DECODE_COLOR)]
+    return _figure(data, t(lang, "chart.kv_title"), _axis(t(lang, "chart.kv_x")),
+                   _axis(t(lang, "chart.kv_y"), rangemode="tozero"))

@@ -9,7 +9,9 @@ import gradio as gr
 from engine import Engine, EngineBusy, Event, Request, SamplingParams, Status
 
 from ..bench.extras import precision_report
+from ..i18n import K, t
 from . import live, panels
+from .language import Texts, user_error
 from .session import ActiveRequests, ChatSession, ReplyWorker
 from .trace import ReplyTrace
 
@@ -40,18 +42,18 @@ class ChatTab:
                 self.pool, self.session]
 
 
-def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None) -> str:
+def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None, lang: str) -> str:
     """The phase line, with where the request stands among the others the engine runs."""
     running, _ = engine.load()
     if request is not None and request.status == Status.WAITING:
         place = engine.place_in_line(request)
-        return panels.queued_html(running + (place or 0), running)
+        return panels.queued_html(running + (place or 0), running, lang)
     is_running = request is not None and not request.is_finished
-    return panels.phase_html(trace, num_others=running - 1 if is_running else 0)
+    return panels.phase_html(trace, num_others=running - 1 if is_running else 0, lang=lang)
 
 
-def _pool(engine: Engine) -> str:
-    return panels.pool_html(engine.kv_usage(), *engine.load())
+def _pool(engine: Engine, lang: str) -> str:
+    return panels.pool_html(engine.kv_usage(), *engine.load(), lang=lang)
 
 
 def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, stream: str | None = None,
@@ -60,12 +62,13 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, strea
     figures (by default both whole); chatbot: whether to send the conversation again."""
     while session.warnings:
         gr.Warning(session.warnings.pop(0))
+    lang = session.lang
     metrics = trace.metrics() if trace else None
     if stream is None:
-        stream = live.reset(trace.events if trace else [], [t.events for t in session.traces])
-    return (session.display if chatbot else gr.skip(), gr.skip(), _phase(engine, trace, request),
-            panels.kpi_html(trace), panels.time_split_html(metrics if trace and trace.steps else None), stream,
-            panels.kv_measured_html(trace, engine.info), _pool(engine), session)
+        stream = live.reset(trace.events if trace else [], [r.events for r in session.traces], lang=lang)
+    return (session.display if chatbot else gr.skip(), gr.skip(), _phase(engine, trace, request, lang),
+            panels.kpi_html(trace, lang), panels.time_split_html(metrics if trace and trace.steps else None, lang),
+            stream, panels.kv_measured_html(trace, engine.info, lang), _pool(engine, lang), session)
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams:
@@ -76,14 +79,15 @@ def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams
 
 def make_accept(active: ActiveRequests):
     """The fast first step of sending: show the message and the queue position, clear the box."""
-    def accept(message, session):
+    def accept(message, session, lang):
         session = session or ChatSession()
+        session.lang = lang
         text = (message or "").strip()
         if not text or session.pending:  # an empty message does nothing; one reply at a time per chat
             return gr.skip(), gr.skip(), gr.skip(), session
         session.accept(text)
         active.wait(session.id)
-        return session.display, "", panels.queued_html(0, 0), session
+        return session.display, "", panels.queued_html(0, 0, lang), session
 
     return accept
 
@@ -103,7 +107,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         except ValueError as exc:
             active.finish(session.id)
             session.pending = ""
-            session.show_error(str(exc))
+            session.show_error(user_error(session.lang, exc))
             yield render(session, engine, None, stream=gr.skip())
             return
         trace = ReplyTrace(turn=len(session.traces) + 1)
@@ -113,10 +117,10 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             try:
                 hooks.append(recorder(session, messages, sampling, trace))
             except Exception as exc:  # a full disk or a broken database must not stop the chat
-                session.warn(f"this reply will not be saved to the history: {exc}")
+                session.warn(t(session.lang, "warning.not_saved", detail=exc))
         active.start(session.id, request)
         worker = ReplyWorker(engine, request, trace, hooks)
-        updates = live.LiveReply(f"{session.id}-{trace.turn}", session.traces)
+        updates = live.LiveReply(f"{session.id}-{trace.turn}", session.traces, session.lang)
         session.show_live()
         try:
             first = True
@@ -131,7 +135,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
                 worker.wait()
             active.finish(session.id, request)
             if worker.error:
-                session.warn(f"the reply ended early: {worker.error}")
+                session.warn(t(session.lang, "warning.ended_early", detail=worker.error))
             session.pending = ""
             if trace.finished and trace.finished.reason != "error":
                 session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
@@ -148,58 +152,62 @@ def precisions(engine: Engine) -> list[str]:
     return (["int8"] if int8 else []) + ["fp32", "fp16", "bf16"]
 
 
-def make_switch(engine: Engine):
+def make_switch(engine: Engine, measured: dict):
     """The precision selector: rebuild the running engine's forward in another precision (the weights
-    stay loaded), then measure what that costs and buys against fp32 on this machine."""
-    def switch(precision):
+    stay loaded), then measure what that costs and buys against fp32 on this machine (kept in
+    measured["report"])."""
+    def switch(precision, lang):
         if precision == engine.info.precision:
             return gr.skip(), gr.skip(), gr.skip()
         try:
             engine.call(lambda: engine.switch_precision(precision))
         except (EngineBusy, ValueError) as exc:
-            gr.Warning(str(exc))
+            gr.Warning(user_error(lang, exc))
             return engine.info.precision, gr.skip(), gr.skip()
-        report = engine.call(lambda: precision_report(engine.loaded, engine.runner))
-        return gr.skip(), panels.model_html(engine.info), panels.precision_html(report)
+        measured["report"] = engine.call(lambda: precision_report(engine.loaded, engine.runner))
+        return gr.skip(), panels.model_html(engine.info, lang), panels.precision_html(measured["report"], lang)
 
     return switch
 
 
 def new_chat(engine: Engine, active: ActiveRequests):
-    def handler(session):
+    def handler(session, lang):
         if session:
             active.cancel(session.id)
-        fresh = ChatSession()
-        return (fresh.display, "", panels.phase_html(None), panels.kpi_html(None), panels.time_split_html(None),
-                live.reset([], []), "", _pool(engine), fresh)
+        return render(ChatSession(lang=lang), engine, None)
 
     return handler
 
 
-def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None = None) -> ChatTab:
+def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
+          recorder: RecorderFactory | None = None) -> ChatTab:
     session = gr.State(None)
     with gr.Row(equal_height=False):
         with gr.Column(scale=5, min_width=360):
             chatbot = gr.Chatbot(show_label=False, height=480, elem_id="ps-chatbot", buttons=["copy"],
                                  sanitize_html=True, render_markdown=True, feedback_options=None)
             with gr.Row():
-                message = gr.Textbox(placeholder="Ask something… (Enter to send)", show_label=False, scale=6,
-                                     elem_id="ps-message", autofocus=True, lines=1, max_lines=8)
-                send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="ps-send")
-                stop = gr.Button("Stop", variant="stop", scale=1, min_width=70, elem_id="ps-stop")
-            new = gr.Button("New chat", size="sm", elem_id="ps-new")
-            with gr.Accordion("Settings", open=False, elem_id="ps-settings"):
-                system = gr.Textbox(label="System prompt", placeholder="(the model's default)", lines=2)
-                max_new_tokens = gr.Slider(1, 2048, value=256, step=1, label="Max new tokens", elem_id="ps-max-new")
-                temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)", elem_id="ps-temperature")
-                top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="Top-p")
-                top_k = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
-                seed = gr.Number(label="Seed (-1 = random)", value=-1, precision=0, minimum=-1, elem_id="ps-seed")
-                prefill_chunk = gr.Slider(0, 1024, value=0, step=16, label="Prefill chunk (tokens, 0 = whole prompt)",
-                                          elem_id="ps-prefill-chunk")
+                message = texts(gr.Textbox, placeholder=K("chat.placeholder"), show_label=False, scale=6,
+                                elem_id="ps-message", autofocus=True, lines=1, max_lines=8)
+                send = texts(gr.Button, value=K("chat.send"), variant="primary", scale=1, min_width=70,
+                             elem_id="ps-send")
+                stop = texts(gr.Button, value=K("chat.stop"), variant="stop", scale=1, min_width=70,
+                             elem_id="ps-stop")
+            new = texts(gr.Button, value=K("chat.new"), size="sm", elem_id="ps-new")
+            with texts(gr.Accordion, label=K("chat.settings"), open=False, elem_id="ps-settings"):
+                system = texts(gr.Textbox, label=K("chat.system"), placeholder=K("chat.system_default"), lines=2)
+                max_new_tokens = texts(gr.Slider, 1, 2048, value=256, step=1, label=K("chat.max_new"),
+                                       elem_id="ps-max-new")
+                temperature = texts(gr.Slider, 0, 2, value=0.7, step=0.05, label=K("chat.temperature"),
+                                    elem_id="ps-temperature")
+                top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"))
+                top_k = texts(gr.Slider, 0, 200, value=0, step=1, label=K("chat.top_k"))
+                seed = texts(gr.Number, label=K("chat.seed"), value=-1, precision=0, minimum=-1, elem_id="ps-seed")
+                prefill_chunk = texts(gr.Slider, 0, 1024, value=0, step=16, label=K("chat.prefill_chunk"),
+                                      elem_id="ps-prefill-chunk")
             with gr.Row():
-                precision = gr.Dropdown(precisions(engine), value=engine.info.precision, label="Precision",
-                                        scale=1, min_width=110, elem_id="ps-precision")
+                precision = texts(gr.Dropdown, precisions(engine), value=engine.info.precision,
+                                  label=K("chat.precision"), scale=1, min_width=110, elem_id="ps-precision")
                 precision_note = gr.HTML(panels.precision_html(None), elem_id="ps-precision-note")
             model_line = gr.HTML(panels.model_html(engine.info), elem_id="ps-model-line")
         with gr.Column(scale=6, min_width=420):
@@ -210,21 +218,32 @@ def build(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | No
             gr.HTML(PLOT_DIV, elem_id="ps-kv")
             stream = gr.Textbox(live.reset([], []), visible="hidden", elem_id="ps-stream")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
-            pool = gr.HTML(_pool(engine), elem_id="ps-pool")
+            pool = gr.HTML(_pool(engine, "en"), elem_id="ps-pool")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
     accept, respond = make_accept(active), make_respond(engine, active, recorder)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
     replies = [
-        trigger(accept, [message, session], [chatbot, message, phase, session], queue=False).then(
+        trigger(accept, [message, session, lang], [chatbot, message, phase, session], queue=False).then(
             respond, [session, *settings], tab.outputs, concurrency_limit=engine.config.max_running,
             concurrency_id="engine", show_progress="hidden")
         for trigger in (message.submit, send.click)
     ]
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
-    precision.input(make_switch(engine), [precision], [precision, model_line, precision_note],
+    measured = {"report": None}  # the last precision report, for a redraw in another language
+    precision.input(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
                     concurrency_id="engine", show_progress="minimal")
     # closing a running reply's generator cancels its request (see respond's finally)
-    new.click(new_chat(engine, active), [session], tab.outputs, cancels=replies)
+    new.click(new_chat(engine, active), [session, lang], tab.outputs, cancels=replies)
+
+    def redraw(lang_choice, chat):
+        """The panels in another language; the conversation and a streaming reply's text stay as they are."""
+        chat = chat or ChatSession()
+        chat.lang = lang_choice
+        trace = chat.traces[-1] if chat.traces else None
+        outputs = render(chat, engine, trace, chatbot=False)
+        return (*outputs[2:-1], panels.model_html(engine.info, lang_choice), panels.precision_html(measured["report"], lang_choice))
+
+    texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note])
     return tab

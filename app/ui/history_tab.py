@@ -9,12 +9,19 @@ import gradio as gr
 
 from engine import Engine
 
+from ..i18n import K, t
 from .chat_tab import ChatTab, render
+from .language import Texts
 from ..history.export import FORMATS, export_filename, render as render_export
 from ..history.recorder import load_chat
 from ..history.store import Store, StoreError
 
-COLUMNS = ["id", "title", "updated", "model", "turns", "mean TTFT ms", "mean TPOT ms"]
+COLUMNS = ["saved.col_id", "saved.col_title", "saved.col_updated", "saved.col_model", "saved.col_turns",
+           "saved.col_ttft", "saved.col_tpot"]
+
+
+def columns(lang: str) -> list[str]:
+    return [t(lang, key) for key in COLUMNS]
 
 
 def session_rows(store: Store, search: str = "") -> list[list]:
@@ -35,67 +42,74 @@ def write_exports(store: Store, folder: Path, session_id: int | None) -> list[st
     return paths
 
 
-def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs) -> None:
+def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, texts: Texts, lang: gr.Radio) -> None:
     folder = Path(tempfile.mkdtemp(prefix="phasescope-exports-"))
     selected = gr.State(None)
     with gr.Row():
-        search = gr.Textbox(placeholder="Search titles and messages…", show_label=False, scale=5,
-                            elem_id="ps-history-search")
-        refresh = gr.Button("Refresh", scale=1, elem_id="ps-history-refresh")
-    table = gr.Dataframe(headers=COLUMNS, value=session_rows(store), interactive=False, wrap=True,
+        search = texts(gr.Textbox, placeholder=K("saved.search"), show_label=False, scale=5,
+                       elem_id="ps-history-search")
+        refresh = texts(gr.Button, value=K("saved.refresh"), scale=1, elem_id="ps-history-refresh")
+    table = gr.Dataframe(headers=columns("en"), value=session_rows(store), interactive=False, wrap=True,
                          elem_id="ps-history-table")
-    chosen = gr.HTML("Select a session in the table.", elem_id="ps-history-selected")
+    chosen = gr.HTML(t("en", "saved.select_hint"), elem_id="ps-history-selected")
     with gr.Row():
-        open_button = gr.Button("Open in chat", variant="primary", elem_id="ps-history-open")
-        title = gr.Textbox(placeholder="New title", show_label=False, scale=3, elem_id="ps-history-title")
-        rename = gr.Button("Rename", elem_id="ps-history-rename")
-        delete = gr.Button("Delete", variant="stop", elem_id="ps-history-delete")
-        confirm = gr.Button("Really delete?", variant="stop", visible=False, elem_id="ps-history-confirm")
+        open_button = texts(gr.Button, value=K("saved.open"), variant="primary", elem_id="ps-history-open")
+        title = texts(gr.Textbox, placeholder=K("saved.new_title"), show_label=False, scale=3,
+                      elem_id="ps-history-title")
+        rename = texts(gr.Button, value=K("saved.rename"), elem_id="ps-history-rename")
+        delete = texts(gr.Button, value=K("saved.delete"), variant="stop", elem_id="ps-history-delete")
+        confirm = texts(gr.Button, value=K("saved.confirm"), variant="stop", visible=False,
+                        elem_id="ps-history-confirm")
     with gr.Row():
-        gr.Markdown("**Selected session:**")
+        texts(gr.Markdown, value=K("saved.selected_exports"))
         one = [gr.DownloadButton(f"{fmt.upper()}", size="sm", interactive=False, elem_id=f"ps-export-{fmt}")
                for fmt in FORMATS]
-        gr.Markdown("**All sessions:**")
+        texts(gr.Markdown, value=K("saved.all_exports"))
         every = [gr.DownloadButton(f"{fmt.upper()}", size="sm", elem_id=f"ps-export-all-{fmt}") for fmt in FORMATS]
 
-    def listing(query):
-        paths = write_exports(store, folder, None)
-        return [session_rows(store, query or "")] + [gr.DownloadButton(value=p) for p in paths]
+    def table_value(query: str, lang_choice: str) -> gr.Dataframe:
+        return gr.Dataframe(value=session_rows(store, query or ""), headers=columns(lang_choice))
 
-    def select(rows, event: gr.SelectData):
+    def listing(query, lang_choice):
+        paths = write_exports(store, folder, None)
+        return [table_value(query, lang_choice)] + [gr.DownloadButton(value=p) for p in paths]
+
+    def select(rows, lang_choice, event: gr.SelectData):
         session_id = int(rows.iloc[event.index[0], 0])
         paths = write_exports(store, folder, session_id)
-        label = f"Selected: <b>#{session_id}</b> — {escape(str(rows.iloc[event.index[0], 1]))}"
+        label = t(lang_choice, "saved.selected", id=session_id, title=escape(str(rows.iloc[event.index[0], 1])))
         return [session_id, label, gr.Button(visible=False)] + [gr.DownloadButton(value=p, interactive=True)
                                                                   for p in paths]
 
-    def open_session(session_id):
+    def open_session(session_id, lang_choice):
         if session_id is None:
-            raise gr.Error("Select a session first.")
-        session = load_chat(store, session_id)
+            raise gr.Error(t(lang_choice, "saved.select_first"))
+        session = load_chat(store, session_id, lang_choice)
         trace = session.traces[-1] if session.traces else None
         return (*render(session, engine, trace), gr.Tabs(selected="chat"))
 
-    def do_rename(session_id, new_title, query):
+    def do_rename(session_id, new_title, query, lang_choice):
         if session_id is None:
-            raise gr.Error("Select a session first.")
+            raise gr.Error(t(lang_choice, "saved.select_first"))
         store.rename_session(session_id, new_title)
-        return "", session_rows(store, query or "")
+        return "", table_value(query, lang_choice)
 
-    def do_delete(session_id, query):
+    def do_delete(session_id, query, lang_choice):
         try:
             store.delete_session(session_id)
         except StoreError as exc:
-            raise gr.Error(str(exc))
-        return [None, "Deleted.", gr.Button(visible=False), session_rows(store, query or "")] + \
+            raise gr.Error(t(lang_choice, "error.other", detail=exc))
+        return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice)] + \
             [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
 
     listing_outputs = [table, *every]
     for trigger in (search.submit, refresh.click):
-        trigger(listing, [search], listing_outputs, queue=False)
-    tabs.select(listing, [search], listing_outputs, queue=False)
-    table.select(select, [table], [selected, chosen, confirm, *one], queue=False)
-    open_button.click(open_session, [selected], [*chat.outputs, tabs], queue=False)
-    rename.click(do_rename, [selected, title, search], [title, table], queue=False)
+        trigger(listing, [search, lang], listing_outputs, queue=False)
+    tabs.select(listing, [search, lang], listing_outputs, queue=False)
+    table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
+    open_button.click(open_session, [selected, lang], [*chat.outputs, tabs], queue=False)
+    rename.click(do_rename, [selected, title, search, lang], [title, table], queue=False)
     delete.click(lambda s: gr.Button(visible=s is not None), [selected], [confirm], queue=False)
-    confirm.click(do_delete, [selected, search], [selected, chosen, confirm, table, *one], queue=False)
+    confirm.click(do_delete, [selected, search, lang], [selected, chosen, confirm, table, *one], queue=False)
+    texts.on_switch(lambda lang_choice, query: (table_value(query, lang_choice), t(lang_choice, "saved.select_hint")),
+                    [search], [table, chosen])

@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 
 from engine import Event
 
+from ..i18n import DEFAULT
 from . import charts
 from .trace import ReplyTrace
 
@@ -34,21 +35,22 @@ def _spec(figure: go.Figure) -> dict:
     return json.loads(figure.to_json())
 
 
-def _figures(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]]) -> dict:
-    return {"latency": _spec(charts.latency_figure(latency_events)), "kv": _spec(charts.kv_figure(turns))}
+def _figures(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], lang: str) -> dict:
+    return {"latency": _spec(charts.latency_figure(latency_events, lang)), "kv": _spec(charts.kv_figure(turns, lang))}
 
 
-def reset(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], reply: str | None = None) -> str:
+def reset(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], reply: str | None = None,
+          lang: str = DEFAULT) -> str:
     """Both figures whole: the latency of one reply and the KV cache over every turn of the chat."""
-    return message(reply=reply, reset=_figures(latency_events, turns))
+    return message(reply=reply, reset=_figures(latency_events, turns, lang))
 
 
 class LiveReply:
     """The messages for one streaming reply: whole figures when their shape changes (the prompt was
     read, the first token came), then each update's new text and new points only."""
 
-    def __init__(self, reply_id: str, traces: Sequence[ReplyTrace]) -> None:
-        self.reply_id = reply_id
+    def __init__(self, reply_id: str, traces: Sequence[ReplyTrace], lang: str = DEFAULT) -> None:
+        self.reply_id, self.lang = reply_id, lang
         self.traces = traces  # the chat's replies, the streaming one last
         self._shape: tuple | None = None
         self._sent_steps = 0
@@ -69,7 +71,7 @@ class LiveReply:
         if shape != self._shape:  # a new trace or bar: the whole figures, still small at this point
             self._shape = shape
             return message(reply=self.reply_id, text=text,
-                           reset=_figures(trace.events, [t.events for t in self.traces]))
+                           reset=_figures(trace.events, [t.events for t in self.traces], self.lang))
         if not new:
             return message(reply=self.reply_id)
         return message(reply=self.reply_id, text=text, append={
@@ -80,6 +82,6 @@ class LiveReply:
     def _kv_append(self, new, first: int, num_steps: int) -> dict:
         """The new steps as points of this turn's trace in the KV figure (see charts.kv_figure)."""
         trace = self.trace
-        points = charts.kv_step_points(new, self._kv_x0 + 1 + len(trace.chunks) + first)
+        points = charts.kv_step_points(new, self._kv_x0 + 1 + len(trace.chunks) + first, self.lang)
         return {"trace": self._kv_index + (1 if trace.num_cached_tokens else 0), "points": points,
                 "mode": charts.point_mode(1 + len(trace.chunks) + num_steps)}

@@ -11,6 +11,7 @@ from html import escape
 
 from engine import Engine, Event, Finished, Request
 
+from ..i18n import DEFAULT
 from .panels import stats_line
 from .trace import ReplyTrace
 
@@ -29,6 +30,7 @@ class ChatSession:
     store_id: int | None = None  # the history database's session id, once saved
     pending: str = ""  # a message accepted and waiting for the engine
     warnings: list[str] = field(default_factory=list)  # e.g. the history could not be saved
+    lang: str = DEFAULT  # the page's language when the chat last sent or switched (app/i18n)
 
     def accept(self, user_text: str) -> None:
         """Show the user's message at once, with a placeholder reply, until the engine takes it."""
@@ -44,7 +46,7 @@ class ChatSession:
         if trace.finished and trace.finished.reason == "error":
             content = f"⚠️ {as_text(trace.finished.error or 'error')}"
         elif trace.finished:
-            content += f'\n\n<span class="ps-stats">{stats_line(trace.finished.metrics, trace.finished.reason)}</span>'
+            content += f'\n\n<span class="ps-stats">{stats_line(trace.finished.metrics, trace.finished.reason, self.lang)}</span>'
         self.display[-1] = {"role": "assistant", "content": content or "…"}
 
     def restore_exchange(self, user_text: str, trace: ReplyTrace) -> None:

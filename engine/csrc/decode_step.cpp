@@ -546,7 +546,7 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
 // of sequence capture_b (the explain mode). stage_ms: null, or kNumStages doubles to which the wall time
 // of each stage of the step is added (the explain mode's pipeline). Returns 0, or 1 for an input out of
 // range (nothing is written then).
-enum Stage { kEmbedding, kNorm, kAttention, kFfn, kLmHead, kNumStages };
+enum Stage { kEmbedding, kNorm, kAttention, kFfn, kFinalNorm, kLmHead, kNumStages };
 
 // Adds the time since the previous lap to one stage; does nothing without a place to add it to.
 struct StageClock {
@@ -618,7 +618,7 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
         clock.lap(kFfn);
     }
     for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(model_ptrs[1]), C, eps, h.data() + b * C);
-    clock.lap(kNorm);
+    clock.lap(kFinalNorm);
     const Linear lm_head{ptr(model_ptrs[2]), ptr(model_ptrs[3]), ptr(model_ptrs[4])};
     linear(d, lm_head, h.data(), n, C, d.vocab, logits);
     clock.lap(kLmHead);

@@ -1,0 +1,122 @@
+"""One-click demonstrations for a class: each runs the real model and says what its numbers show.
+
+short_vs_long: TTFT grows with the prompt, TPOT does not. long_answer: TPOT stays flat while the KV
+cache grows by the same bytes every token. second_turn: the next turn of a chat continues from the
+cache (prefix caching) instead of reading the conversation again. Each demo is a run (the engine's
+replies) and a view of them in a language, so that a language switch redraws without running again.
+"""
+from __future__ import annotations
+
+import itertools
+
+import plotly.graph_objects as go
+
+from engine import Engine, SamplingParams
+
+from ...i18n import t
+from .. import charts
+from ..trace import ReplyTrace
+
+_runs = itertools.count(1)
+LONG_TEXT = ("Prefill reads every token of the prompt in one forward pass; decode then makes one token per "
+             "forward pass, reading all the weights each time. ")
+
+
+def _reply(engine: Engine, messages: list[dict], max_new_tokens: int) -> ReplyTrace:
+    trace = ReplyTrace(turn=1)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    for event in engine.stream(messages, sampling):
+        trace.add(event)
+    return trace
+
+
+def _fresh(text: str) -> str:
+    """A prompt the prefix cache has not seen (each click is measured from scratch)."""
+    return f"({next(_runs)}) {text}"
+
+
+def _row(lang: str, name: str, trace: ReplyTrace) -> str:
+    m = trace.metrics()
+    return (f"<tr><td>{name}</td><td>{m.num_prompt_tokens:,}</td><td>{m.num_cached_tokens:,}</td>"
+            f"<td>{m.ttft_ms:,.1f}</td><td>{m.tpot_ms:,.2f}</td></tr>")
+
+
+def _table(lang: str, rows: list[str]) -> str:
+    head = "".join(f"<th>{t(lang, key)}</th>" for key in ("demo.col_run", "demo.col_prompt", "demo.col_cached",
+                                                          "demo.col_ttft", "demo.col_tpot"))
+    return f'<table class="ps-demo-table"><tr>{head}</tr>{"".join(rows)}</table>'
+
+
+def run_short_vs_long(engine: Engine) -> list[ReplyTrace]:
+    return [_reply(engine, [{"role": "user", "content": _fresh("我是小")}], 16),
+            _reply(engine, [{"role": "user", "content": _fresh(LONG_TEXT * 16)}], 16)]
+
+
+def show_short_vs_long(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
+    short, long = replies
+    s, l = short.metrics(), long.metrics()
+    names = [t(lang, "demo.short"), t(lang, "demo.long")]
+    figure = go.Figure(dict(data=[
+        dict(type="bar", name="TTFT (ms)", x=names, y=[s.ttft_ms, l.ttft_ms], marker=dict(color=charts.PREFILL_COLOR)),
+        dict(type="bar", name="TPOT (ms)", x=names, y=[s.tpot_ms, l.tpot_ms], marker=dict(color=charts.DECODE_COLOR)),
+    ], layout=dict(title=dict(text=t(lang, "demo.short_long_title"), x=0.01), barmode="group", height=300,
+                   font=dict(family=charts.FONT_FAMILY), paper_bgcolor="white", plot_bgcolor="white",
+                   yaxis=dict(title=dict(text="ms")))), _validate=False)
+    text = t(lang, "demo.short_long_result", short=s.num_prompt_tokens - s.num_cached_tokens,
+             long=l.num_prompt_tokens - l.num_cached_tokens, short_ttft=s.ttft_ms, long_ttft=l.ttft_ms,
+             ttft_ratio=l.ttft_ms / max(s.ttft_ms, 1e-6), short_tpot=s.tpot_ms, long_tpot=l.tpot_ms)
+    return _table(lang, [_row(lang, names[0], short), _row(lang, names[1], long)]) + f"<p>{text}</p>", figure
+
+
+def run_long_answer(engine: Engine, num_tokens: int = 200) -> list[ReplyTrace]:
+    return [_reply(engine, [{"role": "user", "content": _fresh("Write a long story about a lighthouse.")}],
+                   num_tokens)]
+
+
+def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
+    (trace,) = replies
+    steps = trace.steps[1:]
+    xs = [s.step + 1 for s in steps]
+    figure = go.Figure(dict(data=[
+        dict(type="scatter", mode="lines", name=t(lang, "demo.itl"), x=xs, y=[s.latency_ms for s in steps],
+             line=dict(color=charts.DECODE_COLOR, width=1)),
+        dict(type="scatter", mode="lines", name=t(lang, "demo.kv_mb"), x=xs, y=[s.kv_bytes / 1e6 for s in steps],
+             yaxis="y2", line=dict(color=charts.PREFILL_COLOR, width=2)),
+    ], layout=dict(title=dict(text=t(lang, "demo.long_title"), x=0.01), height=300, paper_bgcolor="white",
+                   plot_bgcolor="white", font=dict(family=charts.FONT_FAMILY),
+                   legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
+                   xaxis=dict(title=dict(text=t(lang, "demo.token"))),
+                   yaxis=dict(title=dict(text=t(lang, "demo.itl")), rangemode="tozero"),
+                   yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right",
+                               rangemode="tozero"))), _validate=False)
+    half = len(steps) // 2
+    first = sum(s.latency_ms for s in steps[:half]) / max(half, 1)
+    second = sum(s.latency_ms for s in steps[half:]) / max(len(steps) - half, 1)
+    text = t(lang, "demo.long_result", n=len(trace.steps), first=first, second=second,
+             per_token=engine.info.kv_bytes_per_token, start=steps[0].kv_bytes / 1e6 if steps else 0,
+             end=steps[-1].kv_bytes / 1e6 if steps else 0)
+    return _table(lang, [_row(lang, t(lang, "demo.long_answer"), trace)]) + f"<p>{text}</p>", figure
+
+
+def run_second_turn(engine: Engine) -> list[ReplyTrace]:
+    question = {"role": "user", "content": _fresh("What is the KV cache?")}
+    first = _reply(engine, [question], 32)
+    second = _reply(engine, [question, {"role": "assistant", "content": first.text},
+                             {"role": "user", "content": "And why does it grow?"}], 32)
+    second.turn = 2
+    return [first, second]
+
+
+def show_second_turn(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
+    first, second = replies
+    figure = charts.kv_figure([first.events, second.events], lang)
+    f, s = first.metrics(), second.metrics()
+    text = t(lang, "demo.second_result", prompt=s.num_prompt_tokens, cached=s.num_cached_tokens,
+             new=s.num_prompt_tokens - s.num_cached_tokens, first_ttft=f.ttft_ms, second_ttft=s.ttft_ms)
+    rows = [_row(lang, t(lang, "chart.turn", n=1), first), _row(lang, t(lang, "chart.turn", n=2), second)]
+    return _table(lang, rows) + f"<p>{text}</p>", figure
+
+
+# name: (run, show)
+DEMOS = {"short_vs_long": (run_short_vs_long, show_short_vs_long), "long_answer": (run_long_answer, show_long_answer),
+         "second_turn": (run_second_turn, show_second_turn)}

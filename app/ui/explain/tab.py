@@ -1,0 +1,183 @@
+"""The Explain tab: one generation, one token at a time, on the real model.
+
+Start runs the prefill (the whole prompt in one forward pass, which fills the KV cache and gives the
+first token) and holds the request there (Engine.allow(request, 0)); Next token lets it take exactly one
+decode step (one new token through every layer, reading the cache); Run lets it go on until it ends or
+Pause holds it again; Stop ends it. Each step shows the candidates the model weighed, the tokens so far
+by phase with the new token's attention, the pipeline with this step's shapes and times, and the KV
+cache. Demos run the real model to show how TTFT, TPOT and the cache behave.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import gradio as gr
+
+from engine import Engine, SamplingParams
+
+from ...i18n import K, t
+from ..language import Texts, user_error
+from ..session import ReplyWorker
+from ..trace import ReplyTrace
+from . import views
+from .demos import DEMOS
+from .views import Walkthrough
+
+DEFAULT_PROMPT = "我是小"  # the classic walk-through: the model continues a three-character prompt
+MAX_NEW_TOKENS = 64
+HOLD_S = 600  # a held request abandoned by its page is cancelled after this long
+RUN_UPDATE_S = 0.3  # how often Run redraws while the request goes on
+PRESENTER_JS = ("(on) => { document.body.classList.toggle('ps-presenter', on); "
+                "setTimeout(() => window.dispatchEvent(new Event('resize')), 50); }")
+
+
+def _wait(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _choices(count: int, lang: str) -> list[tuple[str, str]]:
+    return [(t(lang, "explain.mean"), "mean"), *((str(i), str(i)) for i in range(count))]
+
+
+def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
+    shape = views.Shape.of(engine)
+    state = gr.State(None, time_to_live=HOLD_S, delete_callback=lambda walk: walk and walk.cancel())
+    demo_state = gr.State(None)  # (demo name, its replies): redrawn in another language without running again
+    with gr.Row():
+        prompt = texts(gr.Textbox, value=DEFAULT_PROMPT, label=K("explain.prompt"), scale=4,
+                       elem_id="ps-explain-prompt")
+        start = texts(gr.Button, value=K("explain.start"), variant="primary", scale=1, elem_id="ps-explain-start")
+        step = texts(gr.Button, value=K("explain.next"), scale=1, elem_id="ps-explain-next")
+        run = texts(gr.Button, value=K("explain.run"), scale=1, elem_id="ps-explain-run")
+        pause = texts(gr.Button, value=K("explain.pause"), scale=1, elem_id="ps-explain-pause")
+        stop = texts(gr.Button, value=K("explain.stop"), variant="stop", scale=1, elem_id="ps-explain-stop")
+    with gr.Row():
+        temperature = texts(gr.Slider, 0, 2, value=0, step=0.05, label=K("chat.temperature"),
+                            elem_id="ps-explain-temperature")
+        top_k = texts(gr.Slider, 0, 50, value=0, step=1, label=K("chat.top_k"), elem_id="ps-explain-top-k")
+        top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"), elem_id="ps-explain-top-p")
+        layer = texts(gr.Dropdown, _choices(shape.layers, "en"), value="mean", label=K("explain.layer_choice"),
+                      scale=1, elem_id="ps-explain-layer")
+        head = texts(gr.Dropdown, _choices(shape.heads, "en"), value="mean", label=K("explain.head_choice"),
+                     scale=1, elem_id="ps-explain-head")
+        presenter = texts(gr.Checkbox, value=False, label=K("explain.presenter"), elem_id="ps-presenter")
+    with gr.Row(elem_id="ps-demos"):
+        texts(gr.Markdown, value=K("explain.demos"))
+        demo_walk = texts(gr.Button, value=K("demo.walk"), size="sm", elem_id="ps-demo-walk")
+        demo_buttons = {name: texts(gr.Button, value=K(key), size="sm", elem_id=f"ps-demo-{name.replace('_', '-')}")
+                        for name, key in (("short_vs_long", "demo.short_vs_long"), ("long_answer", "demo.long_answer"),
+                                          ("second_turn", "demo.second_turn"))}
+    tokens = gr.HTML(views.tokens_html(engine.tokenizer, DEFAULT_PROMPT, "en"), elem_id="ps-explain-tokens")
+    panel = gr.HTML(views.steps_html(engine, None, "mean", "mean", "en"), elem_id="ps-explain-steps")
+    pipeline = gr.HTML(views.pipeline_html(engine, None, "en"), elem_id="ps-explain-pipeline")
+    with gr.Row(elem_id="ps-explain-charts"):
+        candidates = gr.Plot(views.candidates_figure(engine.tokenizer, None, None, "en"), show_label=False,
+                             elem_id="ps-explain-candidates")
+        grid = gr.Plot(views.kv_grid_figure(engine, None, "en"), show_label=False, elem_id="ps-explain-kv")
+    demo_text = gr.HTML("", elem_id="ps-demo-result")
+    demo_plot = gr.Plot(visible=False, show_label=False, elem_id="ps-demo-plot")
+    with texts(gr.Accordion, label=K("explain.glossary_title"), open=False, elem_id="ps-glossary"):
+        texts(gr.Markdown, value=K("explain.glossary"))
+    with texts(gr.Accordion, label=K("explain.answer_title"), open=False, elem_id="ps-model-answer"):
+        texts(gr.Markdown, value=K("explain.answer"))
+
+    def render(walk: Walkthrough | None, layer_choice: str, head_choice: str, lang_choice: str):
+        trace = walk.trace if walk else None
+        last = trace.steps[-1] if trace and trace.steps else None
+        return (walk, views.tokens_html(engine.tokenizer, walk.text if walk else "", lang_choice),
+                views.steps_html(engine, walk, layer_choice, head_choice, lang_choice),
+                views.pipeline_html(engine, trace, lang_choice),
+                views.candidates_figure(engine.tokenizer, last, walk.request.sampling if walk else None, lang_choice),
+                views.kv_grid_figure(engine, walk, lang_choice))
+
+    def begin(text, temperature, top_k, top_p, walk, layer_choice, head_choice, lang_choice):
+        if walk is not None:
+            walk.cancel()
+        try:
+            sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=float(temperature),
+                                      top_k=int(top_k), top_p=float(top_p))
+            request = engine.new_request([{"role": "user", "content": text or ""}], sampling)
+        except ValueError as exc:
+            raise gr.Error(user_error(lang_choice, exc)) from None
+        engine.allow(request, 0)  # held after the prefill and its token
+        request.explain = True  # each step reports its time per stage, each decode step its attention
+        walk = Walkthrough(request, ReplyTrace(turn=1), text)
+        ReplyWorker(engine, request, walk.trace)
+        _wait(lambda: walk.trace.steps or walk.trace.finished)
+        return render(walk, layer_choice, head_choice, lang_choice)
+
+    def next_token(walk, layer_choice, head_choice, lang_choice):
+        if walk is not None and not walk.trace.finished:
+            walk.running = False
+            count = len(walk.trace.steps)
+            engine.allow(walk.request, 1)
+            _wait(lambda: len(walk.trace.steps) > count or walk.trace.finished)
+        return render(walk, layer_choice, head_choice, lang_choice)
+
+    def run_on(walk, layer_choice, head_choice, lang_choice):
+        """Let the request go on, redrawing as it does, until it ends or Pause holds it."""
+        if walk is None or walk.trace.finished:
+            yield render(walk, layer_choice, head_choice, lang_choice)
+            return
+        walk.running = True
+        engine.allow(walk.request, None)
+        while walk.running and not walk.trace.finished:
+            time.sleep(RUN_UPDATE_S)
+            yield render(walk, layer_choice, head_choice, lang_choice)
+        walk.running = False
+        yield render(walk, layer_choice, head_choice, lang_choice)
+
+    def hold(walk, layer_choice, head_choice, lang_choice):
+        if walk is not None and not walk.trace.finished:
+            walk.running = False
+            engine.allow(walk.request, 0)
+        return render(walk, layer_choice, head_choice, lang_choice)
+
+    def end(walk, layer_choice, head_choice, lang_choice):
+        if walk is not None and not walk.trace.finished:
+            walk.running = False
+            walk.cancel()
+            _wait(lambda: walk.trace.finished)
+        return render(walk, layer_choice, head_choice, lang_choice)
+
+    outputs, choices = [state, tokens, panel, pipeline, candidates, grid], [layer, head, lang]
+    start.click(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs)
+    step.click(next_token, [state, *choices], outputs)
+    run.click(run_on, [state, *choices], outputs, show_progress="hidden")
+    pause.click(hold, [state, *choices], outputs, queue=False)
+    stop.click(end, [state, *choices], outputs, queue=False)
+    for dropdown in (layer, head):
+        dropdown.input(render, [state, *choices], outputs, queue=False)
+    prompt.input(lambda text, lang_choice: views.tokens_html(engine.tokenizer, text, lang_choice), [prompt, lang],
+                 [tokens], queue=False, show_progress="hidden")
+    presenter.change(None, [presenter], None, js=PRESENTER_JS)
+
+    # demos: the walkthrough preset, and three runs of the real model with what their numbers show
+    demo_walk.click(lambda: (DEFAULT_PROMPT, 0, 0, 1.0), None, [prompt, temperature, top_k, top_p],
+                    queue=False).then(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs)
+
+    def show_demo(demo, lang_choice):
+        if demo is None:
+            return "", gr.Plot(visible=False)
+        name, replies = demo
+        html, figure = DEMOS[name][1](engine, replies, lang_choice)
+        return f'<div class="ps-demo" data-demo="{name}">{html}</div>', gr.Plot(figure, visible=True)
+
+    def run_demo(name, lang_choice):
+        demo = (name, DEMOS[name][0](engine))
+        return (demo, *show_demo(demo, lang_choice))
+
+    for name, button in demo_buttons.items():
+        button.click(functools.partial(run_demo, name), [lang], [demo_state, demo_text, demo_plot],
+                     concurrency_id="engine")
+
+    def redraw(lang_choice, walk, layer_choice, head_choice, demo):
+        return (*render(walk, layer_choice, head_choice, lang_choice)[1:], *show_demo(demo, lang_choice),
+                gr.Dropdown(choices=_choices(shape.layers, lang_choice)),
+                gr.Dropdown(choices=_choices(shape.heads, lang_choice)))
+
+    texts.on_switch(redraw, [state, layer, head, demo_state],
+                    [tokens, panel, pipeline, candidates, grid, demo_text, demo_plot, layer, head])

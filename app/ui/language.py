@@ -1,0 +1,70 @@
+"""The UI language: components whose words follow it, the switch, and user errors in its words.
+
+A component is built with K("key") where its text goes, through a Texts registry, and shows English
+first; when the page's language changes (the switch in the header, the browser's language on first
+visit, the choice remembered in the browser), every registered component is relabelled and each tab
+redraws what it shows (see Texts.on_switch).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradio as gr
+
+from engine import EngineBusy, PromptTooLong
+
+from ..i18n import DEFAULT, LANGUAGES, K, t
+
+# the page's first language when none was chosen before: Chinese for any zh-* browser, else English
+BROWSER_LANGUAGE_JS = "(stored) => [stored, (navigator.language || '').toLowerCase().startsWith('zh') ? 'zh' : 'en']"
+EMPTY_MESSAGES = ("the message is empty", "the prompt is empty", "the conversation is empty")
+
+
+class Texts:
+    """The components whose words follow the language, and what each tab redraws when it changes."""
+
+    def __init__(self) -> None:
+        self.labelled: list[tuple[gr.components.Component, dict[str, K]]] = []
+        self.redraws: list[tuple[Callable, list, list]] = []
+
+    def __call__(self, make, *args, **kwargs):
+        """make(*args, **kwargs) with each K(...) keyword given as its English text, and kept for a switch."""
+        keys = {name: value for name, value in kwargs.items() if isinstance(value, K)}
+        component = make(*args, **{**kwargs, **{name: t(DEFAULT, key) for name, key in keys.items()}})
+        self.labelled.append((component, keys))
+        return component
+
+    def on_switch(self, redraw: Callable, inputs: list, outputs: list) -> None:
+        """redraw(lang, *inputs) -> outputs runs when the language changes."""
+        self.redraws.append((redraw, inputs, outputs))
+
+    def relabel(self, lang: str) -> list:
+        return [gr.update(**{name: t(lang, key) for name, key in keys.items()}) for _, keys in self.labelled]
+
+    def wire(self, choice: gr.Radio, remembered: gr.BrowserState, app: gr.Blocks) -> None:
+        """On load, the remembered choice or else the browser's language; on a change, relabel, redraw
+        and remember."""
+        app.load(lambda stored, browser: stored if stored in LANGUAGES else browser, [remembered, choice], [choice],
+                 queue=False, js=BROWSER_LANGUAGE_JS)
+        choice.change(lambda lang: lang, [choice], [remembered], queue=False)
+        choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
+        for redraw, inputs, outputs in self.redraws:
+            choice.change(redraw, [choice, *inputs], outputs, queue=False)
+
+
+def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:
+    """The language switch (English / 简体中文) and the browser storage that remembers it."""
+    choice = gr.Radio([(name, code) for code, name in LANGUAGES.items()], value=DEFAULT, show_label=False,
+                      container=False, elem_id="ps-language", scale=0, min_width=200)
+    return choice, gr.BrowserState(None, storage_key="phasescope-language")
+
+
+def user_error(lang: str, error: Exception) -> str:
+    """An error a user caused (or can act on), in their language, one line."""
+    if isinstance(error, PromptTooLong):
+        return t(lang, "error.too_long", tokens=error.num_tokens, limit=error.limit)
+    if isinstance(error, EngineBusy):
+        return t(lang, "error.busy")
+    if str(error) in EMPTY_MESSAGES:
+        return t(lang, "error.empty")
+    return t(lang, "error.other", detail=str(error))
