@@ -292,13 +292,14 @@ def test_explain_tab_steps_one_token_at_a_time(page):
     page.click("#ps-explain-start")  # prefill, held after its token
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     assert "Prefill" in page.inner_text("#ps-explain-steps")
-    assert "prefill is compute-bound" in page.inner_text("#ps-explain-steps")
+    assert "Prefill is compute-bound" in page.inner_text("#ps-explain-steps")
+    assert re.search(r"attention\s+q \[\d+, 9, 64\]", page.inner_text("#ps-explain-pipeline"))  # prefill's shapes
     page.click("#ps-explain-next")  # exactly one decode step
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='2']", timeout=60_000)
     page.locator("#ps-explain-steps").click()  # focus out of the prompt box: → is "next token"
     page.keyboard.press("ArrowRight")
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='3']", timeout=60_000)
-    assert re.search(r"Its forward took [\d.]+ ms .* decode is memory-bound", page.inner_text("#ps-explain-steps"))
+    assert re.search(r"Its forward took [\d.]+ ms, .* decode is memory-bound", page.inner_text("#ps-explain-steps"))
     assert "id " in page.get_attribute("#ps-explain-steps .ps-tok >> nth=0", "title")
     steps = page.inner_text("#ps-explain-steps")
     assert "Decode step 2" in steps and "hidden state [1, 576]" in steps
@@ -322,3 +323,48 @@ def test_explain_tab_steps_one_token_at_a_time(page):
                            ".map(d => [d.name, d.x])")
     assert ["model", "after the cut-offs"] == [name for name, _ in series]
     assert [0, 0, 0] == series[1][1][2:]  # top-k 2 cut the third to fifth
+
+
+def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, app_url, tmp_path):
+    """中文: labels, chart titles and an error message change; 「我是小」 is stepped through three
+    tokens with the candidates, cache, attention and each stage's time; nothing comes from elsewhere."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000}, locale="zh-CN")
+    hosts = set()
+    page.on("request", lambda request: hosts.add(re.match(r"\w+://[^/]+", request.url).group(0)))
+    page.goto(app_url)
+    page.wait_for_selector("#ps-message textarea")
+    # a zh-CN browser gets Chinese on its first visit
+    page.wait_for_function("() => document.querySelector('#ps-send')?.innerText.trim() === '发送'")
+    page.get_by_role("tab", name="讲解").wait_for(timeout=10_000)
+    assert page.get_by_role("tab", name="历史").is_visible()
+    assert "就绪" in page.inner_text("#ps-phase")
+    page.wait_for_function("() => document.querySelector('#ps-latency .js-plotly-plot')?.layout.title.text "
+                           "=== '每一步的延迟'")
+    page.get_by_role("tab", name="讲解").click()
+    page.fill("#ps-explain-prompt textarea", "   ")
+    page.click("#ps-explain-start")
+    page.wait_for_selector(".toast-body:has-text('消息为空')", timeout=30_000)  # the error, in Chinese
+    page.fill("#ps-explain-prompt textarea", "我是小")
+    page.click("#ps-explain-start")
+    page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
+    assert "预填充" in page.inner_text("#ps-explain-steps")
+    for tokens in (2, 3):
+        page.click("#ps-explain-next")
+        page.wait_for_selector(f"#ps-explain-steps [data-explain=held][data-tokens='{tokens}']", timeout=60_000)
+    steps = page.inner_text("#ps-explain-steps")
+    assert "解码第 2 步" in steps and "访存密集型" in steps
+    pipeline = page.inner_text("#ps-explain-pipeline")
+    assert "自注意力" in pipeline and "K,V [" in pipeline and re.search(r"\d\.\d\d ms", pipeline)
+    title = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').layout.title.text")
+    assert title.startswith("第 3 个词元的候选")
+    assert page.locator("#ps-explain-steps .ps-tok[style*=box-shadow]").count() > 0  # the attention strip
+    page.screenshot(path=str(tmp_path / "explain-zh.png"), full_page=True)
+    page.get_by_text("English").click()  # and back: the choice is remembered by this browser
+    page.wait_for_function("() => document.querySelector('#ps-explain-start')?.innerText.trim() === 'Start'")
+    page.wait_for_selector("#ps-explain-steps:has-text('Decode step 2')", timeout=10_000)  # redrawn in English
+    page.reload()
+    page.wait_for_selector("#ps-message textarea")
+    page.wait_for_timeout(1000)
+    assert "Send" == page.inner_text("#ps-send").strip()
+    assert {app_url.rstrip("/")} == hosts  # offline: no font, script or call to any other host
+    page.close()

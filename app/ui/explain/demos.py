@@ -47,9 +47,12 @@ def _table(lang: str, rows: list[str]) -> str:
     return f'<table class="ps-demo-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def run_short_vs_long(engine: Engine) -> list[ReplyTrace]:
+def run_short_vs_long(engine: Engine, max_repeats: int = 16) -> list[ReplyTrace]:
+    """The same question short and long: the long one ~500 tokens, or half the model's context if less."""
+    per_repeat = len(engine.tokenizer(LONG_TEXT, add_special_tokens=False)["input_ids"])
+    repeats = max(1, min(max_repeats, engine.context_window // 2 // per_repeat))
     return [_reply(engine, [{"role": "user", "content": _fresh("我是小")}], 16),
-            _reply(engine, [{"role": "user", "content": _fresh(LONG_TEXT * 16)}], 16)]
+            _reply(engine, [{"role": "user", "content": _fresh(LONG_TEXT * repeats)}], 16)]
 
 
 def show_short_vs_long(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
@@ -69,6 +72,7 @@ def show_short_vs_long(engine: Engine, replies: list[ReplyTrace], lang: str) -> 
 
 
 def run_long_answer(engine: Engine, num_tokens: int = 200) -> list[ReplyTrace]:
+    num_tokens = min(num_tokens, engine.context_window // 2)
     return [_reply(engine, [{"role": "user", "content": _fresh("Write a long story about a lighthouse.")}],
                    num_tokens)]
 

@@ -238,6 +238,8 @@ def pipeline_html(engine: Engine, trace: ReplyTrace | None, lang: str) -> str:
     fields["note"] = {"idle": t(lang, "pipe.note_idle"),
                       "prefill": t(lang, "pipe.note_prefill", tokens=tokens, ms=total),
                       "decode": t(lang, "pipe.note_decode", ms=total)}[phase]
+    if phase == "prefill" and trace.num_cached_tokens:
+        fields["note"] += " " + t(lang, "pipe.note_cached", n=trace.num_cached_tokens)
     svg = _svg_template()
     for name, value in fields.items():
         svg = svg.replace("{{" + name + "}}", escape(value))

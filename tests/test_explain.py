@@ -1,0 +1,123 @@
+"""Explain mode on a tiny model: stepping gives the greedy run's tokens, the numbers shown are the
+model's, and every view renders in both languages."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from conftest import tiny_model, user
+from engine import DecodeStep, Engine, EngineConfig, SamplingParams
+from app.i18n import LANGUAGES
+from app.ui.explain import demos, views
+from app.ui.trace import ReplyTrace
+
+PROMPT = "我是小"
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    # head dimension 64: the native decode step runs, and hands out attention weights
+    return Engine(tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256), EngineConfig(precision="fp32"))
+
+
+def stepped(engine: Engine, presses: int, sampling: SamplingParams | None = None) -> views.Walkthrough:
+    """Start (prefill, held), then `presses` times Next token, driving the engine's steps here."""
+    request = engine.new_request(user(PROMPT), sampling or SamplingParams(max_new_tokens=16, temperature=0,
+                                                                          ignore_eos=True))
+    request.explain = True
+    walk = views.Walkthrough(request, ReplyTrace(turn=1), PROMPT)
+    engine.allow(request, 0)
+    engine.submit(request, [walk.trace.add])
+    for _ in range(4):
+        engine.step()
+    assert 1 == len(walk.trace.steps)  # after prefill, nothing more until Next
+    for press in range(presses):
+        engine.allow(request, 1)
+        for _ in range(3):
+            engine.step()
+        assert press + 2 == len(walk.trace.steps)  # exactly one token per press
+    return walk
+
+
+def test_pressing_next_n_times_gives_the_greedy_runs_tokens(engine):
+    walk = stepped(engine, 5)
+    plain = engine.new_request(user(PROMPT), SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    list(engine.run(plain))
+    assert plain.generated_ids == walk.request.generated_ids
+    walk.cancel()
+    engine.step()
+
+
+def test_the_candidates_are_the_softmax_of_the_models_logits(engine):
+    walk = stepped(engine, 3)
+    ids = walk.request.prompt_ids + walk.request.generated_ids
+    with torch.no_grad():
+        logits = engine.loaded.model(torch.tensor([ids])).logits[0]  # transformers' own forward, no cache
+    for step in walk.trace.steps:
+        probs = logits[len(walk.request.prompt_ids) + step.step - 1].softmax(-1)
+        top = probs.topk(len(step.top))
+        assert [c.token_id for c in step.top] == top.indices.tolist()
+        assert [c.prob for c in step.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert step.token_id == step.top[0].token_id  # greedy took the most probable
+    walk.cancel()
+    engine.step()
+
+
+def test_each_steps_attention_sums_to_one_per_head_and_its_stages_are_timed(engine):
+    walk = stepped(engine, 3)
+    for step in walk.trace.steps[1:]:
+        assert step.attention.shape == (2, 4, step.kv_tokens)  # layers, heads, positions
+        assert torch.allclose(step.attention.sum(-1), torch.ones(2, 4), atol=1e-5)
+        assert step.stage_ms["attention"] > 0 and step.stage_ms["lm_head"] > 0
+    assert views.attention_row(walk.trace.steps[-1], "1", "3") is not None
+    walk.cancel()
+    engine.step()
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_every_view_renders_in_each_language(engine, lang):
+    walk = stepped(engine, 2, SamplingParams(max_new_tokens=16, temperature=0.8, top_k=3, seed=1))
+    html = views.steps_html(engine, walk, "0", "mean", lang)
+    assert 'data-explain="held"' in html and 'data-tokens="3"' in html
+    pipeline = views.pipeline_html(engine, walk.trace, lang)
+    assert "{{" not in pipeline and 'data-phase="decode"' in pipeline
+    assert "[1, 256]" in pipeline and "K,V [" in pipeline  # the decode step's shapes
+    prefill = views.pipeline_html(engine, ReplyTrace(turn=1, chunks=walk.trace.chunks, first=walk.trace.first,
+                                                     steps=walk.trace.steps[:1]), lang)
+    prefilled = sum(c.num_tokens for c in walk.trace.chunks)  # the rest came from the prefix cache
+    assert 'data-phase="prefill"' in prefill and f"[{prefilled}, 256]" in prefill
+    tokens = views.tokens_html(engine.tokenizer, PROMPT, lang)
+    ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    assert f'data-tokens="{len(ids)}"' in tokens and "ps-tok-partial" in tokens  # 我 takes two byte tokens
+    assert b"".join(views.token_bytes(engine.tokenizer, i) for i in ids) == PROMPT.encode()
+    last = walk.trace.steps[-1]
+    for figure in (views.candidates_figure(engine.tokenizer, last, walk.request.sampling, lang),
+                   views.kv_grid_figure(engine, walk, lang)):
+        go.Figure(figure.to_dict())  # valid for plotly
+    assert 2 == len(views.candidates_figure(engine.tokenizer, last, walk.request.sampling, lang).data)
+    walk.cancel()
+    engine.step()
+
+
+def test_demos_run_the_model_and_say_what_the_numbers_show(engine):
+    for name, (run, show) in demos.DEMOS.items():
+        replies = run(engine)
+        assert all(r.finished and r.finished.reason == "length" for r in replies), name
+        for lang in LANGUAGES:
+            html, figure = show(engine, replies, lang)
+            assert html.count("<tr>") == 1 + len(replies) and "<p>" in html
+            go.Figure(figure.to_dict())
+    first, second = demos.run_second_turn(engine)
+    assert second.metrics().num_cached_tokens > 0  # the second turn continued from the first's cache
+    short, long = demos.run_short_vs_long(engine)
+    assert long.metrics().num_prompt_tokens > 3 * short.metrics().num_prompt_tokens  # both hold the system prompt
+
+
+def test_decode_steps_report_their_stages_on_the_pytorch_path_too(tokenizer):
+    engine = Engine(tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256), EngineConfig(precision="fp32"))
+    request = engine.new_request(user(PROMPT), SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    request.explain = True
+    with engine.runner.pytorch_decode():  # the native step set aside
+        steps = [e for e in engine.run(request) if isinstance(e, DecodeStep)]
+    assert steps[1].attention is None and steps[1].stage_ms["ffn"] > 0
