@@ -26,7 +26,8 @@ def test_every_language_has_the_same_keys_with_the_same_fields():
     english = catalogue(DEFAULT)
     for lang in LANGUAGES:
         other = catalogue(lang)
-        assert set(english) == set(other), f"{lang}: missing {set(english) - set(other)}, extra {set(other) - set(english)}"
+        assert set(english) - set(other) == set(), f"missing in {lang}"
+        assert set(other) - set(english) == set(), f"only in {lang}"
         for key, text in english.items():
             assert fields(text) == fields(other[key]), (lang, key)
             assert other[key].strip(), (lang, key)

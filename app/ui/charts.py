@@ -146,7 +146,8 @@ def kv_step_points(steps: Sequence[DecodeStep], x_start: int, lang: str = DEFAUL
     """Decode steps as points of their turn's trace in kv_figure, the first at x_start (what the page
     appends to the trace while a reply streams)."""
     return {"x": list(range(x_start, x_start + len(steps))), "y": [s.kv_bytes / 1e6 for s in steps],
-            "marker.color": [DECODE_COLOR] * len(steps), "customdata": [[s.kv_tokens, t(lang, STEP_WORDS["decode"])] for s in steps]}
+            "marker.color": [DECODE_COLOR] * len(steps),
+            "customdata": [[s.kv_tokens, t(lang, STEP_WORDS["decode"])] for s in steps]}
 
 
 def kv_figure(turns: Sequence[Sequence[Event]], lang: str = DEFAULT) -> go.Figure:

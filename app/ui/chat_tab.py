@@ -243,7 +243,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
         chat.lang = lang_choice
         trace = chat.traces[-1] if chat.traces else None
         outputs = render(chat, engine, trace, chatbot=False)
-        return (*outputs[2:-1], panels.model_html(engine.info, lang_choice), panels.precision_html(measured["report"], lang_choice))
+        return (*outputs[2:-1], panels.model_html(engine.info, lang_choice),
+                panels.precision_html(measured["report"], lang_choice))
 
     texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note])
     return tab

@@ -55,7 +55,7 @@ class Texts:
 def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:
     """The language switch (English / 简体中文) and the browser storage that remembers it."""
     choice = gr.Radio([(name, code) for code, name in LANGUAGES.items()], value=DEFAULT, show_label=False,
-                      container=False, elem_id="ps-language", scale=0, min_width=200)
+                      container=False, elem_id="ps-language", scale=0, min_width=280)
     return choice, gr.BrowserState(None, storage_key="phasescope-language")
 
 

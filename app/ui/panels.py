@@ -122,18 +122,18 @@ def model_html(info: ModelInfo, lang: str = DEFAULT) -> str:
     weights = info.precision if info.precision == "int8" else info.dtype
     formula = t(lang, "model.formula", layers=info.num_layers, kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                 element=element, per_token=info.kv_bytes_per_token)
-    return (f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · '
-            f'{t(lang, "model.line", weights=escape(weights), forward=escape(info.model_path), decode=escape(info.decode_path), context=info.context_window)}'
-            f'<br>{formula}</div>')
+    line = t(lang, "model.line", weights=escape(weights), forward=escape(info.model_path),
+             decode=escape(info.decode_path), context=info.context_window)
+    return f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · {line}<br>{formula}</div>'
 
 
 def kv_measured_html(trace: ReplyTrace | None, info: ModelInfo, lang: str = DEFAULT) -> str:
     kv_tokens, kv_bytes = trace.kv if trace else (0, 0)
     if not kv_tokens:
         return ""
-    return (f'<div class="ps-model" data-kpi="kv_check">'
-            f'{t(lang, "model.kv_measured", bytes=kv_bytes, tokens=kv_tokens, per_token=kv_bytes // kv_tokens, formula=info.kv_bytes_per_token)}'
-            '</div>')
+    measured = t(lang, "model.kv_measured", bytes=kv_bytes, tokens=kv_tokens, per_token=kv_bytes // kv_tokens,
+                 formula=info.kv_bytes_per_token)
+    return f'<div class="ps-model" data-kpi="kv_check">{measured}</div>'
 
 
 def pool_html(usage: PoolUsage, num_running: int, num_waiting: int, lang: str = DEFAULT) -> str:
@@ -142,6 +142,7 @@ def pool_html(usage: PoolUsage, num_running: int, num_waiting: int, lang: str = 
         return f'<div class="ps-pool" data-kpi="pool">{t(lang, "pool.none")}</div>'
     mb = usage.bytes_per_block / 1e6
     used, cached = 100 * usage.usage, 100 * usage.num_cached / usage.num_blocks
+    free = t(lang, "pool.free", free=usage.num_free * mb, total=usage.capacity_bytes / 1e6)
     held = counted(lang, num_running, "pool.held_one", "pool.held_many", mb=usage.num_used * mb)
     waiting = " · " + t(lang, "pool.waiting", n=num_waiting) if num_waiting else ""
     title = t(lang, "pool.blocks", n=usage.num_blocks, size=usage.block_size)
@@ -152,7 +153,7 @@ def pool_html(usage: PoolUsage, num_running: int, num_waiting: int, lang: str = 
             f'<span>{t(lang, "pool.usage", share=share)}</span>'
             f'<span class="ps-d-fg">■ {held}{waiting}</span><span class="ps-cached-fg">■ '
             f'{t(lang, "pool.cached", mb=usage.num_cached * mb)}</span>'
-            f'<span>{t(lang, "pool.free", free=usage.num_free * mb, total=usage.capacity_bytes / 1e6)}</span></div></div>')
+            f'<span>{free}</span></div></div>')
 
 
 def precision_html(report: dict | None, lang: str = DEFAULT) -> str:
@@ -162,6 +163,7 @@ def precision_html(report: dict | None, lang: str = DEFAULT) -> str:
     if report["precision"] == "fp32":
         return (f'<div class="ps-model" data-kpi="precision">'
                 f'{t(lang, "precision.reference", tps=report["decode_tokens_per_s"])}</div>')
-    return (f'<div class="ps-model" data-kpi="precision"><b>{escape(report["precision"])}</b>: '
-            f'{t(lang, "precision.measured", agreement=100 * report["top1_agreement"], kl=report["mean_kl_nats"], positions=report["positions"], ratio=report["decode_vs_fp32"], tps=report["decode_tokens_per_s"], fp32_tps=report["fp32_decode_tokens_per_s"])}'
-            '</div>')
+    measured = t(lang, "precision.measured", agreement=100 * report["top1_agreement"], kl=report["mean_kl_nats"],
+                 positions=report["positions"], ratio=report["decode_vs_fp32"], tps=report["decode_tokens_per_s"],
+                 fp32_tps=report["fp32_decode_tokens_per_s"])
+    return f'<div class="ps-model" data-kpi="precision"><b>{escape(report["precision"])}</b>: {measured}</div>'

@@ -46,7 +46,8 @@ class ChatSession:
         if trace.finished and trace.finished.reason == "error":
             content = f"⚠️ {as_text(trace.finished.error or 'error')}"
         elif trace.finished:
-            content += f'\n\n<span class="ps-stats">{stats_line(trace.finished.metrics, trace.finished.reason, self.lang)}</span>'
+            stats = stats_line(trace.finished.metrics, trace.finished.reason, self.lang)
+            content += f'\n\n<span class="ps-stats">{stats}</span>'
         self.display[-1] = {"role": "assistant", "content": content or "…"}
 
     def restore_exchange(self, user_text: str, trace: ReplyTrace) -> None:

@@ -116,7 +116,8 @@ def show_second_turn(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
     figure = charts.kv_figure([first.events, second.events], lang)
     f, s = first.metrics(), second.metrics()
     text = t(lang, "demo.second_result", prompt=s.num_prompt_tokens, cached=s.num_cached_tokens,
-             new=s.num_prompt_tokens - s.num_cached_tokens, first_ttft=f.ttft_ms, second_ttft=s.ttft_ms)
+             new=s.num_prompt_tokens - s.num_cached_tokens, first_new=f.num_prompt_tokens - f.num_cached_tokens,
+             first_ttft=f.ttft_ms, second_ttft=s.ttft_ms)
     rows = [_row(lang, t(lang, "chart.turn", n=1), first), _row(lang, t(lang, "chart.turn", n=2), second)]
     return _table(lang, rows) + f"<p>{text}</p>", figure
 

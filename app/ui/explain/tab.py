@@ -2,10 +2,11 @@
 
 Start runs the prefill (the whole prompt in one forward pass, which fills the KV cache and gives the
 first token) and holds the request there (Engine.allow(request, 0)); Next token lets it take exactly one
-decode step (one new token through every layer, reading the cache); Run lets it go on until it ends or
-Pause holds it again; Stop ends it. Each step shows the candidates the model weighed, the tokens so far
-by phase with the new token's attention, the pipeline with this step's shapes and times, and the KV
-cache. Demos run the real model to show how TTFT, TPOT and the cache behave.
+decode step (one new token through every layer, reading the cache); Run takes one step after another at
+a pace an audience can follow, until the reply ends or Pause holds it again; Stop ends it. Each step
+shows the candidates the model weighed, the tokens so far by phase with the new token's attention, the
+pipeline with this step's shapes and times, and the KV cache (views.py). Demos run the real model to
+show how TTFT, TPOT and the cache behave (demos.py).
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from .views import Walkthrough
 DEFAULT_PROMPT = "我是小"  # the classic walk-through: the model continues a three-character prompt
 MAX_NEW_TOKENS = 64
 HOLD_S = 600  # a held request abandoned by its page is cancelled after this long
-RUN_UPDATE_S = 0.3  # how often Run redraws while the request goes on
-PRESENTER_JS = ("(on) => { document.body.classList.toggle('ps-presenter', on); "
+RUN_STEP_S = 0.3  # Run's pace: a token every 0.3 s, each drawn (the decode itself takes a few ms)
+# on the tab, not the body: Gradio scopes the app's CSS rules to its container
+PRESENTER_JS = ("(on) => { document.querySelector('#ps-explain-tab').classList.toggle('ps-presenter', on); "
                 "setTimeout(() => window.dispatchEvent(new Event('resize')), 50); }")
 
 
@@ -118,22 +120,23 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         return render(walk, layer_choice, head_choice, lang_choice)
 
     def run_on(walk, layer_choice, head_choice, lang_choice):
-        """Let the request go on, redrawing as it does, until it ends or Pause holds it."""
+        """One step after another, each drawn, until the reply ends or Pause holds it."""
         if walk is None or walk.trace.finished:
             yield render(walk, layer_choice, head_choice, lang_choice)
             return
         walk.running = True
-        engine.allow(walk.request, None)
         while walk.running and not walk.trace.finished:
-            time.sleep(RUN_UPDATE_S)
+            began, count = time.monotonic(), len(walk.trace.steps)
+            engine.allow(walk.request, 1)
+            _wait(lambda: len(walk.trace.steps) > count or walk.trace.finished)
             yield render(walk, layer_choice, head_choice, lang_choice)
+            time.sleep(max(0.0, RUN_STEP_S - (time.monotonic() - began)))
         walk.running = False
         yield render(walk, layer_choice, head_choice, lang_choice)
 
     def hold(walk, layer_choice, head_choice, lang_choice):
-        if walk is not None and not walk.trace.finished:
-            walk.running = False
-            engine.allow(walk.request, 0)
+        if walk is not None:
+            walk.running = False  # Run stops after its current step
         return render(walk, layer_choice, head_choice, lang_choice)
 
     def end(walk, layer_choice, head_choice, lang_choice):

@@ -61,7 +61,8 @@ class Shape:
     def flops_per_token(self) -> int:
         """2 × the weights a token is multiplied with (projections, MLP, lm_head); attention's own
         products, which grow with the context, left out."""
-        attention = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        attention = qkv + self.heads * self.head_dim * self.hidden  # and the output projection
         mlp = 3 * self.hidden * self.intermediate
         return 2 * (self.layers * (attention + mlp) + self.hidden * self.vocab)
 
@@ -103,7 +104,8 @@ def _is_partial(tokenizer, token_id: int) -> bool:
     return "\ufffd" in tokenizer.decode([token_id])
 
 
-def _chip(tokenizer, token_id: int, phase: str, lang: str, position: int | None = None, heat: float | None = None) -> str:
+def _chip(tokenizer, token_id: int, phase: str, lang: str, position: int | None = None,
+          heat: float | None = None) -> str:
     raw = token_bytes(tokenizer, token_id)
     title = t(lang, "explain.chip_title", id=token_id, bytes=" ".join(f"{b:02x}" for b in raw))
     if position is not None:
@@ -122,9 +124,9 @@ def tokens_html(tokenizer, text: str, lang: str) -> str:
     chips = "".join(_chip(tokenizer, i, "p", lang) for i in ids)
     partial = sum(_is_partial(tokenizer, i) for i in ids)
     note = t(lang, "explain.tokens_partial", n=partial) if partial else ""
-    return (f'<div class="ps-token-view" data-tokens="{len(ids)}"><div class="ps-label">'
-            f'{t(lang, "explain.tokens_head", text=escape(text), n=len(ids), chars=len(text), bytes=len(text.encode()))}'
-            f'</div><div class="ps-tokens">{chips}</div><div class="ps-note">{t(lang, "explain.tokens_why")} {note}'
+    head = t(lang, "explain.tokens_head", text=escape(text), n=len(ids), chars=len(text), bytes=len(text.encode()))
+    return (f'<div class="ps-token-view" data-tokens="{len(ids)}"><div class="ps-label">{head}</div>'
+            f'<div class="ps-tokens">{chips}</div><div class="ps-note">{t(lang, "explain.tokens_why")} {note}'
             '</div></div>')
 
 
@@ -163,12 +165,12 @@ def steps_html(engine: Engine, walk: Walkthrough | None, layer: str, head: str, 
         made += f'<div class="ps-note">{t(lang, "explain.attention_note", which=which)}</div>'
     state = "running" if walk.running and not trace.finished else "done" if trace.finished else "held"
     kv_tokens, kv_bytes = trace.kv
+    kv_line = t(lang, "explain.kv_line", tokens=kv_tokens, per_token=engine.info.kv_bytes_per_token, mb=kv_bytes / 1e6)
     status = t(lang, "explain.finished", reason=escape(trace.finished.reason)) if trace.finished else t(
         lang, "explain.held")
     return (f'<div class="ps-explain" data-explain="{state}" data-tokens="{len(trace.steps)}">'
             f'<div class="ps-tokens">{prompt}{made}</div><p>{explanation(engine, trace, lang)}</p>'
-            f'<p class="ps-note">{t(lang, "explain.kv_line", tokens=kv_tokens, per_token=engine.info.kv_bytes_per_token, mb=kv_bytes / 1e6)}'
-            f' · {status}</p></div>')
+            f'<p class="ps-note">{kv_line} · {status}</p></div>')
 
 
 def explanation(engine: Engine, trace: ReplyTrace, lang: str) -> str:
@@ -220,8 +222,9 @@ def pipeline_html(engine: Engine, trace: ReplyTrace | None, lang: str) -> str:
     T = "T" if phase == "idle" else str(tokens)
     n = f"{trace.kv[0]:,}" if trace is not None and trace.kv[0] else "n"
     C, V = shape.hidden, shape.vocab
+    tokenize = (t(lang, "pipe.shape_previous"), "") if phase == "decode" else (t(lang, "pipe.shape_text"), f"→ [{T}]")
     shapes = {  # two lines each: what goes in, what comes out
-        "tokenize": (t(lang, "pipe.shape_text"), f"→ [{T}]") if phase != "decode" else (t(lang, "pipe.shape_previous"), ""),
+        "tokenize": tokenize,
         "embedding": (f"[{T}]", f"→ [{T}, {C}]"), "norm": (f"[{T}, {C}]", ""),
         "attention": (f"q [{T}, {shape.heads}, {shape.head_dim}]", f"K,V [{n}, {shape.kv_heads}, {shape.head_dim}]"),
         "ffn": (f"[{T}, {C}] → [{T}, {shape.intermediate}]", f"→ [{T}, {C}]"), "final_norm": (f"[1, {C}]", ""),
