@@ -11,6 +11,7 @@ from collections.abc import Callable
 from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
 from engine.metrics import RequestMetrics
 
+from ..i18n import t
 from ..ui.session import ChatSession
 from .store import FINAL_STATUS, Store, StoreError
 from ..ui.trace import ReplyTrace, summary_metrics
@@ -34,7 +35,7 @@ def step_row(event: PrefillChunk | DecodeStep) -> dict:
 class MessageRecorder:
     """An engine hook that writes one assistant message and its steps to the store."""
 
-    def __init__(self, store: Store, message_id: int, on_error: Callable[[str], None] | None = None) -> None:
+    def __init__(self, store: Store, message_id: int, on_error: Callable[[Exception], None] | None = None) -> None:
         self.store, self.message_id, self.on_error = store, message_id, on_error
         self._pending: list[dict] = []
         self._text = ""
@@ -49,7 +50,7 @@ class MessageRecorder:
         except (StoreError, OSError, Exception) as exc:  # sqlite3 errors (disk full, locked) included
             self.error = f"the reply could not be saved to the history: {exc}"
             if self.on_error:
-                self.on_error(self.error)
+                self.on_error(exc)
 
     def _record(self, event: Event) -> None:
         if isinstance(event, (PrefillChunk, DecodeStep)):
@@ -89,7 +90,8 @@ def make_recorder(store: Store, info: ModelInfo):
                                                     info.name, info.device, info.dtype, settings)
         store.add_message(session.store_id, trace.turn, "user", user_text)
         message_id = store.add_message(session.store_id, trace.turn, "assistant", "", status="in_progress")
-        return MessageRecorder(store, message_id, on_error=session.warn)
+        return MessageRecorder(store, message_id,
+                               on_error=lambda exc: session.warn(t(session.lang, "warning.save_failed", detail=exc)))
 
     return recorder
 
