@@ -25,6 +25,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every prompt whole instead of reusing the KV of prefixes already in the pool")
     parser.add_argument("--max-running", type=int, default=16, help="requests decoded together at most (default 16)")
+    parser.add_argument("--no-kv-cache", action="store_true",
+                        help="keep no KV cache: every decode step computes the whole sequence again (the baseline "
+                             "that shows why the cache exists)")
+    parser.add_argument("--speculative", choices=["prompt-lookup"],
+                        help="speculative decoding: draft tokens from earlier text (the prompt, the reply so far) "
+                             "and verify them in one forward; greedy output unchanged")
+    parser.add_argument("--draft-tokens", type=int, default=8, help="the most tokens drafted at once (default 8)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -100,7 +107,8 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision,
                         prefill_chunk=getattr(args, "prefill_chunk", 0), kv_cache_mb=args.kv_cache_mb,
-                        prefix_caching=not args.no_prefix_cache, max_running=args.max_running)
+                        prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
+                        kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens)
 
 
 def _engine(args: argparse.Namespace):
@@ -121,16 +129,25 @@ def _conversation(system: str | None) -> list[dict]:
     return [{"role": "system", "content": system}] if system else []
 
 
+def _num(value, digits=1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
 def summary_line(metrics) -> str:
     """One line after a reply, in the spirit of `ollama run --verbose`."""
-    def num(value, digits=1):
-        return "n/a" if value is None else f"{value:,.{digits}f}"
-
     return (f"prompt {metrics.num_prompt_tokens} tok (cached {metrics.num_cached_tokens}) · "
-            f"TTFT {num(metrics.ttft_ms, 0)} ms · "
-            f"prefill {num(metrics.prefill_tokens_per_s)} tok/s · decode {num(metrics.decode_tokens_per_s)} tok/s "
+            f"TTFT {_num(metrics.ttft_ms, 0)} ms · "
+            f"prefill {_num(metrics.prefill_tokens_per_s)} tok/s · decode {_num(metrics.decode_tokens_per_s)} tok/s "
             f"({metrics.num_generated_tokens} tok) · KV {metrics.kv_tokens} tok, "
             f"{metrics.kv_bytes / 1e6:.1f} MB")
+
+
+def speculation_line(speculation) -> str:
+    """What speculative decoding did for a reply."""
+    rate = speculation.acceptance_rate
+    return (f"speculative: drafted {speculation.drafted}, accepted {speculation.accepted}"
+            f" ({'n/a' if rate is None else f'{100 * rate:.0f}%'}) · {_num(speculation.tokens_per_forward, 2)} "
+            f"tokens per forward ({speculation.tokens} in {speculation.forwards})")
 
 
 def print_reply(events) -> object:
@@ -163,6 +180,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if finished.reason == "error":
         print(f"phasescope: error: {finished.error}", file=sys.stderr)
         return 1
+    if finished.speculation and not args.json:
+        print(speculation_line(finished.speculation), file=sys.stderr)
     return 0
 
 
@@ -204,6 +223,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if finished is not None:
             note = "" if finished.reason in ("eos", "stop") else f" · ended: {finished.reason}"
             print(f"\033[2m{summary_line(finished.metrics)}{note}\033[0m")
+            if finished.speculation:
+                print(f"\033[2m{speculation_line(finished.speculation)}\033[0m")
 
 
 def tune_openmp_for_the_app(precision: str) -> None:

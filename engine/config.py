@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .speculative import METHODS as SPECULATIVE_METHODS
+
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8")
@@ -65,6 +67,10 @@ class EngineConfig:
     max_running: requests decoded together at most (the batch); more wait in line.
     max_step_tokens: tokens one scheduler step runs at most (decodes + prefill chunks), so that a long
         prompt is prefilled in chunks between the running requests' decode steps.
+    kv_cache: keep keys and values between decode steps; off (the baseline that shows why the cache
+        exists), every decode step recomputes the whole sequence and prefix caching is off.
+    speculative: None, or "prompt-lookup": draft tokens from earlier text and verify them in one forward
+        (engine/speculative.py); draft_tokens: the most drafted at once.
     """
 
     model: str | None = None
@@ -78,6 +84,9 @@ class EngineConfig:
     prefix_caching: bool = True
     max_running: int = 16
     max_step_tokens: int = 2048
+    kv_cache: bool = True
+    speculative: str | None = None
+    draft_tokens: int = 8
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -88,7 +97,11 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {self.prefill_chunk!r}")
-        for name in ("kv_block_tokens", "max_running", "max_step_tokens"):
+        if self.speculative not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if self.speculative and not self.kv_cache:
+            raise ValueError("speculative decoding verifies drafts against the KV cache: it needs kv_cache on")
+        for name in ("kv_block_tokens", "max_running", "max_step_tokens", "draft_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -34,6 +34,7 @@ from .prompt import PromptTooLong, check_messages, render_prompt
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
 from .scheduler import Scheduler
+from .speculative import DraftLength, Speculation, prompt_lookup
 from .text import TextStream
 
 NUM_TOP = 5  # alternatives reported with each token
@@ -86,7 +87,12 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         mb = self.config.kv_cache_mb
         self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
-        self.pool = self.runner.new_pool(self.pool_budget, self.config.kv_block_tokens, self.config.prefix_caching)
+        # without a KV cache nothing is kept to reuse: prefix caching goes with it
+        prefix_caching = self.config.prefix_caching and self.config.kv_cache
+        self.pool = self.runner.new_pool(self.pool_budget, self.config.kv_block_tokens, prefix_caching)
+        if (self.config.speculative or not self.config.kv_cache) and not getattr(self.runner, "drafts", False):
+            raise ValueError(f"speculative decoding and decoding without a KV cache need the lean forward, "
+                             f"not {self.runner.name}")
         self.scheduler = Scheduler(self.pool, self.config.max_running, self.config.max_step_tokens)
         self._hooks: list[Hook] = []
         self._ids = itertools.count(1)
@@ -298,7 +304,7 @@ class Engine:
             model = in_dtype(model, getattr(torch, config.load_dtype))
         runner = make_runner(model, precision, cache_dir=config.cache_dir)
         self.runner, self.config = runner, config
-        self.pool = runner.new_pool(self.pool_budget, config.kv_block_tokens, config.prefix_caching)
+        self.pool = runner.new_pool(self.pool_budget, config.kv_block_tokens, config.prefix_caching and config.kv_cache)
         self.scheduler.pool = self.pool
         self.__dict__.pop("info", None)  # the cached ModelInfo describes the old runner
 
@@ -319,21 +325,63 @@ class Engine:
             return self.runner.forward(ids, start, request.kv_cache, need_logits, stage_ms=request.stage_ms)
         return self.runner.forward(ids, start, request.kv_cache, need_logits=need_logits)
 
-    def decode_step(self, requests: list[Request]) -> torch.Tensor:
+    def decode_step(self, requests: list[Request], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """One forward pass over exactly one new token (the last generated) of each request, all in one
-        batch: every weight is read once for all of them. Returns next-token logits [B, vocab]. The first
-        request in explain mode gets the step's attention weights [layers, heads, positions] (where the
-        runner can give them) and time per stage, as request.attention and request.stage_ms."""
-        for r in requests:
-            assert r.kv_cache.num_tokens == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
-        args = ([r.generated_ids[-1] for r in requests], [r.kv_cache.num_tokens for r in requests],
-                [r.kv_cache for r in requests])
-        explained = next((i for i, r in enumerate(requests) if r.explain), None)
+        batch: every weight is read once for all of them. Returns next-token logits [B, vocab].
+
+        drafts (speculative decoding): a request's draft tokens ride along as more rows of the batch, each
+        at the next position of its sequence, so that row i attends to the rows before it: the logits of
+        every row come back, in order. The first request in explain mode gets the step's attention
+        weights [layers, heads, positions] (where the runner can give them) and time per stage, as
+        request.attention and request.stage_ms. Without a KV cache (config.kv_cache off) each request's
+        whole sequence is computed again instead."""
+        if not self.config.kv_cache:
+            return torch.cat([self._recompute(r) for r in requests])
+        tokens, positions, caches, explained = [], [], [], None
+        for r, draft in zip(requests, drafts or [[]] * len(requests)):
+            pos = r.kv_cache.num_tokens
+            assert pos == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
+            if r.explain and explained is None:
+                explained = len(tokens)
+            for i, token in enumerate([r.generated_ids[-1], *draft]):
+                tokens.append(token)
+                positions.append(pos + i)
+                caches.append(r.kv_cache)
         if explained is None or not getattr(self.runner, "explains", False):
-            return self.runner.decode(*args)
-        logits, requests[explained].attention, requests[explained].stage_ms = self.runner.decode(*args,
-                                                                                                 capture=explained)
+            return self.runner.decode(tokens, positions, caches)
+        r = next(r for r in requests if r.explain)
+        logits, r.attention, r.stage_ms = self.runner.decode(tokens, positions, caches, capture=explained)
         return logits
+
+    def _recompute(self, r: Request) -> torch.Tensor:
+        """Decode without a KV cache: the whole sequence so far (prompt and tokens) in one forward, as a
+        prefill would, its keys and values kept only for that forward. Returns the next logits [1, vocab]."""
+        ids = torch.tensor(r.prompt_ids + r.generated_ids, device=self.runner.device)
+        r.kv_cache.truncate(0)  # the request's cache is this forward's scratch space
+        return self.runner.forward(ids, 0, r.kv_cache)[None]
+
+    def forward_flops(self, num_tokens: int, num_past: int, num_logits: int = 1) -> int:
+        """Floating-point operations of a forward over num_tokens new tokens after num_past cached ones:
+        2 per multiply-add of every projection and MLP weight, of lm_head for num_logits rows, and of
+        attention (scores and the weighted sum over each token's context)."""
+        config = self.loaded.model.config
+        info = self.info
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        layer = hidden * (heads + 2 * info.num_kv_heads) * info.head_dim + heads * info.head_dim * hidden \
+            + 3 * hidden * config.intermediate_size
+        contexts = num_tokens * num_past + num_tokens * (num_tokens + 1) // 2  # keys each new token attends to
+        attention = 2 * heads * info.head_dim * contexts  # q·k and weights·v
+        return 2 * (info.num_layers * (num_tokens * layer + attention) + num_logits * hidden * config.vocab_size)
+
+    def _draft(self, r: Request) -> list[int]:
+        """Speculative decoding's draft for a request's next step ([] for none: a plain step)."""
+        if self.config.speculative is None or r.explain or r.decode_allowance is not None:
+            return []
+        if r.draft_length is None:
+            r.draft_length = DraftLength(self.config.draft_tokens)
+        room = r.max_new_tokens - r.num_generated - 1  # the model's own token always comes after the draft
+        length = min(r.draft_length.next(), room)
+        return prompt_lookup(r.prompt_ids + r.generated_ids, length) if length > 0 else []
 
     # --- one step: schedule -> run -> postprocess -------------------------------------------------
 
@@ -382,23 +430,52 @@ class Engine:
 
     def _run_decodes(self, requests: list[Request]) -> None:
         begin_ns = self._now_ns()
+        drafts = [self._draft(r) for r in requests]
         try:
-            logits = self.decode_step(requests)
+            logits = self.decode_step(requests, drafts)
         except Exception as exc:  # a failed forward ends the requests in it, not the engine
             for r in requests:
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             return
         forward_ms = (self._now_ns() - begin_ns) / 1e6
         batch_top = getattr(self.runner, "top_logits_batch", None)  # every row's top tokens in one call
-        tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(requests)
-        for r, row, top in zip(requests, logits, tops):
+        tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(logits)
+        first = 0
+        for r, draft in zip(requests, drafts):
+            rows = slice(first, first + 1 + len(draft))
+            first = rows.stop
             if r.decode_allowance is not None:
                 r.decode_allowance -= 1
+            if draft:
+                r.kv_cache.truncate(r.kv_cache.num_tokens - len(draft))  # the drafts' rows: kept as accepted
             self._name_blocks(r)
             if r.is_cancelled:
                 self._finish(r, "cancelled")
             else:
-                self._take_token(r, row, batch_size=len(requests), top=top, forward_ms=forward_ms)
+                self._take_tokens(r, logits[rows], tops[rows], draft, batch_size=len(logits), forward_ms=forward_ms)
+
+    def _take_tokens(self, r: Request, logits: torch.Tensor, tops: list, draft: list[int], batch_size: int,
+                     forward_ms: float) -> None:
+        """A request's rows of a decode step: sample row by row as plain decoding would, and go on to the
+        next row only while the sampled token is the draft's (speculative decoding; engine/speculative.py)."""
+        pos = r.kv_cache.num_tokens - 1  # the position of the token this step fed
+        accepted_before = r.num_accepted
+        r.num_decode_forwards += 1
+        r.num_drafted += len(draft)
+        for i, (row, top) in enumerate(zip(logits, tops)):
+            if i:  # the draft token fed at pos + i was accepted: its keys and values join the sequence
+                r.kv_cache.mark_written(pos + 1 + i)
+            flops = self.forward_flops(r.num_prompt_tokens + r.num_generated, 0) if not self.config.kv_cache \
+                else self.forward_flops(1, pos + i)
+            r.num_decode_tokens += 1
+            self._take_token(r, row, batch_size=batch_size, top=top, forward_ms=forward_ms if i == 0 else 0.0,
+                             flops=flops, draft=i > 0, guess=draft[i] if i < len(draft) else None)
+            if r.is_finished or i == len(draft) or r.generated_ids[-1] != draft[i]:
+                break
+        if draft:
+            r.draft_length.update(len(draft), r.num_accepted - accepted_before)
+            if not r.is_finished:
+                self._name_blocks(r)
 
     def _name_blocks(self, r: Request) -> None:
         """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
@@ -407,9 +484,11 @@ class Engine:
             self.pool.name_full_blocks(r.kv_cache, r.prompt_ids + r.generated_ids)
 
     def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None,
-                    forward_ms: float = 0.0) -> None:
+                    forward_ms: float = 0.0, flops: int = 0, draft: bool = False, guess: int | None = None) -> None:
         """Sample the next token from a request's logits, report it, and end the request if it is done.
-        top: the logits' top tokens and log-sum-exp, when already computed for the whole batch."""
+        top: the logits' top tokens and log-sum-exp, when already computed for the whole batch;
+        draft: the token comes from a draft's row; guess: the draft's token for this row, counted as
+        accepted when it is the one sampled."""
         sample_start_ns = self._now_ns()
         penalize = r.sampling.repetition_penalty != 1.0
         top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
@@ -425,6 +504,8 @@ class Engine:
         previous_ns = r.token_ns[-1] if r.token_ns else r.submit_ns  # so the first token's latency is its TTFT
         r.generated_ids.append(picked.token_id)
         r.token_ns.append(now_ns)
+        if guess is not None and picked.token_id == guess:
+            r.num_accepted += 1
         step = r.num_generated - 1
         if step == 0:
             self._deliver(r, self._first_token(r, now_ns))
@@ -432,7 +513,7 @@ class Engine:
         piece = "" if is_eos else r.text_stream.push(picked.token_id)
         r.text = r.text_stream.text
         self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size, forward_ms,
-                                            attention, stage_ms))
+                                            attention, stage_ms, flops, draft))
         if is_eos or r.text_stream.is_stopped:
             self._finish(r, "eos" if is_eos else "stop")
         elif r.num_generated == r.max_new_tokens:
@@ -466,13 +547,13 @@ class Engine:
 
     def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
                       batch_size: int, forward_ms: float = 0.0, attention: torch.Tensor | None = None,
-                      stage_ms: dict | None = None) -> DecodeStep:
+                      stage_ms: dict | None = None, flops: int = 0, draft: bool = False) -> DecodeStep:
         decode = self.tokenizer.convert_ids_to_tokens
         top = tuple(TopToken(i, decode(i), p, q)
                     for i, p, q in zip(picked.top_ids, picked.top_probs, picked.top_sample_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
-                          picked.prob, top, batch_size, forward_ms, attention, stage_ms)
+                          picked.prob, top, batch_size, forward_ms, attention, stage_ms, flops, draft)
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         end_ns = self._now_ns()
@@ -481,7 +562,11 @@ class Engine:
             r.text = r.text_stream.text
         r.finish_reason = reason
         r.status = {"cancelled": Status.STOPPED, "error": Status.FAILED}.get(reason, Status.FINISHED)
-        finished = Finished(r.request_id, self._t_ms(r, end_ns), reason, r.text, r.metrics(end_ns), error)
+        speculation = None
+        if self.config.speculative:
+            speculation = Speculation(r.num_drafted, r.num_accepted, r.num_decode_forwards, r.num_decode_tokens)
+        finished = Finished(r.request_id, self._t_ms(r, end_ns), reason, r.text, r.metrics(end_ns), error,
+                            speculation)
         self.scheduler.finish(r)  # its blocks go back to the pool (named ones stay cached)
         r.kv_cache = None
         self._deliver(r, finished)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .metrics import RequestMetrics
+from .speculative import Speculation
 
 # The stages of one forward pass, in order, as an explained request's events time them (stage_ms); the
 # order of the native step's Stage enum (csrc/decode_step.cpp). "norm" adds up the RMSNorms of every layer,
@@ -117,6 +118,8 @@ class DecodeStep(Event):
     attention: object | None = None
     # an explained request's time per FORWARD_STAGES of the decode forward, and "sample" (ms)
     stage_ms: dict | None = None
+    flops: int = 0  # the floating-point operations of this token's row of the forward (0 for step 0)
+    draft: bool = False  # a drafted token the forward verified: it came with the token before it (a burst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,7 @@ class Finished(Event):
     text: str
     metrics: RequestMetrics
     error: str | None = None
+    speculation: Speculation | None = None  # what speculative decoding did, when the engine speculates
 
 
 Hook = Callable[[Event], None]

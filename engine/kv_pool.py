@@ -149,6 +149,12 @@ class SequenceKV:
         """Positions [0, end) are now filled in every layer (by a kernel writing the pool directly)."""
         self.num_tokens = max(self.num_tokens, end)
 
+    def truncate(self, end: int) -> None:
+        """Forget positions [end, num_tokens) (speculative decoding's rejected drafts); the next write
+        there overwrites them. Named blocks are never cut into."""
+        assert self.num_hashed_blocks * self.pool.block_size <= end <= self.num_tokens
+        self.num_tokens = end
+
 
 class KVPool:
     """Fixed-size blocks of keys and values, shared by every sequence, with prefix reuse."""

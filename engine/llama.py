@@ -84,6 +84,7 @@ class LeanLlama:
 
     name = "lean-llama"
     explains = True  # forward and decode can time their stages and hand out attention weights (explain mode)
+    drafts = True  # decode takes several positions of one sequence in a batch (speculative decoding)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:

@@ -49,6 +49,12 @@ class Request:
     explain: bool = False
     attention: object | None = field(default=None, repr=False)  # explain mode: the last decode step's weights
     stage_ms: dict | None = None  # explain mode: the last forward's time per stage, until an event takes it
+    # speculative decoding: how many tokens to draft next, and what drafting did so far
+    draft_length: object | None = field(default=None, repr=False)  # speculative.DraftLength
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_decode_forwards: int = 0  # decode forwards this request took part in
+    num_decode_tokens: int = 0  # tokens those forwards gave it
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def take_stage_ms(self) -> dict | None:

@@ -1,0 +1,135 @@
+"""Decode-side switches: prompt-lookup speculative decoding gives plain decoding's tokens (greedy, and
+seeded sampling), its rollback leaves the cache as plain decoding would; without a KV cache the tokens
+are the cached decode's while each step recomputes everything."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model, user
+from engine import DecodeStep, Engine, EngineConfig, Finished, SamplingParams
+from engine.speculative import DraftLength, prompt_lookup
+
+PARAGRAPH = ("The quick brown fox jumps over the lazy dog. Prefill reads the whole prompt in one pass; decode "
+             "then makes one token per forward pass.")
+REPEAT = "Repeat this paragraph exactly:\n\n" + PARAGRAPH
+
+
+def greedy(max_new: int, **extra) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0, **extra)
+
+
+def run(engine: Engine, prompt: str, sampling: SamplingParams) -> tuple[list[int], list[DecodeStep], Finished]:
+    request = engine.new_request(user(prompt), sampling)
+    events = list(engine.run(request))
+    return request.generated_ids, [e for e in events if isinstance(e, DecodeStep)], events[-1]
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_match():
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 8, 2, 3, 4]
+    assert [6, 7, 8] == prompt_lookup(tokens, 3)  # the latest earlier "2 3 4", not the first
+    assert [6] == prompt_lookup(tokens, 1)
+    assert [] == prompt_lookup([1, 2, 3, 4, 5], 4)  # nothing repeats
+    assert [5, 1, 7, 8] == prompt_lookup([7, 8, 5, 1, 7, 8], 4)  # a bigram; what followed runs to the end
+    assert [] == prompt_lookup(tokens, 0)
+
+
+def test_the_draft_length_grows_on_success_and_drafting_pauses_after_misses():
+    length = DraftLength(8)
+    length.update(8, 8)
+    assert 8 == length.next()
+    length.update(8, 3)
+    assert 4 == length.next()  # one more than were accepted
+    length.update(4, 0)
+    length.update(0 + 1, 0)  # (a second miss)
+    assert [0, 0, 1] == [length.next(), length.next(), length.next()]  # paused 2 steps, then 1 token
+    length.update(1, 1)
+    assert 3 == length.next()
+
+
+@pytest.fixture(scope="module")
+def engines(bundled):
+    config = dict(precision="fp32", prefix_caching=False)
+    return Engine(bundled, EngineConfig(**config)), Engine(bundled, EngineConfig(speculative="prompt-lookup", **config))
+
+
+def test_prompt_lookup_gives_plain_greedy_tokens_and_accepts_repeats(engines):
+    plain, speculative = engines
+    expected, _, _ = run(plain, REPEAT, greedy(64))
+    tokens, steps, finished = run(speculative, REPEAT, greedy(64))
+    assert expected == tokens
+    spec = finished.speculation
+    assert spec.accepted > 10 and spec.tokens_per_forward > 2  # the repeat was drafted and accepted
+    assert spec.tokens == len(tokens) - 1 and spec.forwards < spec.tokens  # token 1 comes from the prefill
+    assert any(s.draft for s in steps)  # drafted tokens come in bursts, one event each
+    assert [s.step for s in steps] == list(range(len(tokens)))
+    assert finished.reason == "eos" or len(tokens) == 64
+
+
+def test_a_draft_crossing_a_stop_string_or_the_length_ends_where_plain_decoding_does(engines):
+    plain, speculative = engines
+    for sampling in (greedy(64, stop=("lazy",)), greedy(9)):
+        expected, _, plain_end = run(plain, REPEAT, sampling)
+        tokens, _, end = run(speculative, REPEAT, sampling)
+        assert (expected, plain_end.text, plain_end.reason) == (tokens, end.text, end.reason)
+
+
+def test_seeded_sampling_draws_the_same_tokens(engines):
+    plain, speculative = engines
+    sampling = SamplingParams(max_new_tokens=48, temperature=0.7, top_p=0.9, seed=3)
+    assert run(plain, REPEAT, sampling)[0] == run(speculative, REPEAT, sampling)[0]
+
+
+def test_every_draft_rejected_still_gives_plain_tokens(tokenizer):
+    """A random model never continues as the text did: drafts are tried, rejected, and paused."""
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)
+    plain = Engine(loaded, EngineConfig(precision="fp32"))
+    speculative = Engine(loaded, EngineConfig(precision="fp32", speculative="prompt-lookup", draft_tokens=4))
+    prompt = "one two three one two three one two three one two three"
+    expected, _, _ = run(plain, prompt, greedy(40, ignore_eos=True))
+    tokens, _, finished = run(speculative, prompt, greedy(40, ignore_eos=True))
+    assert expected == tokens
+    assert finished.speculation.drafted > 0
+
+
+def test_rollback_leaves_the_cache_as_plain_decoding_would(engines):
+    plain, speculative = engines
+    requests = [engine.new_request(user(REPEAT), greedy(64)) for engine in engines]
+    for engine, request in zip(engines, requests):
+        engine.submit(request)
+    while requests[1].num_generated < 30:  # several bursts, and rejected drafts among them
+        speculative.step()
+    while requests[0].num_generated < requests[1].num_generated:
+        plain.step()
+    caches = [r.kv_cache for r in requests]
+    assert requests[0].generated_ids == requests[1].generated_ids
+    assert caches[0].num_tokens == caches[1].num_tokens == requests[1].num_prompt_tokens + requests[1].num_generated - 1
+    for layer in range(plain.info.num_layers):
+        for ours, theirs in zip(caches[1].layer_kv(layer, caches[1].num_tokens),
+                                caches[0].layer_kv(layer, caches[0].num_tokens)):
+            assert torch.equal(ours, theirs)
+    for engine, request in zip(engines, requests):
+        request.cancel()
+        while not request.is_finished:
+            engine.step()
+
+
+def test_without_a_kv_cache_the_tokens_are_the_same_and_every_step_costs_more(tokenizer):
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)
+    cached = Engine(loaded, EngineConfig(precision="fp32"))
+    uncached = Engine(loaded, EngineConfig(precision="fp32", kv_cache=False))
+    expected, cached_steps, _ = run(cached, "Tell me about the sea.", greedy(24, ignore_eos=True))
+    tokens, steps, _ = run(uncached, "Tell me about the sea.", greedy(24, ignore_eos=True))
+    assert expected == tokens
+    assert uncached.pool.prefix_caching is False
+    # FLOPs: the cached step grows only by its attention; the uncached one recomputes every token
+    assert steps[-1].flops > steps[1].flops > 2 * cached_steps[1].flops  # (the tiny model is mostly lm_head)
+    assert steps[-1].flops == uncached.forward_flops(steps[-1].kv_tokens, 0)
+    assert cached_steps[-1].flops < 1.1 * cached_steps[1].flops
+
+
+def test_speculation_needs_the_kv_cache():
+    with pytest.raises(ValueError, match="needs kv_cache"):
+        EngineConfig(speculative="prompt-lookup", kv_cache=False)
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        EngineConfig(speculative="guess")
