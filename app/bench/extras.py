@@ -26,19 +26,6 @@ QUALITY_TEXTS = [
 ]
 
 
-def prefill_flops(runner, num_tokens: int) -> float:
-    """Floating-point operations of one prefill of num_tokens: 2 per weight per token in the layers'
-    matmuls, the causal attention (QK^T and PV), and the lm_head for the last token only."""
-    layer = runner.layers[0]
-    hidden = runner.embed.shape[1]
-    heads, kv_heads, head_dim = runner.num_heads, runner.num_kv_heads, runner.head_dim
-    intermediate = layer.gate_up.output_features // 2
-    per_token = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * intermediate
-    attention = 2 * heads * head_dim * num_tokens * num_tokens  # causal: half of 2 * 2 * N^2 * D per head
-    vocab = runner.embed.shape[0]
-    return runner.num_layers * (2 * per_token * num_tokens + attention) + 2 * hidden * vocab
-
-
 def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int, folder: Path) -> dict:
     """Decode tok/s with no hooks, with the UI's hooks (trace + JSON), and with those plus the history
     store writing to a real SQLite file; runs interleaved so that drift hits all three alike."""

@@ -22,8 +22,9 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import in_dtype, make_runner
 
-from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, prefill_flops,
+from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops,
                            quality_vs)
+from .decode_side import no_cache, speculation
 from .scheduler import concurrency, scheduler_cost, second_turn
 
 BENCH_KV_MB = 1024  # each mode's KV pool: far more than any test here needs
@@ -142,11 +143,21 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
+    _decode_side(summary, engines, pp, tg, repetitions, log)
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
     log(f"  cold start: {summary['cold_start_s']}")
     results += [Result("llama.cpp", mode, test, samples)
                 for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log)]
     return {"results": results, "summary": summary}
+
+
+def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int, log) -> None:
+    """Speculative decoding and decode without a KV cache, for the modes whose decode is native."""
+    native = {name: e for name, e in engines.items() if getattr(e.runner, "fused", None) is not None}
+    summary["speculative_prompt_lookup"] = {name: speculation(e, repetitions, tg) for name, e in native.items()}
+    log(f"  speculative decoding (prompt lookup) vs plain: {summary['speculative_prompt_lookup']}")
+    summary["no_kv_cache"] = {name: no_cache(e, pp) for name, e in native.items()}
+    log(f"  a decode step without the KV cache vs with it: {summary['no_kv_cache']}")
 
 
 def _scheduler(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int,
@@ -179,7 +190,7 @@ def _annotate(results: list[Result], engines: dict[str, Engine], pp: int, tg: in
         if result.test == f"tg{tg}":
             result.note = f"{runner.weight_bytes * result.mean / 1e9:.1f} GB/s of weights"
         elif result.test == f"pp{pp}":
-            result.note = f"{prefill_flops(runner, pp) * result.mean / pp / 1e9:.0f} GFLOP/s"
+            result.note = f"{engine.forward_flops(pp, 0) * result.mean / pp / 1e9:.0f} GFLOP/s"
 
 
 def _same_greedy(engine: Engine, loaded, num_tokens: int) -> bool:

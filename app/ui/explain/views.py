@@ -39,7 +39,7 @@ class Walkthrough:
 
 @dataclass(frozen=True)
 class Shape:
-    """The model's sizes, for the tensor shapes and the FLOP count the views show."""
+    """The model's sizes, for the tensor shapes the views show."""
     layers: int
     hidden: int
     heads: int
@@ -56,15 +56,6 @@ class Shape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads, head_dim,
                    config.intermediate_size, config.vocab_size, getattr(engine.runner, "weight_bytes", 0))
-
-    @property
-    def flops_per_token(self) -> int:
-        """2 × the weights a token is multiplied with (projections, MLP, lm_head); attention's own
-        products, which grow with the context, left out."""
-        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
-        attention = qkv + self.heads * self.head_dim * self.hidden  # and the output projection
-        mlp = 3 * self.hidden * self.intermediate
-        return 2 * (self.layers * (attention + mlp) + self.hidden * self.vocab)
 
 
 # --- tokens --------------------------------------------------------------------------------------
@@ -182,7 +173,7 @@ def explanation(engine: Engine, trace: ReplyTrace, lang: str) -> str:
     prefilled = sum(c.num_tokens for c in trace.chunks)
     ttft = trace.steps[0].latency_ms
     if len(trace.steps) == 1:
-        gflops = shape.flops_per_token * prefilled / max(prefill_ms, 1e-6) / 1e6
+        gflops = engine.forward_flops(prefilled, trace.num_cached_tokens) / max(prefill_ms, 1e-6) / 1e6
         return t(lang, "explain.prefill", tokens=prefilled, hidden=shape.hidden, layers=shape.layers,
                  ms=prefill_ms, tps=prefilled / max(prefill_ms, 1e-6) * 1000, ttft=ttft, gflops=gflops)
     step = trace.steps[-1]
