@@ -32,6 +32,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: draft tokens from earlier text (the prompt, the reply so far) "
                              "and verify them in one forward; greedy output unchanged")
     parser.add_argument("--draft-tokens", type=int, default=8, help="the most tokens drafted at once (default 8)")
+    parser.add_argument("--split-kv", action="store_true",
+                        help="Flash Decoding: cut a long sequence's attention into chunks that the threads share")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -108,7 +110,8 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision,
                         prefill_chunk=getattr(args, "prefill_chunk", 0), kv_cache_mb=args.kv_cache_mb,
                         prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
-                        kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens)
+                        kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens,
+                        split_kv=args.split_kv)
 
 
 def _engine(args: argparse.Namespace):

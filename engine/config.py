@@ -71,6 +71,9 @@ class EngineConfig:
         exists), every decode step recomputes the whole sequence and prefix caching is off.
     speculative: None, or "prompt-lookup": draft tokens from earlier text and verify them in one forward
         (engine/speculative.py); draft_tokens: the most drafted at once.
+    split_kv: Flash Decoding in the native decode step: a long sequence's attention cut into chunks that
+        the threads share, merged exactly. Off by default: on two CPU cores it measured no faster, since
+        attention at long context is bound by reading the cache (see the README).
     """
 
     model: str | None = None
@@ -87,6 +90,7 @@ class EngineConfig:
     kv_cache: bool = True
     speculative: str | None = None
     draft_tokens: int = 8
+    split_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

@@ -78,6 +78,12 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
+def _set_split_kv(runner, config: EngineConfig) -> None:
+    """Flash Decoding on or off in the native decode step, where the runner has one."""
+    if getattr(runner, "fused", None) is not None:
+        runner.fused.split_kv = config.split_kv
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, runner=None) -> None:
         self.loaded = loaded
@@ -90,6 +96,7 @@ class Engine:
         # without a KV cache nothing is kept to reuse: prefix caching goes with it
         prefix_caching = self.config.prefix_caching and self.config.kv_cache
         self.pool = self.runner.new_pool(self.pool_budget, self.config.kv_block_tokens, prefix_caching)
+        _set_split_kv(self.runner, self.config)
         if (self.config.speculative or not self.config.kv_cache) and not getattr(self.runner, "drafts", False):
             raise ValueError(f"speculative decoding and decoding without a KV cache need the lean forward, "
                              f"not {self.runner.name}")
@@ -304,6 +311,7 @@ class Engine:
             model = in_dtype(model, getattr(torch, config.load_dtype))
         runner = make_runner(model, precision, cache_dir=config.cache_dir)
         self.runner, self.config = runner, config
+        _set_split_kv(runner, config)
         self.pool = runner.new_pool(self.pool_budget, config.kv_block_tokens, config.prefix_caching and config.kv_cache)
         self.scheduler.pool = self.pool
         self.__dict__.pop("info", None)  # the cached ModelInfo describes the old runner

@@ -115,6 +115,7 @@ class FusedDecode:
         self._dims = [lean.num_layers, lean.num_heads, lean.num_kv_heads, lean.head_dim, hidden, intermediate,
                       lean.lm_head.output_features]
         self.num_positions = cos.shape[0]
+        self.split_kv = False  # Flash Decoding: long sequences' attention cut into chunks across the threads
 
     def _layer_row(self, layer) -> list[int]:
         """14 addresses, in the kernel's order: (weight, scale, bias) of qkv, o, gate_up, down; 2 norms."""
@@ -189,7 +190,7 @@ class FusedDecode:
         tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences],
                               dtype=torch.int64)  # [B, width], padded with a valid block never read
         dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8),
-                                          torch.get_num_threads()], dtype=torch.int64)
+                                          torch.get_num_threads(), int(self.split_kv)], dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
         weights = stage_ms = None

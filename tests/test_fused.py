@@ -183,3 +183,23 @@ def test_a_cache_folder_that_cannot_be_written_falls_back(tokenizer, tmp_path):
     with pytest.warns(UserWarning, match="decode runs PyTorch ops"):
         runner = LeanLlama(tiny_model(tokenizer).model, "int8", cache_dir=str(blocker))
     assert "PyTorch ops" == runner.decode_path
+
+
+def test_split_kv_attention_equals_the_unsplit_one_at_long_context(tokenizer):
+    """Flash Decoding: a sequence longer than a chunk (512 positions) attended in chunks by several
+    tasks, merged by the log-sum-exp rule, gives the unsplit logits within float tolerance; a short
+    sequence in the same batch gets exactly its unsplit result."""
+    loaded = tiny_model(tokenizer, num_heads=6, num_kv_heads=2, hidden=384, max_positions=2048)  # head dim 64
+    lean = LeanLlama(loaded.model, precision="fp32")
+    pool = lean.new_pool(64_000_000)
+    long_seq, short_seq = pool.allocate([], 1400), pool.allocate([], 64)
+    lean.forward(torch.arange(1300) % 900 + 5, 0, long_seq)
+    lean.forward(torch.arange(40) + 7, 0, short_seq)
+    results = {}
+    for split in (False, True):
+        lean.fused.split_kv = split
+        results[split] = lean.decode([11, 12], [1300, 40], [long_seq, short_seq])
+        long_seq.truncate(1300)
+        short_seq.truncate(40)
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(results[True][1], results[False][1])

@@ -60,7 +60,8 @@ struct Linear {
 };
 
 struct Dims {
-    int64_t layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, num_slots, block_size, is_int8, threads;
+    int64_t layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, num_slots, block_size, is_int8, threads,
+        split_kv;
 };
 
 // The sequences of one step: token, position and block table of each.
@@ -318,43 +319,60 @@ void rotary(float *heads, int64_t num_heads, int64_t head_dim, const float *cos,
     }
 }
 
-// The query heads of one KV group of one sequence (GQA: they share keys and values), each
-// out_g = softmax(q_g . K^T * scale) V over positions [0, n) of the sequence's blocks; s: scratch
-// [group][n]. Each key and value is fetched from the cache once for the whole group. D (the head
+// The query heads of one KV group of one sequence (GQA: they share keys and values) over positions
+// [t0, t1) of the sequence's blocks: for each head g, its scores' maximum m[g], the sum l[g] of
+// exp(score - m[g]), and out_g = sum of exp(score - m[g]) v, not yet divided by l[g]. s: scratch
+// [group][t1 - t0]. Each key and value is fetched from the cache once for the whole group. D (the head
 // dimension) known at compile time keeps q and the output in registers.
 template <int D>
-void attend_group(const float *q, int64_t group, const float *k, const float *v, const int64_t *table, int64_t bs,
-                  int64_t n, float scale, float *s, float *out) {
+void attend_group_part(const float *q, int64_t group, const float *k, const float *v, const int64_t *table,
+                       int64_t bs, int64_t t0, int64_t t1, float scale, float *s, float *out, float *m, float *l) {
     constexpr int V = D / kVec;
-    float top[8];
-    for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
-    for (int64_t start = 0; start < n; start += bs) {  // block by block: no division per position
-        const float *kb = k + table[start / bs] * bs * D;
-        for (int64_t t = start; t < std::min(n, start + bs); t++) {
+    const int64_t n = t1 - t0;
+    for (int64_t g = 0; g < group; g++) m[g] = -INFINITY;
+    for (int64_t start = t0; start < t1;) {  // block by block: no division per position
+        const int64_t end = std::min(t1, (start / bs + 1) * bs);
+        const float *kb = k + table[start / bs] * bs * D - (start / bs) * bs * D;  // position t at kb + t * D
+        for (int64_t t = start; t < end; t++) {
             Vec kt[V];
-            for (int j = 0; j < V; j++) kt[j] = *reinterpret_cast<const Vec *>(kb + (t - start) * D + j * kVec);
+            for (int j = 0; j < V; j++) kt[j] = *reinterpret_cast<const Vec *>(kb + t * D + j * kVec);
             for (int64_t g = 0; g < group; g++) {
                 const Vec *qg = reinterpret_cast<const Vec *>(q + g * D);
                 Vec dot = qg[0] * kt[0];
                 for (int j = 1; j < V; j++) dot += qg[j] * kt[j];
-                s[g * n + t] = sum_lanes(dot) * scale;
-                top[g] = std::max(top[g], s[g * n + t]);
+                s[g * n + t - t0] = sum_lanes(dot) * scale;
+                m[g] = std::max(m[g], s[g * n + t - t0]);
             }
         }
+        start = end;
     }
     for (int64_t g = 0; g < group; g++) {
         float *sg = s + g * n, total = 0.0f;
-        const float most = top[g];
+        const float most = m[g];
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < n; t++) total += (sg[t] = fast_exp(sg[t] - most));
+        l[g] = total;
         Vec acc[V] = {};
-        for (int64_t start = 0; start < n; start += bs) {  // values: from memory for the first head, then L1
-            const float *vb = v + table[start / bs] * bs * D;
-            for (int64_t t = start; t < std::min(n, start + bs); t++)
-                for (int j = 0; j < V; j++) acc[j] += sg[t] * *reinterpret_cast<const Vec *>(vb + (t - start) * D + j * kVec);
+        for (int64_t start = t0; start < t1;) {  // values: from memory for the first head, then L1
+            const int64_t end = std::min(t1, (start / bs + 1) * bs);
+            const float *vb = v + table[start / bs] * bs * D - (start / bs) * bs * D;
+            for (int64_t t = start; t < end; t++)
+                for (int j = 0; j < V; j++) acc[j] += sg[t - t0] * *reinterpret_cast<const Vec *>(vb + t * D + j * kVec);
+            start = end;
         }
-        const float inverse = 1.0f / total;
-        for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) = acc[j] * inverse;
+        for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) = acc[j];
+    }
+}
+
+// attend_group_part over all n positions, normalized: out_g = softmax(q_g . K^T * scale) V.
+template <int D>
+void attend_group(const float *q, int64_t group, const float *k, const float *v, const int64_t *table, int64_t bs,
+                  int64_t n, float scale, float *s, float *out) {
+    float m[8], l[8];
+    attend_group_part<D>(q, group, k, v, table, bs, 0, n, scale, s, out, m, l);
+    for (int64_t g = 0; g < group; g++) {
+        const Vec inverse = Vec{} + 1.0f / l[g];
+        for (int j = 0; j < D / kVec; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) *= inverse;
     }
 }
 
@@ -379,18 +397,85 @@ void attend_head_any(const float *q, const float *k, const float *v, const int64
     for (int64_t i = 0; i < D; i++) out[i] /= total;
 }
 
+// attention() for every sequence but skip_b, each (sequence, group) cut into chunks of `length` positions:
+// one task per chunk, then per head out = sum_c out_c e^(m_c - M) / sum_c l_c e^(m_c - M), M = max_c m_c.
+void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const float *keys,
+                     const float *values, float *out, int64_t length, int64_t skip_b) {
+    const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
+    const float scale = 1.0f / std::sqrt(float(D));
+    std::vector<int64_t> first(batch.size + 1, 0);  // each sequence's first chunk
+    for (int64_t b = 0; b < batch.size; b++)
+        first[b + 1] = first[b] + (b == skip_b ? 0 : (batch.positions[b] + length) / length);
+    const int64_t chunks = first[batch.size], tasks = chunks * d.kv_heads;
+    std::vector<float> parts(tasks * group * D), maxima(tasks * group), sums(tasks * group);
+    std::vector<float> scores(tasks * group * length);
+#pragma omp parallel for num_threads(d.threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; task++) {  // (chunk, KV group)
+        const int64_t c = task / d.kv_heads, g = task % d.kv_heads;
+        const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
+        const int64_t t0 = (c - first[b]) * length, t1 = std::min(batch.positions[b] + 1, t0 + length);
+        const float *qg = q + b * q_stride + g * group * D;
+        const float *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
+        const int64_t *table = batch.tables + b * batch.table_stride;
+        float *s = scores.data() + task * group * length, *o = parts.data() + task * group * D;
+        if (D == 64)
+            attend_group_part<64>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
+        else
+            attend_group_part<128>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
+    }
+    for (int64_t b = 0; b < batch.size; b++) {  // merge each head's chunks
+        if (b == skip_b) continue;
+        for (int64_t g = 0; g < d.kv_heads; g++)
+            for (int64_t h = 0; h < group; h++) {
+                float most = -INFINITY, total = 0.0f;
+                for (int64_t c = first[b]; c < first[b + 1]; c++) most = std::max(most, maxima[(c * d.kv_heads + g) * group + h]);
+                float *o = out + (b * d.heads + g * group + h) * D;
+                std::fill(o, o + D, 0.0f);
+                for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                    const int64_t at = (c * d.kv_heads + g) * group + h;
+                    const float weight = std::exp(maxima[at] - most);
+                    total += sums[at] * weight;
+                    for (int64_t i = 0; i < D; i++) o[i] += parts[at * D + i] * weight;
+                }
+                const float inverse = 1.0f / total;  // as attend_group: one chunk gives its result exactly
+                for (int64_t i = 0; i < D; i++) o[i] *= inverse;
+            }
+    }
+}
+
+// Flash Decoding: at long context one (sequence, KV group) is too coarse a task (B = 1 with 3 KV heads on
+// 2 threads leaves one thread two groups), so each sequence's positions are cut into chunks of
+// kSplitLength, one task each, whose partial outputs are merged exactly (the log-sum-exp rule). The cut
+// depends on the sequence alone, never on the batch: a sequence's output stays the same whoever else
+// runs beside it (and a sequence of one chunk gets exactly the unsplit result).
+constexpr int64_t kSplitLength = 512;
+
+bool splits(const Dims &d, const Batch &batch, int64_t capture_b) {
+    if (!d.split_kv || (d.head_dim != 64 && d.head_dim != 128) || d.heads / d.kv_heads > 8) return false;
+    for (int64_t b = 0; b < batch.size; b++)
+        if (b != capture_b && batch.positions[b] + 1 > kSplitLength) return true;
+    return false;
+}
+
 // out[b][h] = softmax(q_bh . K^T / sqrt(D)) V over positions [0, pos_b] of sequence b's blocks, for every
-// sequence and head: one task per (sequence, head), each reading its own cache length.
+// sequence and head: one task per (sequence, KV group), or per chunk of one (splits), each reading its
+// own cache length.
 void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const float *keys,
                const float *values, float *out, float *capture, int64_t capture_b) {
     const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
     const float scale = 1.0f / std::sqrt(float(D));
+    const bool split = splits(d, batch, capture_b);
+    if (split) {
+        split_attention(d, batch, q, q_stride, keys, values, out, kSplitLength, capture_b);
+        if (capture_b < 0) return;  // else the captured sequence, never split, follows alone below
+    }
     std::vector<int64_t> offset(batch.size + 1, 0);  // each (sequence, head)'s scores in one buffer
     for (int64_t b = 0; b < batch.size; b++) offset[b + 1] = offset[b] + d.heads * (batch.positions[b] + 1);
     std::vector<float> scores(offset[batch.size]);
 #pragma omp parallel for num_threads(d.threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < batch.size * d.kv_heads; task++) {  // one task per (sequence, KV group)
         const int64_t b = task / d.kv_heads, g = task % d.kv_heads, n = batch.positions[b] + 1;
+        if (split && b != capture_b) continue;  // done in chunks above
         const float *qg = q + b * q_stride + g * group * D;
         const float *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
         const int64_t *table = batch.tables + b * batch.table_stride;
@@ -538,7 +623,7 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
 
 }  // namespace
 
-// dims: Dims as 11 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
+// dims: Dims as 12 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
 // bias; then attn_norm, mlp_norm); model_ptrs: embed [vocab][hidden], final_norm, lm_head weight, scale,
 // bias, cos [positions][D/2], sin [positions][D/2]. For each of the n sequences: tokens[b] at
 // positions[b], block table row b of tables [n][table_stride]. Writes each one's K/V at its position and
@@ -564,7 +649,8 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
                                float *kv, int64_t n, const int64_t *tokens, const int64_t *positions,
                                const int64_t *tables, int64_t table_stride, float *logits, float *capture,
                                int64_t capture_b, double *stage_ms) {
-    const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10]};
+    const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10],
+                 dims[11]};
     const Batch batch{n, tokens, positions, tables, table_stride};
     for (int64_t b = 0; b < n; b++) {
         if (tokens[b] < 0 || tokens[b] >= d.vocab || positions[b] < 0 || positions[b] / d.block_size >= table_stride)
