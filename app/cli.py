@@ -32,6 +32,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: draft tokens from earlier text (the prompt, the reply so far) "
                              "and verify them in one forward; greedy output unchanged")
     parser.add_argument("--draft-tokens", type=int, default=8, help="the most tokens drafted at once (default 8)")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16"],
+                        help="the KV cache's number format (auto: the activations', fp32 on CPU); fp16 halves it")
     parser.add_argument("--split-kv", action="store_true",
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share")
 
@@ -111,7 +113,7 @@ def engine_config(args: argparse.Namespace):
                         prefill_chunk=getattr(args, "prefill_chunk", 0), kv_cache_mb=args.kv_cache_mb,
                         prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
                         kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens,
-                        split_kv=args.split_kv)
+                        split_kv=args.split_kv, kv_dtype=args.kv_dtype)
 
 
 def _engine(args: argparse.Namespace):

@@ -9,6 +9,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8")
 PRECISION_DTYPES = {"fp32": "float32", "int8": "float32", "fp16": "float16", "bf16": "bfloat16"}
+KV_DTYPES = ("auto", "fp32", "fp16")
 DEFAULT_BLOCK_TOKENS = 16  # tokens per KV block
 
 
@@ -71,6 +72,8 @@ class EngineConfig:
         exists), every decode step recomputes the whole sequence and prefix caching is off.
     speculative: None, or "prompt-lookup": draft tokens from earlier text and verify them in one forward
         (engine/speculative.py); draft_tokens: the most drafted at once.
+    kv_dtype: the KV cache's number format: auto (the activations': fp32 for fp32 and int8 weights), fp32,
+        or fp16 (half the bytes per token; the keys and values rounded to fp16 as they are stored).
     split_kv: Flash Decoding in the native decode step: a long sequence's attention cut into chunks that
         the threads share, merged exactly. Off by default: on two CPU cores it measured no faster, since
         attention at long context is bound by reading the cache (see the README).
@@ -91,6 +94,7 @@ class EngineConfig:
     speculative: str | None = None
     draft_tokens: int = 8
     split_kv: bool = False
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -101,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {self.prefill_chunk!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.speculative not in (None, *SPECULATIVE_METHODS):
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
         if self.speculative and not self.kv_cache:

@@ -78,6 +78,17 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
+def _new_pool(runner, config: EngineConfig, budget_bytes: int):
+    """The runner's KV pool under the config: its format, and prefix caching (which needs a cache)."""
+    prefix_caching = config.prefix_caching and config.kv_cache  # without a KV cache nothing is kept to reuse
+    if config.kv_dtype == "auto":
+        return runner.new_pool(budget_bytes, config.kv_block_tokens, prefix_caching)
+    if runner.name != "lean-llama":
+        raise ValueError(f"--kv-dtype needs the lean forward, not {runner.name}")
+    kv_dtype = {"fp32": torch.float32, "fp16": torch.float16}[config.kv_dtype]
+    return runner.new_pool(budget_bytes, config.kv_block_tokens, prefix_caching, kv_dtype)
+
+
 def _set_split_kv(runner, config: EngineConfig) -> None:
     """Flash Decoding on or off in the native decode step, where the runner has one."""
     if getattr(runner, "fused", None) is not None:
@@ -93,9 +104,7 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         mb = self.config.kv_cache_mb
         self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
-        # without a KV cache nothing is kept to reuse: prefix caching goes with it
-        prefix_caching = self.config.prefix_caching and self.config.kv_cache
-        self.pool = self.runner.new_pool(self.pool_budget, self.config.kv_block_tokens, prefix_caching)
+        self.pool = _new_pool(self.runner, self.config, self.pool_budget)
         _set_split_kv(self.runner, self.config)
         if (self.config.speculative or not self.config.kv_cache) and not getattr(self.runner, "drafts", False):
             raise ValueError(f"speculative decoding and decoding without a KV cache need the lean forward, "
@@ -126,7 +135,8 @@ class Engine:
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = self.runner.dtype  # the loaded model's, or the copy a half-precision switch made
-        element = torch.tensor([], dtype=dtype).element_size()
+        kv = getattr(self.pool, "kv", None)  # the KV cache's own format (--kv-dtype)
+        element = kv.element_size() if kv is not None else torch.tensor([], dtype=dtype).element_size()
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
                          str(dtype).removeprefix("torch."), self.runner.name,
                          getattr(self.runner, "decode_path", "PyTorch ops"), self.runner.precision,
@@ -312,7 +322,7 @@ class Engine:
         runner = make_runner(model, precision, cache_dir=config.cache_dir)
         self.runner, self.config = runner, config
         _set_split_kv(runner, config)
-        self.pool = runner.new_pool(self.pool_budget, config.kv_block_tokens, config.prefix_caching and config.kv_cache)
+        self.pool = _new_pool(runner, config, self.pool_budget)
         self.scheduler.pool = self.pool
         self.__dict__.pop("info", None)  # the cached ModelInfo describes the old runner
 

@@ -93,6 +93,7 @@ class FusedDecode:
         self._top_batch.restype = None
         self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.kv_formats = native.ps_kv_formats()  # bit 0: fp32 KV cache, bit 1: fp16
         self._attend = native.ps_prefill_attention
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -144,7 +145,7 @@ class FusedDecode:
         head_dim = pool.kv.shape[-1]
         out = torch.empty((num_tokens, self._heads * head_dim), dtype=torch.float32)
         dims = torch.tensor([self._heads, self._kv_heads, head_dim, pool.kv.shape[3], pool.block_size,
-                             torch.get_num_threads()], dtype=torch.int64)
+                             torch.get_num_threads(), _kv_half(pool)], dtype=torch.int64)
         status = self._attend(dims.data_ptr(), qkv.data_ptr(), width, pool.kv[layer, 0].data_ptr(),
                               pool.kv[layer, 1].data_ptr(), sequence.block_table.data_ptr(), pos, num_tokens,
                               out.data_ptr())
@@ -184,13 +185,14 @@ class FusedDecode:
         ({stage: ms}, STAGES)."""
         ends = [seq.reserve(pos, 1) for seq, pos in zip(sequences, positions)]
         pool = sequences[0].pool
-        assert pool.kv.dtype == torch.float32 and pool.kv.is_contiguous()
+        assert pool.kv.is_contiguous()
         assert all(seq.pool is pool for seq in sequences), "one batch, one pool"
         width = max(len(seq.block_ids) for seq in sequences)
         tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences],
                               dtype=torch.int64)  # [B, width], padded with a valid block never read
         dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8),
-                                          torch.get_num_threads(), int(self.split_kv)], dtype=torch.int64)
+                                          torch.get_num_threads(), int(self.split_kv), _kv_half(pool)],
+                            dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
         weights = stage_ms = None
@@ -208,6 +210,12 @@ class FusedDecode:
         if weights is None:
             return logits
         return logits, weights, dict(zip(STAGES, stage_ms.tolist()))
+
+
+def _kv_half(pool) -> int:
+    """The native step's KV format flag: 1 for an fp16 cache, 0 for fp32 (the only two it has)."""
+    assert pool.kv.dtype in (torch.float32, torch.float16), pool.kv.dtype
+    return int(pool.kv.dtype == torch.float16)
 
 
 def load_fused_decode(lean, cache_dir: Path) -> FusedDecode | None:

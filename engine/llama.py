@@ -176,10 +176,14 @@ class LeanLlama:
         norms = sum(layer.attn_norm.nbytes + layer.mlp_norm.nbytes for layer in self.layers)
         return sum(lin.nbytes for lin in linears) + self.lm_head.nbytes + norms + self.final_norm.nbytes
 
-    def new_pool(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_TOKENS,
-                 prefix_caching: bool = True) -> KVPool:
+    def new_pool(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_TOKENS, prefix_caching: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> KVPool:
+        """The KV pool, in the activations' dtype or kv_dtype (fp16 halves what long contexts read)."""
+        kv_dtype = kv_dtype or self.dtype
+        if self.fused is not None and kv_dtype == torch.float16 and not self.fused.kv_formats & 2:
+            raise ValueError("an fp16 KV cache needs a CPU with the F16C instructions for the native decode step")
         return KVPool.with_budget(budget_bytes, self.num_layers, self.num_kv_heads, self.head_dim, block_size,
-                                  self.dtype, self.device, prefix_caching)
+                                  kv_dtype, self.device, prefix_caching)
 
     def new_cache(self, capacity_tokens: int) -> SequenceKV:
         """One sequence's cache in a pool of its own (for tests and one-off forwards)."""
@@ -273,6 +277,7 @@ class LeanLlama:
                 return self.fused.prefill_attention(qkv, index, pos, cache)  # reads them there, in place
             cache.write_kv(index, pos, kv)
             keys, values = cache.layer_kv(index, pos + num_tokens)  # [KV, pos+T, D] each
+            keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)  # a no-op unless the cache is fp16
             q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         else:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
@@ -281,6 +286,7 @@ class LeanLlama:
             q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
             keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))
+            keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                              attn_mask=self._causal_mask(pos, num_tokens),
                                              enable_gqa=heads != kv_heads)  # [1, H, T, D]

@@ -3,12 +3,13 @@ replace."""
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_model
+from conftest import tiny_model, user
 from engine import Engine, EngineConfig, SamplingParams
 from engine.fused import KernelUnavailable, build_library
 from engine.hf_runner import make_runner
@@ -203,3 +204,33 @@ def test_split_kv_attention_equals_the_unsplit_one_at_long_context(tokenizer):
         short_seq.truncate(40)
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-4, atol=1e-4)
     assert torch.equal(results[True][1], results[False][1])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_fp16_kv_cache_halves_the_bytes_and_keeps_the_logits_close(tokenizer, native):
+    """--kv-dtype fp16: keys and values stored rounded to fp16, read back as fp32, by the native prefill
+    attention and decode step and by the PyTorch ops alike: half the bytes, logits within a tolerance."""
+    loaded = tiny_model(tokenizer, num_heads=6, num_kv_heads=2, hidden=384)  # head dim 64: native kernels
+    lean = LeanLlama(loaded.model, precision="fp32")
+    results = {}
+    for dtype in (torch.float32, torch.float16):
+        pool = lean.new_pool(16_000_000, kv_dtype=dtype)
+        sequence = pool.allocate([], 80)
+        with (nullcontext() if native else lean.pytorch_decode()):
+            prefill = lean.forward(torch.arange(60) % 500 + 3, 0, sequence)
+            decode = lean.decode([42, 43], [60, 61], [sequence, sequence])  # two positions: the second sees the first
+        results[dtype] = (prefill, decode, pool.bytes_per_token)
+    (prefill32, decode32, bytes32), (prefill16, decode16, bytes16) = results[torch.float32], results[torch.float16]
+    assert 2 * bytes16 == bytes32
+    torch.testing.assert_close(prefill16, prefill32, rtol=0, atol=2e-3)
+    torch.testing.assert_close(decode16, decode32, rtol=0, atol=2e-3)
+    assert not torch.equal(decode16, decode32)  # the cache really was rounded
+
+
+def test_engine_reports_the_kv_formats_bytes(tokenizer):
+    engine = Engine(tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256),
+                    EngineConfig(precision="fp32", kv_dtype="fp16"))
+    assert engine.pool.kv.dtype == torch.float16
+    assert engine.info.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2  # K and V, 2 layers, 2 KV heads, 64 dims, 2 B
+    finished = engine.generate(user("Hi"), SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    assert finished.metrics.kv_bytes == finished.metrics.kv_tokens * engine.info.kv_bytes_per_token

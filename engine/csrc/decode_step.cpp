@@ -61,7 +61,7 @@ struct Linear {
 
 struct Dims {
     int64_t layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, num_slots, block_size, is_int8, threads,
-        split_kv;
+        split_kv, kv_half;  // kv_half: the KV cache is fp16, else fp32
 };
 
 // The sequences of one step: token, position and block table of each.
@@ -91,6 +91,29 @@ inline float sum_lanes(Vec v) {
     for (int64_t i = 0; i < kVec; i++) total += v[i];
     return total;
 }
+
+// --- the KV cache's number formats: fp32, or fp16 (half the bytes to read at long context, as llama.cpp's
+// default f16 cache). Keys and values are stored rounded to the format and read back as fp32; everything
+// else stays fp32. fp16 needs the F16C instructions (x86-64-v3).
+typedef uint16_t half;
+#if defined(__F16C__)
+constexpr bool kHasHalf = true;
+inline Vec load8(const half *p) { return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))); }
+inline float load1(const half *p) { return _cvtsh_ss(*p); }
+inline void store_row(half *dst, const float *src, int64_t D) {
+    for (int64_t i = 0; i < D; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+constexpr bool kHasHalf = false;  // ps_kv_formats says so: the caller keeps an fp32 cache
+inline Vec load8(const half *) { return Vec{}; }
+inline float load1(const half *) { return 0.0f; }
+inline void store_row(half *, const float *, int64_t) {}
+#endif
+inline Vec load8(const float *p) { return *reinterpret_cast<const Vec *>(p); }
+inline float load1(const float *p) { return *p; }
+inline void store_row(float *dst, const float *src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
 
 // --- fp32: out[b] = row . x_b, two accumulator chains per sequence --------------------------------------
 template <int B>
@@ -324,18 +347,18 @@ void rotary(float *heads, int64_t num_heads, int64_t head_dim, const float *cos,
 // exp(score - m[g]), and out_g = sum of exp(score - m[g]) v, not yet divided by l[g]. s: scratch
 // [group][t1 - t0]. Each key and value is fetched from the cache once for the whole group. D (the head
 // dimension) known at compile time keeps q and the output in registers.
-template <int D>
-void attend_group_part(const float *q, int64_t group, const float *k, const float *v, const int64_t *table,
+template <int D, typename KV>
+void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, const int64_t *table,
                        int64_t bs, int64_t t0, int64_t t1, float scale, float *s, float *out, float *m, float *l) {
     constexpr int V = D / kVec;
     const int64_t n = t1 - t0;
     for (int64_t g = 0; g < group; g++) m[g] = -INFINITY;
     for (int64_t start = t0; start < t1;) {  // block by block: no division per position
         const int64_t end = std::min(t1, (start / bs + 1) * bs);
-        const float *kb = k + table[start / bs] * bs * D - (start / bs) * bs * D;  // position t at kb + t * D
+        const KV *kb = k + table[start / bs] * bs * D - (start / bs) * bs * D;  // position t at kb + t * D
         for (int64_t t = start; t < end; t++) {
             Vec kt[V];
-            for (int j = 0; j < V; j++) kt[j] = *reinterpret_cast<const Vec *>(kb + t * D + j * kVec);
+            for (int j = 0; j < V; j++) kt[j] = load8(kb + t * D + j * kVec);
             for (int64_t g = 0; g < group; g++) {
                 const Vec *qg = reinterpret_cast<const Vec *>(q + g * D);
                 Vec dot = qg[0] * kt[0];
@@ -355,9 +378,9 @@ void attend_group_part(const float *q, int64_t group, const float *k, const floa
         Vec acc[V] = {};
         for (int64_t start = t0; start < t1;) {  // values: from memory for the first head, then L1
             const int64_t end = std::min(t1, (start / bs + 1) * bs);
-            const float *vb = v + table[start / bs] * bs * D - (start / bs) * bs * D;
+            const KV *vb = v + table[start / bs] * bs * D - (start / bs) * bs * D;
             for (int64_t t = start; t < end; t++)
-                for (int j = 0; j < V; j++) acc[j] += sg[t - t0] * *reinterpret_cast<const Vec *>(vb + t * D + j * kVec);
+                for (int j = 0; j < V; j++) acc[j] += sg[t - t0] * load8(vb + t * D + j * kVec);
             start = end;
         }
         for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) = acc[j];
@@ -365,11 +388,11 @@ void attend_group_part(const float *q, int64_t group, const float *k, const floa
 }
 
 // attend_group_part over all n positions, normalized: out_g = softmax(q_g . K^T * scale) V.
-template <int D>
-void attend_group(const float *q, int64_t group, const float *k, const float *v, const int64_t *table, int64_t bs,
+template <int D, typename KV>
+void attend_group(const float *q, int64_t group, const KV *k, const KV *v, const int64_t *table, int64_t bs,
                   int64_t n, float scale, float *s, float *out) {
     float m[8], l[8];
-    attend_group_part<D>(q, group, k, v, table, bs, 0, n, scale, s, out, m, l);
+    attend_group_part<D, KV>(q, group, k, v, table, bs, 0, n, scale, s, out, m, l);
     for (int64_t g = 0; g < group; g++) {
         const Vec inverse = Vec{} + 1.0f / l[g];
         for (int j = 0; j < D / kVec; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) *= inverse;
@@ -377,13 +400,14 @@ void attend_group(const float *q, int64_t group, const float *k, const float *v,
 }
 
 // The same for any head dimension, the output accumulated in memory.
-void attend_head_any(const float *q, const float *k, const float *v, const int64_t *table, int64_t bs, int64_t n,
+template <typename KV>
+void attend_head_any(const float *q, const KV *k, const KV *v, const int64_t *table, int64_t bs, int64_t n,
                      int64_t D, float scale, float *s, float *out) {
     float top = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
-        const float *kt = k + (table[t / bs] * bs + t % bs) * D;
+        const KV *kt = k + (table[t / bs] * bs + t % bs) * D;
         float dot = 0.0f;
-        for (int64_t i = 0; i < D; i++) dot += q[i] * kt[i];
+        for (int64_t i = 0; i < D; i++) dot += q[i] * load1(kt + i);
         s[t] = dot * scale;
         top = std::max(top, s[t]);
     }
@@ -391,16 +415,17 @@ void attend_head_any(const float *q, const float *k, const float *v, const int64
     for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
     std::fill(out, out + D, 0.0f);
     for (int64_t t = 0; t < n; t++) {
-        const float *vt = v + (table[t / bs] * bs + t % bs) * D;
-        for (int64_t i = 0; i < D; i++) out[i] += s[t] * vt[i];
+        const KV *vt = v + (table[t / bs] * bs + t % bs) * D;
+        for (int64_t i = 0; i < D; i++) out[i] += s[t] * load1(vt + i);
     }
     for (int64_t i = 0; i < D; i++) out[i] /= total;
 }
 
 // attention() for every sequence but skip_b, each (sequence, group) cut into chunks of `length` positions:
 // one task per chunk, then per head out = sum_c out_c e^(m_c - M) / sum_c l_c e^(m_c - M), M = max_c m_c.
-void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const float *keys,
-                     const float *values, float *out, int64_t length, int64_t skip_b) {
+template <typename KV>
+void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const KV *keys,
+                     const KV *values, float *out, int64_t length, int64_t skip_b) {
     const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
     const float scale = 1.0f / std::sqrt(float(D));
     std::vector<int64_t> first(batch.size + 1, 0);  // each sequence's first chunk
@@ -415,13 +440,13 @@ void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t 
         const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
         const int64_t t0 = (c - first[b]) * length, t1 = std::min(batch.positions[b] + 1, t0 + length);
         const float *qg = q + b * q_stride + g * group * D;
-        const float *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
+        const KV *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
         const int64_t *table = batch.tables + b * batch.table_stride;
         float *s = scores.data() + task * group * length, *o = parts.data() + task * group * D;
         if (D == 64)
-            attend_group_part<64>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
+            attend_group_part<64, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
         else
-            attend_group_part<128>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
+            attend_group_part<128, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
     }
     for (int64_t b = 0; b < batch.size; b++) {  // merge each head's chunks
         if (b == skip_b) continue;
@@ -460,8 +485,9 @@ bool splits(const Dims &d, const Batch &batch, int64_t capture_b) {
 // out[b][h] = softmax(q_bh . K^T / sqrt(D)) V over positions [0, pos_b] of sequence b's blocks, for every
 // sequence and head: one task per (sequence, KV group), or per chunk of one (splits), each reading its
 // own cache length.
-void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const float *keys,
-               const float *values, float *out, float *capture, int64_t capture_b) {
+template <typename KV>
+void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const KV *keys,
+               const KV *values, float *out, float *capture, int64_t capture_b) {
     const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
     const float scale = 1.0f / std::sqrt(float(D));
     const bool split = splits(d, batch, capture_b);
@@ -477,7 +503,7 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
         const int64_t b = task / d.kv_heads, g = task % d.kv_heads, n = batch.positions[b] + 1;
         if (split && b != capture_b) continue;  // done in chunks above
         const float *qg = q + b * q_stride + g * group * D;
-        const float *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
+        const KV *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
         const int64_t *table = batch.tables + b * batch.table_stride;
         float *s = scores.data() + offset[b] + g * group * n, *o = out + (b * d.heads + g * group) * D;
         if (D == 64 && group <= 8) {
@@ -522,6 +548,15 @@ float *scratch(int which, int64_t size) {
     return buffers[which].data();
 }
 
+inline Vec16 load16(const float *p) { return *reinterpret_cast<const Vec16 *>(p); }
+inline Vec16 load16(const half *p) {
+    const Vec low = load8(p), high = load8(p + 8);
+    Vec16 both;
+    std::memcpy(&both, &low, sizeof low);
+    std::memcpy(reinterpret_cast<char *>(&both) + sizeof low, &high, sizeof high);
+    return both;
+}
+
 inline float sum_lanes16(Vec16 v) {
     float total = 0.0f;
     for (int i = 0; i < 16; i++) total += v[i];
@@ -551,22 +586,23 @@ inline float softmax_row(float *s, int64_t n) {
 // Rows [0, rows) of one (KV group, token tile): row r is token t0 + r / group, query head r % group of the
 // group, at position pos + t0 + r / group. q points at the group's first head of token 0; out likewise.
 // Keys [0, n) of one KV group, 32 at a time transposed: kt [n / 32 rounded up][D][32], zero past n.
-void transpose_keys(const float *k, const int64_t *table, int64_t bs, int64_t D, int64_t n, int64_t tile,
+template <typename KV>
+void transpose_keys(const KV *k, const int64_t *table, int64_t bs, int64_t D, int64_t n, int64_t tile,
                     float *kt) {
     float *out = kt + tile * D * kKeyTile;
-    static const float zeros[256] = {};  // the keys past n (D <= 256)
-    const float *key[kKeyTile];
+    static const KV zeros[256] = {};  // the keys past n (D <= 256); 0 in both formats
+    const KV *key[kKeyTile];
     for (int64_t j = 0; j < kKeyTile; j++) {
         const int64_t p = tile * kKeyTile + j;
         key[j] = p < n ? k + (table[p / bs] * bs + p % bs) * D : zeros;
     }
     for (int64_t d = 0; d < D; d++)  // stores in order; the 32 key rows stay in L1
-        for (int64_t j = 0; j < kKeyTile; j++) out[d * kKeyTile + j] = key[j][d];
+        for (int64_t j = 0; j < kKeyTile; j++) out[d * kKeyTile + j] = load1(key[j] + d);
 }
 
 // kt: the group's keys from transpose_keys; v: its values in the pool.
-template <int D>
-void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const float *kt, const float *v,
+template <int D, typename KV>
+void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const float *kt, const KV *v,
                          const int64_t *table, int64_t bs, int64_t pos, int64_t t0, int64_t t1, float scale,
                          float *out, int64_t out_stride) {
     constexpr int V = D / 16;
@@ -607,7 +643,9 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
         const int64_t count = std::min(kValueRows, rows - r0), last = limit(r0 + count - 1);
         Vec16 acc[kValueRows][V] = {};
         for (int64_t p = 0; p < last; p++) {
-            const Vec16 *value = reinterpret_cast<const Vec16 *>(v + (table[p / bs] * bs + p % bs) * D);
+            const KV *row = v + (table[p / bs] * bs + p % bs) * D;
+            Vec16 value[V];
+            for (int j = 0; j < V; j++) value[j] = load16(row + j * 16);
             for (int64_t i = 0; i < kValueRows; i++) {
                 const float weight = i < count ? scores[(r0 + i) * width + p] : 0.0f;  // 0 past a row's limit
                 for (int j = 0; j < V; j++) acc[i][j] += weight * value[j];
@@ -621,9 +659,72 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
     }
 }
 
+// One layer's keys and values of every sequence's new token into the pool (kv: [layers][2][kv_heads]
+// [slots][D] of KV), then attention() over them.
+template <typename KV>
+void write_and_attend(const Dims &d, const Batch &batch, KV *kv, int64_t layer, const float *qkv, int64_t qkv_size,
+                      float *out, float *capture, int64_t capture_b) {
+    const int64_t D = d.head_dim, q_size = d.heads * D, kv_size = d.kv_heads * D;
+    KV *keys = kv + (layer * 2 + 0) * d.kv_heads * d.num_slots * D, *values = keys + d.kv_heads * d.num_slots * D;
+    for (int64_t b = 0; b < batch.size; b++) {
+        const float *row = qkv + b * qkv_size;
+        const int64_t slot = batch.slot(d, b, batch.positions[b]);
+        for (int64_t g = 0; g < d.kv_heads; g++) {
+            store_row(keys + (g * d.num_slots + slot) * D, row + q_size + g * D, D);
+            store_row(values + (g * d.num_slots + slot) * D, row + q_size + kv_size + g * D, D);
+        }
+    }
+    attention(d, batch, qkv, qkv_size, keys, values, out, capture, capture_b);
+}
+
+// ps_prefill_attention for one KV format.
+template <typename KV>
+void prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, KV *keys, KV *values,
+                       const int64_t *table, int64_t pos, int64_t T, float *out) {
+    const float *q = qkv;
+    const int64_t heads = dims[0], kv_heads = dims[1], D = dims[2], num_slots = dims[3], bs = dims[4];
+    const int64_t group = heads / kv_heads, tiles = (T + kTileTokens - 1) / kTileTokens;
+    const float scale = 1.0f / std::sqrt(float(D));
+    const int64_t n = pos + T, key_tiles = (n + kKeyTile - 1) / kKeyTile, group_keys = key_tiles * kKeyTile * D;
+    float *kt = scratch(2, kv_heads * group_keys);  // each group's keys transposed once, for all its tiles
+#pragma omp parallel num_threads(dims[5])
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {  // the chunk's keys and values into the pool
+            const int64_t p = pos + t, slot = table[p / bs] * bs + p % bs;
+            const float *row = qkv + t * q_stride + heads * D;  // key heads, then value heads
+            for (int64_t g = 0; g < kv_heads; g++) {
+                store_row(keys + (g * num_slots + slot) * D, row + g * D, D);
+                store_row(values + (g * num_slots + slot) * D, row + (kv_heads + g) * D, D);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * key_tiles; task++) {
+            const int64_t g = task / key_tiles;
+            transpose_keys(keys + g * num_slots * D, table, bs, D, n, task % key_tiles, kt + g * group_keys);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < kv_heads * tiles; task++) {  // later tiles see more keys: dynamic
+            const int64_t g = task % kv_heads, t0 = task / kv_heads * kTileTokens;
+            const int64_t t1 = std::min(T, t0 + kTileTokens);
+            const float *k = kt + g * group_keys;
+            const KV *v = values + g * num_slots * D;
+            if (D == 64)
+                attend_prefill_tile<64, KV>(q + g * group * D, q_stride, group, k, v, table, bs, pos, t0, t1, scale,
+                                            out + g * group * D, heads * D);
+            else
+                attend_prefill_tile<128, KV>(q + g * group * D, q_stride, group, k, v, table, bs, pos, t0, t1, scale,
+                                             out + g * group * D, heads * D);
+        }
+    }
+}
+
 }  // namespace
 
-// dims: Dims as 12 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
+// The KV-cache formats this build reads and writes: bit 0 fp32, bit 1 fp16.
+extern "C" int ps_kv_formats() { return 1 | (kHasHalf ? 2 : 0); }
+
+// dims: Dims as 13 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
 // bias; then attn_norm, mlp_norm); model_ptrs: embed [vocab][hidden], final_norm, lm_head weight, scale,
 // bias, cos [positions][D/2], sin [positions][D/2]. For each of the n sequences: tokens[b] at
 // positions[b], block table row b of tables [n][table_stride]. Writes each one's K/V at its position and
@@ -646,11 +747,11 @@ struct StageClock {
 };
 
 extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *layer_ptrs, const int64_t *model_ptrs,
-                               float *kv, int64_t n, const int64_t *tokens, const int64_t *positions,
+                               void *kv, int64_t n, const int64_t *tokens, const int64_t *positions,
                                const int64_t *tables, int64_t table_stride, float *logits, float *capture,
                                int64_t capture_b, double *stage_ms) {
     const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10],
-                 dims[11]};
+                 dims[11], dims[12]};
     const Batch batch{n, tokens, positions, tables, table_stride};
     for (int64_t b = 0; b < n; b++) {
         if (tokens[b] < 0 || tokens[b] >= d.vocab || positions[b] < 0 || positions[b] / d.block_size >= table_stride)
@@ -674,18 +775,16 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
         for (int64_t b = 0; b < n; b++) rms_norm(x.data() + b * C, ptr(p[12]), C, eps, h.data() + b * C);
         clock.lap(kNorm);
         linear(d, qkv_proj, h.data(), n, C, qkv_size, qkv.data());
-        float *keys = kv + (l * 2 + 0) * d.kv_heads * d.num_slots * D, *values = keys + d.kv_heads * d.num_slots * D;
         for (int64_t b = 0; b < n; b++) {
             float *row = qkv.data() + b * qkv_size;
-            const int64_t pos = positions[b], slot = batch.slot(d, b, pos);
+            const int64_t pos = positions[b];
             rotary(row, d.heads + d.kv_heads, D, ptr(model_ptrs[5]) + pos * (D / 2), ptr(model_ptrs[6]) + pos * (D / 2));
-            for (int64_t g = 0; g < d.kv_heads; g++) {
-                std::memcpy(keys + (g * d.num_slots + slot) * D, row + q_size + g * D, D * sizeof(float));
-                std::memcpy(values + (g * d.num_slots + slot) * D, row + q_size + kv_size + g * D, D * sizeof(float));
-            }
         }
         float *layer_capture = capture ? capture + l * d.heads * (positions[capture_b] + 1) : nullptr;
-        attention(d, batch, qkv.data(), qkv_size, keys, values, attn.data(), layer_capture, capture_b);
+        if (d.kv_half)
+            write_and_attend(d, batch, static_cast<half *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
+        else
+            write_and_attend(d, batch, static_cast<float *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
         linear(d, o_proj, attn.data(), n, q_size, C, proj.data());
         for (int64_t i = 0; i < n * C; i++) x[i] += proj[i];
         clock.lap(kAttention);
@@ -712,49 +811,19 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
 }
 
 // Attention of a prefill chunk: tokens at positions [pos, pos + T) of one sequence. dims: heads,
-// kv_heads, head_dim, num_slots, block_size, threads. qkv [T] rows of q_stride floats: the query heads,
+// kv_heads, head_dim, num_slots, block_size, threads, kv_half (1: the pool is fp16). qkv [T] rows of q_stride floats: the query heads,
 // then the key heads, then the value heads (q and k pair-rotated); the chunk's keys and values are
 // written into keys, values (one layer's [kv_heads][slots][D]) at the sequence's slots, then every token
 // attends over positions [0, its own]. table: the sequence's block ids; out [T][heads * D]. Returns 0, or
 // 1 for a head dimension it has no kernel for (64 and 128 only; the caller then uses PyTorch's).
-extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, float *keys,
-                                    float *values, const int64_t *table, int64_t pos, int64_t T, float *out) {
-    const float *q = qkv;
-    const int64_t heads = dims[0], kv_heads = dims[1], D = dims[2], num_slots = dims[3], bs = dims[4];
-    const int64_t group = heads / kv_heads, tiles = (T + kTileTokens - 1) / kTileTokens;
-    if (D != 64 && D != 128) return 1;
-    const float scale = 1.0f / std::sqrt(float(D));
-    const int64_t n = pos + T, key_tiles = (n + kKeyTile - 1) / kKeyTile, group_keys = key_tiles * kKeyTile * D;
-    float *kt = scratch(2, kv_heads * group_keys);  // each group's keys transposed once, for all its tiles
-#pragma omp parallel num_threads(dims[5])
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {  // the chunk's keys and values into the pool
-            const int64_t p = pos + t, slot = table[p / bs] * bs + p % bs;
-            const float *row = qkv + t * q_stride + heads * D;  // key heads, then value heads
-            for (int64_t g = 0; g < kv_heads; g++) {
-                std::memcpy(keys + (g * num_slots + slot) * D, row + g * D, D * sizeof(float));
-                std::memcpy(values + (g * num_slots + slot) * D, row + (kv_heads + g) * D, D * sizeof(float));
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < kv_heads * key_tiles; task++) {
-            const int64_t g = task / key_tiles;
-            transpose_keys(keys + g * num_slots * D, table, bs, D, n, task % key_tiles, kt + g * group_keys);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < kv_heads * tiles; task++) {  // later tiles see more keys: dynamic
-            const int64_t g = task % kv_heads, t0 = task / kv_heads * kTileTokens;
-            const int64_t t1 = std::min(T, t0 + kTileTokens);
-            const float *k = kt + g * group_keys, *v = values + g * num_slots * D;
-            if (D == 64)
-                attend_prefill_tile<64>(q + g * group * D, q_stride, group, k, v, table, bs, pos, t0, t1, scale,
-                                        out + g * group * D, heads * D);
-            else
-                attend_prefill_tile<128>(q + g * group * D, q_stride, group, k, v, table, bs, pos, t0, t1, scale,
-                                         out + g * group * D, heads * D);
-        }
-    }
+extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, void *keys,
+                                    void *values, const int64_t *table, int64_t pos, int64_t T, float *out) {
+    if (dims[2] != 64 && dims[2] != 128) return 1;
+    if (dims[6])
+        prefill_attention(dims, qkv, q_stride, static_cast<half *>(keys), static_cast<half *>(values), table, pos, T, out);
+    else
+        prefill_attention(dims, qkv, q_stride, static_cast<float *>(keys), static_cast<float *>(values), table, pos, T,
+                          out);
     return 0;
 }
 
