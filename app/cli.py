@@ -32,8 +32,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: draft tokens from earlier text (the prompt, the reply so far) "
                              "and verify them in one forward; greedy output unchanged")
     parser.add_argument("--draft-tokens", type=int, default=8, help="the most tokens drafted at once (default 8)")
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16"],
-                        help="the KV cache's number format (auto: the activations', fp32 on CPU); fp16 halves it")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"],
+                        help="the KV cache's number format (auto: the activations', fp32 on CPU); fp16 halves it, "
+                             "int8 (a scale per head and position) takes 68 bytes where fp32 takes 256")
     parser.add_argument("--split-kv", action="store_true",
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share")
 
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", choices=["md", "csv", "json"], default="md")
     bench.add_argument("--concurrency", default="1,2,4,8",
                        help="requests decoding at once, comma-separated (default 1,2,4,8; 0: skip)")
+    bench.add_argument("-d", "--depth", default="",
+                       help="also decode after this many tokens in the cache, comma-separated (llama-bench's -d), "
+                            "with the KV cache in fp32, fp16 and int8, e.g. 0,1024,4096")
     bench.add_argument("--quick", action="store_true", help="a smoke run: pp32, tg8, one repetition, concurrency 1,2")
     bench.add_argument("--browser", action="store_true",
                        help="also decode speed streamed to a real browser (Chromium) vs the CLI, per mode")
@@ -293,11 +297,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--concurrency takes numbers separated by commas, got {args.concurrency!r}") from None
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    try:
+        depths = tuple(int(d) for d in args.depth.split(",") if d.strip())
+    except ValueError:
+        raise ValueError(f"--depth takes numbers separated by commas, got {args.depth!r}") from None
+    if any(d < 0 for d in depths):
+        raise ValueError("--depth takes numbers >= 0")
     print(f"phasescope bench: pp{args.n_prompt}, tg{args.n_gen}, {args.repetitions} repetitions, modes "
           f"{', '.join(modes)}", file=sys.stderr)
     report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
                        baseline=not args.no_baseline, llama_bench_path=args.llama_bench,
-                       log=lambda line: print(line, file=sys.stderr, flush=True), concurrency_levels=levels)
+                       log=lambda line: print(line, file=sys.stderr, flush=True), concurrency_levels=levels,
+                       depths=depths)
     if args.browser:
         report["summary"]["browser"] = _browser_bench(modes, args.quick)
     print(bench.render(report, args.output))

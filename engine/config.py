@@ -9,7 +9,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8")
 PRECISION_DTYPES = {"fp32": "float32", "int8": "float32", "fp16": "float16", "bf16": "bfloat16"}
-KV_DTYPES = ("auto", "fp32", "fp16")
+KV_DTYPES = ("auto", "fp32", "fp16", "int8")
 DEFAULT_BLOCK_TOKENS = 16  # tokens per KV block
 
 
@@ -73,7 +73,8 @@ class EngineConfig:
     speculative: None, or "prompt-lookup": draft tokens from earlier text and verify them in one forward
         (engine/speculative.py); draft_tokens: the most drafted at once.
     kv_dtype: the KV cache's number format: auto (the activations': fp32 for fp32 and int8 weights), fp32,
-        or fp16 (half the bytes per token; the keys and values rounded to fp16 as they are stored).
+        fp16 (half the bytes per token; the keys and values rounded to fp16 as they are stored) or int8
+        (each head's row of keys or values as int8 with its own fp32 scale: 68 bytes for 64 values).
     split_kv: Flash Decoding in the native decode step: a long sequence's attention cut into chunks that
         the threads share, merged exactly. Off by default: on two CPU cores it measured no faster, since
         attention at long context is bound by reading the cache (see the README).

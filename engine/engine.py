@@ -85,7 +85,7 @@ def _new_pool(runner, config: EngineConfig, budget_bytes: int):
         return runner.new_pool(budget_bytes, config.kv_block_tokens, prefix_caching)
     if runner.name != "lean-llama":
         raise ValueError(f"--kv-dtype needs the lean forward, not {runner.name}")
-    kv_dtype = {"fp32": torch.float32, "fp16": torch.float16}[config.kv_dtype]
+    kv_dtype = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}[config.kv_dtype]
     return runner.new_pool(budget_bytes, config.kv_block_tokens, prefix_caching, kv_dtype)
 
 
@@ -135,13 +135,14 @@ class Engine:
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype = self.runner.dtype  # the loaded model's, or the copy a half-precision switch made
-        kv = getattr(self.pool, "kv", None)  # the KV cache's own format (--kv-dtype)
-        element = kv.element_size() if kv is not None else torch.tensor([], dtype=dtype).element_size()
+        per_token = getattr(self.pool, "bytes_per_token", None)  # the KV cache's own format (--kv-dtype)
+        if per_token is None:  # transformers' caches, in the model's dtype
+            per_token = kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim,
+                                         torch.tensor([], dtype=dtype).element_size(), 1)
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
                          str(dtype).removeprefix("torch."), self.runner.name,
                          getattr(self.runner, "decode_path", "PyTorch ops"), self.runner.precision,
-                         config.num_hidden_layers, kv_heads, head_dim, self.context_window,
-                         kv_bytes_formula(config.num_hidden_layers, kv_heads, head_dim, element, 1))
+                         config.num_hidden_layers, kv_heads, head_dim, self.context_window, per_token)
 
     def kv_usage(self) -> PoolUsage:
         """The KV pool now: blocks held by running requests, kept for prefix reuse, and free."""

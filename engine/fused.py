@@ -93,7 +93,7 @@ class FusedDecode:
         self._top_batch.restype = None
         self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self.kv_formats = native.ps_kv_formats()  # bit 0: fp32 KV cache, bit 1: fp16
+        self.kv_formats = native.ps_kv_formats()  # bit 0: fp32 KV cache, bit 1: fp16, bit 2: int8
         self._attend = native.ps_prefill_attention
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
@@ -142,10 +142,10 @@ class FusedDecode:
         pool, (num_tokens, width) = sequence.pool, qkv.shape
         assert qkv.is_contiguous() and qkv.dtype == torch.float32 and pool.kv.is_contiguous()
         end = sequence.reserve(pos, num_tokens)
-        head_dim = pool.kv.shape[-1]
+        head_dim = pool.head_dim
         out = torch.empty((num_tokens, self._heads * head_dim), dtype=torch.float32)
         dims = torch.tensor([self._heads, self._kv_heads, head_dim, pool.kv.shape[3], pool.block_size,
-                             torch.get_num_threads(), _kv_half(pool)], dtype=torch.int64)
+                             torch.get_num_threads(), _kv_format(pool)], dtype=torch.int64)
         status = self._attend(dims.data_ptr(), qkv.data_ptr(), width, pool.kv[layer, 0].data_ptr(),
                               pool.kv[layer, 1].data_ptr(), sequence.block_table.data_ptr(), pos, num_tokens,
                               out.data_ptr())
@@ -191,7 +191,7 @@ class FusedDecode:
         tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences],
                               dtype=torch.int64)  # [B, width], padded with a valid block never read
         dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8),
-                                          torch.get_num_threads(), int(self.split_kv), _kv_half(pool)],
+                                          torch.get_num_threads(), int(self.split_kv), _kv_format(pool)],
                             dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
@@ -212,10 +212,11 @@ class FusedDecode:
         return logits, weights, dict(zip(STAGES, stage_ms.tolist()))
 
 
-def _kv_half(pool) -> int:
-    """The native step's KV format flag: 1 for an fp16 cache, 0 for fp32 (the only two it has)."""
-    assert pool.kv.dtype in (torch.float32, torch.float16), pool.kv.dtype
-    return int(pool.kv.dtype == torch.float16)
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # decode_step.cpp's KvFormat
+
+
+def _kv_format(pool) -> int:
+    return KV_FORMATS[pool.kv.dtype]
 
 
 def load_fused_decode(lean, cache_dir: Path) -> FusedDecode | None:

@@ -27,6 +27,25 @@ def kv_bytes_formula(num_layers: int, num_kv_heads: int, head_dim: int, element_
     return 2 * num_layers * num_kv_heads * head_dim * element_size * num_tokens
 
 
+def row_elements(dtype: torch.dtype, head_dim: int) -> int:
+    """Elements one stored row (a head's keys or values at one position) takes: head_dim, and for an
+    int8 cache 4 more that hold the row's fp32 scale (as the native step stores it)."""
+    return head_dim + 4 if dtype == torch.int8 else head_dim
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] floats -> [..., D + 4] int8: each row divided by its largest magnitude / 127, rounded to
+    nearest (even), then that scale's 4 bytes. The same arithmetic as the native step's store_row."""
+    x = x.float()
+    top = x.abs().amax(-1, keepdim=True)
+    values = torch.where(top > 0, x * (127.0 / top), 0.0).round().to(torch.int8)
+    return torch.cat([values, (top / 127.0).contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return rows[..., :head_dim].float() * rows[..., head_dim:].contiguous().view(torch.float32)
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -126,6 +145,8 @@ class SequenceKV:
     def write_kv(self, layer: int, pos: int, kv: torch.Tensor) -> None:
         """Write kv ([2, kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer."""
         end = self.reserve(pos, kv.shape[2])
+        if self.pool.kv.dtype == torch.int8:
+            kv = quantize_rows(kv)
         self.pool.kv[layer][:, :, self._slots(pos, end)] = kv  # [2, KV, slots, D]
         if layer == self.pool.num_layers - 1:
             self.num_tokens = max(self.num_tokens, end)
@@ -134,6 +155,8 @@ class SequenceKV:
         """One layer's keys and values of positions [0, end), [kv_heads, end, head_dim] each: views of
         the pool where the blocks are consecutive, else copies."""
         both = self.pool.kv[layer][:, :, self._slots(0, end)]
+        if both.dtype == torch.int8:
+            both = dequantize_rows(both, self.pool.head_dim)
         return both[0], both[1]
 
     def update_kv(self, layer: int, pos: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,11 +187,12 @@ class KVPool:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"the KV pool needs at least one block of one token, got {num_blocks} x {block_size}")
         self.num_layers, self.block_size, self.num_blocks = num_layers, block_size, num_blocks
-        self.prefix_caching = prefix_caching
+        self.prefix_caching, self.head_dim = prefix_caching, head_dim
         # empty, not zeros: pages are committed as blocks are first written, not all at start
-        self.kv = torch.empty((num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim), dtype=dtype,
+        row = row_elements(dtype, head_dim)
+        self.kv = torch.empty((num_layers, 2, num_kv_heads, num_blocks * block_size, row), dtype=dtype,
                               device=device)
-        self.bytes_per_token = kv_bytes_formula(num_layers, num_kv_heads, head_dim, self.kv.element_size(), 1)
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * row * self.kv.element_size()
         self._free = list(range(num_blocks))  # a heap: lowest ids first, so fresh tables are consecutive
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block -> its name
@@ -179,7 +203,7 @@ class KVPool:
     def with_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                     dtype: torch.dtype, device: torch.device | str = "cpu", prefix_caching: bool = True) -> KVPool:
         element = torch.tensor([], dtype=dtype).element_size()
-        per_block = kv_bytes_formula(num_layers, num_kv_heads, head_dim, element, block_size)
+        per_block = 2 * num_layers * num_kv_heads * row_elements(dtype, head_dim) * element * block_size
         return cls(num_layers, num_kv_heads, head_dim, max(1, budget_bytes // per_block), block_size, dtype, device,
                    prefix_caching)
 

@@ -207,24 +207,42 @@ def test_split_kv_attention_equals_the_unsplit_one_at_long_context(tokenizer):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_an_fp16_kv_cache_halves_the_bytes_and_keeps_the_logits_close(tokenizer, native):
-    """--kv-dtype fp16: keys and values stored rounded to fp16, read back as fp32, by the native prefill
-    attention and decode step and by the PyTorch ops alike: half the bytes, logits within a tolerance."""
+def test_compressed_kv_caches_take_fewer_bytes_and_keep_the_logits_close(tokenizer, native):
+    """--kv-dtype fp16 and int8: keys and values stored rounded (fp16) or as int8 with a scale per head
+    and position, read back as fp32 by the native prefill attention and decode step and by the PyTorch
+    ops alike: fewer bytes, logits within a tolerance of the fp32 cache's."""
     loaded = tiny_model(tokenizer, num_heads=6, num_kv_heads=2, hidden=384)  # head dim 64: native kernels
     lean = LeanLlama(loaded.model, precision="fp32")
     results = {}
-    for dtype in (torch.float32, torch.float16):
+    for dtype in (torch.float32, torch.float16, torch.int8):
         pool = lean.new_pool(16_000_000, kv_dtype=dtype)
         sequence = pool.allocate([], 80)
         with (nullcontext() if native else lean.pytorch_decode()):
             prefill = lean.forward(torch.arange(60) % 500 + 3, 0, sequence)
             decode = lean.decode([42, 43], [60, 61], [sequence, sequence])  # two positions: the second sees the first
-        results[dtype] = (prefill, decode, pool.bytes_per_token)
-    (prefill32, decode32, bytes32), (prefill16, decode16, bytes16) = results[torch.float32], results[torch.float16]
-    assert 2 * bytes16 == bytes32
-    torch.testing.assert_close(prefill16, prefill32, rtol=0, atol=2e-3)
-    torch.testing.assert_close(decode16, decode32, rtol=0, atol=2e-3)
-    assert not torch.equal(decode16, decode32)  # the cache really was rounded
+        results[dtype] = (prefill, decode, pool)
+    reference = results[torch.float32]
+    for dtype, tolerance, shrink in ((torch.float16, 2e-3, 2.0), (torch.int8, 3e-2, 256 / 68)):
+        prefill, decode, pool = results[dtype]
+        assert reference[2].bytes_per_token / pool.bytes_per_token == pytest.approx(shrink)
+        torch.testing.assert_close(prefill, reference[0], rtol=0, atol=tolerance)
+        torch.testing.assert_close(decode, reference[1], rtol=0, atol=tolerance)
+        assert not torch.equal(decode, reference[1])  # the cache really was compressed
+
+
+def test_the_native_step_and_pytorch_store_int8_keys_alike(tokenizer):
+    """The same int8 rows and scales from the native kernels and from PyTorch's quantize_rows (layer 0:
+    later layers' keys already differ by the two attention implementations' rounding)."""
+    loaded = tiny_model(tokenizer, num_heads=6, num_kv_heads=2, hidden=384)
+    lean = LeanLlama(loaded.model, precision="fp32")
+    pools = []
+    for native in (True, False):
+        pool = lean.new_pool(4_000_000, kv_dtype=torch.int8)
+        sequence = pool.allocate([], 40)
+        with (nullcontext() if native else lean.pytorch_decode()):
+            lean.forward(torch.arange(30) % 500 + 3, 0, sequence)
+        pools.append(pool.kv[0, :, :, :30])
+    assert torch.equal(pools[0], pools[1])
 
 
 def test_engine_reports_the_kv_formats_bytes(tokenizer):

@@ -4,9 +4,15 @@ decode with one at the same context."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
+from pathlib import Path
+
+import torch
 
 from engine import DecodeStep, Engine, SamplingParams
+
+LONG_TEXT = Path(__file__).with_name("data") / "long_text.txt"  # a fixed story of ~2,000 words, for quality
 
 # a paragraph the bundled 135M model repeats faithfully when asked (in fp32 and int8)
 PARAGRAPH = ("The quick brown fox jumps over the lazy dog. Prefill reads the whole prompt in one pass and fills the "
@@ -44,6 +50,51 @@ def speculation(engine: Engine, repetitions: int, max_new_tokens: int = 128) -> 
                         "same_text": plain_end.text == spec_end.text,
                         "tokens": spec_end.metrics.num_generated_tokens, "drafted": drafts.drafted,
                         "accepted": drafts.accepted, "tokens_per_forward": round(drafts.tokens_per_forward or 0, 2)}
+    return report
+
+
+def at_depth(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) -> list[float]:
+    """Decode tok/s of num_gen tokens after `prompt` is in the cache (llama-bench's tg at depth -d), one
+    sample per repetition; the prompt's own prefill is left out."""
+    sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
+    samples = []
+    for _ in range(repetitions + 1):  # the first run warms up
+        *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling))
+        samples.append(finished.metrics.decode_tokens_per_s or 0.0)
+    return samples[1:]
+
+
+def kv_variants(engine: Engine) -> dict[str, Engine]:
+    """The engine with its KV cache in each format the native step reads."""
+    return {f"KV {kv}": _sibling(engine, kv_dtype=kv) for kv in ("fp32", "fp16", "int8")}
+
+
+def kv_quality(engine: Engine, variants: dict[str, Engine], max_tokens: int = 3000) -> dict:
+    """Each KV format against fp32's over a fixed long text fed token by token (teacher forcing through
+    decode steps, which read the cache): perplexity, and how often its most likely next token is the
+    one fp32's is."""
+    ids = engine.tokenizer(LONG_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][:max_tokens]
+
+    def read(e: Engine) -> tuple[float, list[int]]:
+        cache = e.pool.allocate([], len(ids))
+        nll, best = 0.0, []
+        try:
+            for position, token in enumerate(ids[:-1]):
+                logits = e.runner.decode([token], [position], [cache])[0].float()
+                nll -= float(torch.log_softmax(logits, -1)[ids[position + 1]])
+                best.append(int(logits.argmax()))
+        finally:
+            e.pool.free(cache)
+        return math.exp(nll / (len(ids) - 1)), best
+
+    reference_ppl, reference = read(variants["KV fp32"])
+    report = {"tokens": len(ids), "KV fp32": {"perplexity": round(reference_ppl, 3)}}
+    for name, e in variants.items():
+        if name != "KV fp32":
+            ppl, best = read(e)
+            report[name] = {"perplexity": round(ppl, 3), "vs_fp32": round(ppl / reference_ppl, 4),
+                            "top1_agreement": round(sum(a == b for a, b in zip(best, reference)) / len(best), 4),
+                            "bytes_per_token": e.info.kv_bytes_per_token}
     return report
 
 

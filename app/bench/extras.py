@@ -198,10 +198,11 @@ def cold_start_s(model: str | None, precision: str) -> dict:
     return {"imports_s": imports, "load_s": load, "to_first_token_s": total, "precision": precision}
 
 
-def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
-                log) -> list[tuple[str, str, list[float]]]:
+def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int, log,
+                depths: tuple[int, ...] = ()) -> list[tuple[str, str, list[float]]]:
     """llama.cpp's own benchmark on the same GGUF and thread count, when a llama-bench binary is at
-    hand: (mode, test, tokens/s samples) for each of its tests."""
+    hand: (mode, test, tokens/s samples) for each of its tests; with depths, also tg after that many
+    tokens in the cache (its -d)."""
     binary = path or shutil.which("llama-bench")
     if not binary or not str(gguf).endswith(".gguf"):
         log("  llama.cpp: llama-bench not found (give it with --llama-bench PATH); not compared")
@@ -213,10 +214,21 @@ def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
     if out.returncode != 0:
         log(f"  llama.cpp: llama-bench failed: {out.stderr.strip()[-300:]}")
         return []
+    rows = json.loads(out.stdout)
+    if depths:
+        deep = subprocess.run([binary, "-m", str(gguf), "-p", "0", "-n", str(tg), "-d", ",".join(map(str, depths)),
+                               "-r", str(repetitions), "-t", threads, "-o", "json"], capture_output=True, text=True,
+                              timeout=3600)
+        if deep.returncode == 0:
+            rows += [dict(row, depth=row.get("n_depth", 0)) for row in json.loads(deep.stdout)]
+        else:
+            log(f"  llama.cpp: llama-bench -d failed: {deep.stderr.strip()[-300:]}")
     results = []
-    for row in json.loads(out.stdout):
+    for row in rows:
         test = (f"pp{row['n_prompt']}+tg{row['n_gen']}" if row["n_prompt"] and row["n_gen"]
                 else f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}")
+        if "depth" in row:
+            test += f" @ d{row['depth']}"  # as tables.depth_test names ours
         mode = f"{row.get('model_type', 'gguf')}, {threads} threads"
         results.append((mode, test, list(row.get("samples_ts") or [row["avg_ts"]])))
         log(f"  llama.cpp    {mode:<24} {test:<14} {row['avg_ts']:8.1f} ± {row['stddev_ts']:.1f} tok/s")

@@ -24,7 +24,7 @@ from engine.hf_runner import in_dtype, make_runner
 
 from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops,
                            quality_vs)
-from .decode_side import no_cache, speculation
+from .decode_side import at_depth, kv_quality, kv_variants, no_cache, speculation
 from .scheduler import concurrency, scheduler_cost, second_turn
 
 BENCH_KV_MB = 1024  # each mode's KV pool: far more than any test here needs
@@ -103,7 +103,7 @@ def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
 
 def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] = ("fp32", "int8"), pp: int = 512,
         tg: int = 128, repetitions: int = 3, baseline: bool = True, llama_bench_path: str | None = None,
-        log=print, concurrency_levels: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+        log=print, concurrency_levels: tuple[int, ...] = (1, 2, 4, 8), depths: tuple[int, ...] = ()) -> dict:
     loaded = load_model(model, device=device, dtype="float32")
     engines = mode_engines(loaded, list(modes))
     vocab, bos = loaded.model.config.vocab_size, loaded.tokenizer.bos_token_id
@@ -120,6 +120,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
             result = Result(engine_name, mode, test, [measure(prompt, num_prompt, num_gen) for _ in range(repetitions)])
             results.append(result)
             log(f"  {engine_name:<12} {mode:<24} {test:<14} {result.mean:8.1f} ± {result.std:.1f} tok/s")
+    results += _depths(engines, depths, tg, repetitions, vocab, bos, log)
     best_name = max(engines, key=lambda name: _mean(results, name, f"tg{tg}"))
     best = engines[best_name]
     _annotate(results, engines, pp, tg)
@@ -147,8 +148,30 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
     log(f"  cold start: {summary['cold_start_s']}")
     results += [Result("llama.cpp", mode, test, samples)
-                for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log)]
+                for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log,
+                                                       depths)]
     return {"results": results, "summary": summary}
+
+
+def depth_test(tg: int, depth: int) -> str:
+    return f"tg{tg} @ d{depth}"
+
+
+def _depths(engines: dict[str, Engine], depths: tuple[int, ...], tg: int, repetitions: int, vocab: int,
+            bos: int | None, log) -> list[Result]:
+    """Decode after `depth` tokens already in the cache (llama-bench's -d), for each mode whose decode is
+    native, with its KV cache in fp32 and in fp16: how decode slows as the context grows."""
+    results = []
+    for name, engine in engines.items():
+        if getattr(engine.runner, "fused", None) is None:
+            continue
+        for kv, variant in kv_variants(engine).items():
+            for depth in depths:
+                result = Result("phasescope", f"{name}, {kv}", depth_test(tg, depth),
+                                at_depth(variant, bench_prompt(depth, vocab, bos), tg, repetitions))
+                results.append(result)
+                log(f"  phasescope   {result.mode:<24} {result.test:<14} {result.mean:8.1f} ± {result.std:.1f} tok/s")
+    return results
 
 
 def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int, log) -> None:
@@ -158,6 +181,9 @@ def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, re
     log(f"  speculative decoding (prompt lookup) vs plain: {summary['speculative_prompt_lookup']}")
     summary["no_kv_cache"] = {name: no_cache(e, pp) for name, e in native.items()}
     log(f"  a decode step without the KV cache vs with it: {summary['no_kv_cache']}")
+    text_tokens = min(3000, 6 * pp)  # the whole text in a full run, a taste of it in a --quick one
+    summary["kv_formats_quality"] = {name: kv_quality(e, kv_variants(e), text_tokens) for name, e in native.items()}
+    log(f"  KV formats against an fp32 cache over a long text: {summary['kv_formats_quality']}")
 
 
 def _scheduler(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int,

@@ -118,10 +118,14 @@ def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT) -> str
 
 
 def model_html(info: ModelInfo, lang: str = DEFAULT) -> str:
-    element = info.kv_bytes_per_token // (2 * info.num_layers * info.num_kv_heads * info.head_dim)
+    row = info.kv_bytes_per_token // (2 * info.num_layers * info.num_kv_heads)  # bytes of one head's keys
     weights = info.precision if info.precision == "int8" else info.dtype
-    formula = t(lang, "model.formula", layers=info.num_layers, kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                element=element, per_token=info.kv_bytes_per_token)
+    sizes = dict(layers=info.num_layers, kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                 per_token=info.kv_bytes_per_token)
+    if row % info.head_dim:  # an int8 cache: each row of keys or values carries its own 4-byte scale
+        formula = t(lang, "model.formula_scaled", element=(row - 4) // info.head_dim, **sizes)
+    else:
+        formula = t(lang, "model.formula", element=row // info.head_dim, **sizes)
     line = t(lang, "model.line", weights=escape(weights), forward=escape(info.model_path),
              decode=escape(info.decode_path), context=info.context_window)
     return f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · {line}<br>{formula}</div>'

@@ -61,7 +61,7 @@ struct Linear {
 
 struct Dims {
     int64_t layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, num_slots, block_size, is_int8, threads,
-        split_kv, kv_half;  // kv_half: the KV cache is fp16, else fp32
+        split_kv, kv_format;  // kv_format: the KV cache's, kF32, kF16 or kQ8
 };
 
 // The sequences of one step: token, position and block table of each.
@@ -95,6 +95,7 @@ inline float sum_lanes(Vec v) {
 // --- the KV cache's number formats: fp32, or fp16 (half the bytes to read at long context, as llama.cpp's
 // default f16 cache). Keys and values are stored rounded to the format and read back as fp32; everything
 // else stays fp32. fp16 needs the F16C instructions (x86-64-v3).
+enum KvFormat { kF32 = 0, kF16 = 1, kQ8 = 2 };  // dims' kv_format
 typedef uint16_t half;
 #if defined(__F16C__)
 constexpr bool kHasHalf = true;
@@ -114,6 +115,52 @@ inline void store_row(half *, const float *, int64_t) {}
 inline Vec load8(const float *p) { return *reinterpret_cast<const Vec *>(p); }
 inline float load1(const float *p) { return *p; }
 inline void store_row(float *dst, const float *src, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+
+// int8: a row of D values kept as D int8 and, after them, the row's fp32 scale (its largest magnitude /
+// 127): D + 4 bytes where fp32 takes 4 D, so a 64-wide head's keys take 68 bytes instead of 256.
+typedef int8_t q8;
+inline void store_row(q8 *dst, const float *src, int64_t D) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < D; i++) top = std::max(top, std::fabs(src[i]));
+    const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    // nearest, ties to even (no multiply-add to contract into, unlike the 2^23 trick: kv_pool.quantize_rows
+    // computes exactly this)
+    for (int64_t i = 0; i < D; i++) dst[i] = q8(std::nearbyint(src[i] * inverse));
+    std::memcpy(dst + D, &scale, sizeof scale);
+}
+
+// Elements of KV one stored row (a head's keys or values at one position) takes.
+template <typename KV> constexpr int64_t row_size(int64_t D) { return D; }
+template <> constexpr int64_t row_size<q8>(int64_t D) { return D + int64_t(sizeof(float)); }
+
+// Reads one stored row back as fp32, 1 or 8 values at a time, before its scale: a row's value i is
+// load1(i) * scale. The scale (1 but for int8) is applied once to a whole dot product or weight, not
+// to every value; times 1.0f changes nothing, so fp32 and fp16 results are what they were without it.
+template <typename KV>
+struct RowReader {
+    const KV *row;
+    float scale = 1.0f;
+    RowReader(const KV *row, int64_t) : row(row) {}
+    float load1(int64_t i) const { return ::load1(row + i); }
+    Vec load8(int64_t i) const { return ::load8(row + i); }
+};
+
+template <>
+struct RowReader<q8> {
+    const q8 *row;
+    float scale;
+    RowReader(const q8 *row, int64_t D) : row(row) { std::memcpy(&scale, row + D, sizeof scale); }
+    float load1(int64_t i) const { return float(row[i]); }
+    Vec load8(int64_t i) const {
+#if defined(__AVX2__)
+        return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(row + i))));
+#else
+        Vec x;
+        for (int j = 0; j < 8; j++) x[j] = float(row[i + j]);
+        return x;
+#endif
+    }
+};
 
 // --- fp32: out[b] = row . x_b, two accumulator chains per sequence --------------------------------------
 template <int B>
@@ -351,19 +398,21 @@ template <int D, typename KV>
 void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, const int64_t *table,
                        int64_t bs, int64_t t0, int64_t t1, float scale, float *s, float *out, float *m, float *l) {
     constexpr int V = D / kVec;
+    constexpr int64_t S = row_size<KV>(D);
     const int64_t n = t1 - t0;
     for (int64_t g = 0; g < group; g++) m[g] = -INFINITY;
     for (int64_t start = t0; start < t1;) {  // block by block: no division per position
         const int64_t end = std::min(t1, (start / bs + 1) * bs);
-        const KV *kb = k + table[start / bs] * bs * D - (start / bs) * bs * D;  // position t at kb + t * D
+        const KV *kb = k + (table[start / bs] * bs - (start / bs) * bs) * S;  // position t's row at kb + t * S
         for (int64_t t = start; t < end; t++) {
+            const RowReader<KV> key(kb + t * S, D);
             Vec kt[V];
-            for (int j = 0; j < V; j++) kt[j] = load8(kb + t * D + j * kVec);
+            for (int j = 0; j < V; j++) kt[j] = key.load8(j * kVec);
             for (int64_t g = 0; g < group; g++) {
                 const Vec *qg = reinterpret_cast<const Vec *>(q + g * D);
                 Vec dot = qg[0] * kt[0];
                 for (int j = 1; j < V; j++) dot += qg[j] * kt[j];
-                s[g * n + t - t0] = sum_lanes(dot) * scale;
+                s[g * n + t - t0] = sum_lanes(dot) * key.scale * scale;
                 m[g] = std::max(m[g], s[g * n + t - t0]);
             }
         }
@@ -378,9 +427,12 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
         Vec acc[V] = {};
         for (int64_t start = t0; start < t1;) {  // values: from memory for the first head, then L1
             const int64_t end = std::min(t1, (start / bs + 1) * bs);
-            const KV *vb = v + table[start / bs] * bs * D - (start / bs) * bs * D;
-            for (int64_t t = start; t < end; t++)
-                for (int j = 0; j < V; j++) acc[j] += sg[t - t0] * load8(vb + t * D + j * kVec);
+            const KV *vb = v + (table[start / bs] * bs - (start / bs) * bs) * S;
+            for (int64_t t = start; t < end; t++) {
+                const RowReader<KV> value(vb + t * S, D);
+                const float weight = sg[t - t0] * value.scale;
+                for (int j = 0; j < V; j++) acc[j] += weight * value.load8(j * kVec);
+            }
             start = end;
         }
         for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) = acc[j];
@@ -405,18 +457,19 @@ void attend_head_any(const float *q, const KV *k, const KV *v, const int64_t *ta
                      int64_t D, float scale, float *s, float *out) {
     float top = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
-        const KV *kt = k + (table[t / bs] * bs + t % bs) * D;
+        const RowReader<KV> key(k + (table[t / bs] * bs + t % bs) * row_size<KV>(D), D);
         float dot = 0.0f;
-        for (int64_t i = 0; i < D; i++) dot += q[i] * load1(kt + i);
-        s[t] = dot * scale;
+        for (int64_t i = 0; i < D; i++) dot += q[i] * key.load1(i);
+        s[t] = dot * key.scale * scale;
         top = std::max(top, s[t]);
     }
     float total = 0.0f;
     for (int64_t t = 0; t < n; t++) total += (s[t] = fast_exp(s[t] - top));
     std::fill(out, out + D, 0.0f);
     for (int64_t t = 0; t < n; t++) {
-        const KV *vt = v + (table[t / bs] * bs + t % bs) * D;
-        for (int64_t i = 0; i < D; i++) out[i] += s[t] * load1(vt + i);
+        const RowReader<KV> value(v + (table[t / bs] * bs + t % bs) * row_size<KV>(D), D);
+        const float weight = s[t] * value.scale;
+        for (int64_t i = 0; i < D; i++) out[i] += weight * value.load1(i);
     }
     for (int64_t i = 0; i < D; i++) out[i] /= total;
 }
@@ -440,7 +493,7 @@ void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t 
         const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
         const int64_t t0 = (c - first[b]) * length, t1 = std::min(batch.positions[b] + 1, t0 + length);
         const float *qg = q + b * q_stride + g * group * D;
-        const KV *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
+        const KV *k = keys + g * d.num_slots * row_size<KV>(D), *v = values + g * d.num_slots * row_size<KV>(D);
         const int64_t *table = batch.tables + b * batch.table_stride;
         float *s = scores.data() + task * group * length, *o = parts.data() + task * group * D;
         if (D == 64)
@@ -503,7 +556,7 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
         const int64_t b = task / d.kv_heads, g = task % d.kv_heads, n = batch.positions[b] + 1;
         if (split && b != capture_b) continue;  // done in chunks above
         const float *qg = q + b * q_stride + g * group * D;
-        const KV *k = keys + g * d.num_slots * D, *v = values + g * d.num_slots * D;
+        const KV *k = keys + g * d.num_slots * row_size<KV>(D), *v = values + g * d.num_slots * row_size<KV>(D);
         const int64_t *table = batch.tables + b * batch.table_stride;
         float *s = scores.data() + offset[b] + g * group * n, *o = out + (b * d.heads + g * group) * D;
         if (D == 64 && group <= 8) {
@@ -548,9 +601,7 @@ float *scratch(int which, int64_t size) {
     return buffers[which].data();
 }
 
-inline Vec16 load16(const float *p) { return *reinterpret_cast<const Vec16 *>(p); }
-inline Vec16 load16(const half *p) {
-    const Vec low = load8(p), high = load8(p + 8);
+inline Vec16 join16(Vec low, Vec high) {
     Vec16 both;
     std::memcpy(&both, &low, sizeof low);
     std::memcpy(reinterpret_cast<char *>(&both) + sizeof low, &high, sizeof high);
@@ -590,14 +641,17 @@ template <typename KV>
 void transpose_keys(const KV *k, const int64_t *table, int64_t bs, int64_t D, int64_t n, int64_t tile,
                     float *kt) {
     float *out = kt + tile * D * kKeyTile;
-    static const KV zeros[256] = {};  // the keys past n (D <= 256); 0 in both formats
+    static const KV zeros[256 + 4] = {};  // the keys past n (D <= 256): 0 in every format
     const KV *key[kKeyTile];
     for (int64_t j = 0; j < kKeyTile; j++) {
         const int64_t p = tile * kKeyTile + j;
-        key[j] = p < n ? k + (table[p / bs] * bs + p % bs) * D : zeros;
+        key[j] = p < n ? k + (table[p / bs] * bs + p % bs) * row_size<KV>(D) : zeros;
     }
     for (int64_t d = 0; d < D; d++)  // stores in order; the 32 key rows stay in L1
-        for (int64_t j = 0; j < kKeyTile; j++) out[d * kKeyTile + j] = load1(key[j] + d);
+        for (int64_t j = 0; j < kKeyTile; j++) {
+            const RowReader<KV> row(key[j], D);
+            out[d * kKeyTile + j] = row.load1(d) * row.scale;
+        }
 }
 
 // kt: the group's keys from transpose_keys; v: its values in the pool.
@@ -643,11 +697,11 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
         const int64_t count = std::min(kValueRows, rows - r0), last = limit(r0 + count - 1);
         Vec16 acc[kValueRows][V] = {};
         for (int64_t p = 0; p < last; p++) {
-            const KV *row = v + (table[p / bs] * bs + p % bs) * D;
+            const RowReader<KV> row(v + (table[p / bs] * bs + p % bs) * row_size<KV>(D), D);
             Vec16 value[V];
-            for (int j = 0; j < V; j++) value[j] = load16(row + j * 16);
-            for (int64_t i = 0; i < kValueRows; i++) {
-                const float weight = i < count ? scores[(r0 + i) * width + p] : 0.0f;  // 0 past a row's limit
+            for (int j = 0; j < V; j++) value[j] = join16(row.load8(j * 16), row.load8(j * 16 + 8));
+            for (int64_t i = 0; i < kValueRows; i++) {  // 0 past a row's limit
+                const float weight = i < count ? scores[(r0 + i) * width + p] * row.scale : 0.0f;
                 for (int j = 0; j < V; j++) acc[i][j] += weight * value[j];
             }
         }
@@ -665,13 +719,14 @@ template <typename KV>
 void write_and_attend(const Dims &d, const Batch &batch, KV *kv, int64_t layer, const float *qkv, int64_t qkv_size,
                       float *out, float *capture, int64_t capture_b) {
     const int64_t D = d.head_dim, q_size = d.heads * D, kv_size = d.kv_heads * D;
-    KV *keys = kv + (layer * 2 + 0) * d.kv_heads * d.num_slots * D, *values = keys + d.kv_heads * d.num_slots * D;
+    const int64_t S = row_size<KV>(D);
+    KV *keys = kv + (layer * 2 + 0) * d.kv_heads * d.num_slots * S, *values = keys + d.kv_heads * d.num_slots * S;
     for (int64_t b = 0; b < batch.size; b++) {
         const float *row = qkv + b * qkv_size;
         const int64_t slot = batch.slot(d, b, batch.positions[b]);
         for (int64_t g = 0; g < d.kv_heads; g++) {
-            store_row(keys + (g * d.num_slots + slot) * D, row + q_size + g * D, D);
-            store_row(values + (g * d.num_slots + slot) * D, row + q_size + kv_size + g * D, D);
+            store_row(keys + (g * d.num_slots + slot) * S, row + q_size + g * D, D);
+            store_row(values + (g * d.num_slots + slot) * S, row + q_size + kv_size + g * D, D);
         }
     }
     attention(d, batch, qkv, qkv_size, keys, values, out, capture, capture_b);
@@ -686,6 +741,7 @@ void prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, 
     const int64_t group = heads / kv_heads, tiles = (T + kTileTokens - 1) / kTileTokens;
     const float scale = 1.0f / std::sqrt(float(D));
     const int64_t n = pos + T, key_tiles = (n + kKeyTile - 1) / kKeyTile, group_keys = key_tiles * kKeyTile * D;
+    const int64_t S = row_size<KV>(D);
     float *kt = scratch(2, kv_heads * group_keys);  // each group's keys transposed once, for all its tiles
 #pragma omp parallel num_threads(dims[5])
     {
@@ -694,21 +750,21 @@ void prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, 
             const int64_t p = pos + t, slot = table[p / bs] * bs + p % bs;
             const float *row = qkv + t * q_stride + heads * D;  // key heads, then value heads
             for (int64_t g = 0; g < kv_heads; g++) {
-                store_row(keys + (g * num_slots + slot) * D, row + g * D, D);
-                store_row(values + (g * num_slots + slot) * D, row + (kv_heads + g) * D, D);
+                store_row(keys + (g * num_slots + slot) * S, row + g * D, D);
+                store_row(values + (g * num_slots + slot) * S, row + (kv_heads + g) * D, D);
             }
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * key_tiles; task++) {
             const int64_t g = task / key_tiles;
-            transpose_keys(keys + g * num_slots * D, table, bs, D, n, task % key_tiles, kt + g * group_keys);
+            transpose_keys(keys + g * num_slots * S, table, bs, D, n, task % key_tiles, kt + g * group_keys);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < kv_heads * tiles; task++) {  // later tiles see more keys: dynamic
             const int64_t g = task % kv_heads, t0 = task / kv_heads * kTileTokens;
             const int64_t t1 = std::min(T, t0 + kTileTokens);
             const float *k = kt + g * group_keys;
-            const KV *v = values + g * num_slots * D;
+            const KV *v = values + g * num_slots * S;
             if (D == 64)
                 attend_prefill_tile<64, KV>(q + g * group * D, q_stride, group, k, v, table, bs, pos, t0, t1, scale,
                                             out + g * group * D, heads * D);
@@ -721,8 +777,8 @@ void prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, 
 
 }  // namespace
 
-// The KV-cache formats this build reads and writes: bit 0 fp32, bit 1 fp16.
-extern "C" int ps_kv_formats() { return 1 | (kHasHalf ? 2 : 0); }
+// The KV-cache formats this build reads and writes: bit 0 fp32, bit 1 fp16, bit 2 int8.
+extern "C" int ps_kv_formats() { return 1 | (kHasHalf ? 2 : 0) | 4; }
 
 // dims: Dims as 13 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
 // bias; then attn_norm, mlp_norm); model_ptrs: embed [vocab][hidden], final_norm, lm_head weight, scale,
@@ -781,8 +837,10 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
             rotary(row, d.heads + d.kv_heads, D, ptr(model_ptrs[5]) + pos * (D / 2), ptr(model_ptrs[6]) + pos * (D / 2));
         }
         float *layer_capture = capture ? capture + l * d.heads * (positions[capture_b] + 1) : nullptr;
-        if (d.kv_half)
+        if (d.kv_format == kF16)
             write_and_attend(d, batch, static_cast<half *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
+        else if (d.kv_format == kQ8)
+            write_and_attend(d, batch, static_cast<q8 *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
         else
             write_and_attend(d, batch, static_cast<float *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
         linear(d, o_proj, attn.data(), n, q_size, C, proj.data());
@@ -811,7 +869,7 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
 }
 
 // Attention of a prefill chunk: tokens at positions [pos, pos + T) of one sequence. dims: heads,
-// kv_heads, head_dim, num_slots, block_size, threads, kv_half (1: the pool is fp16). qkv [T] rows of q_stride floats: the query heads,
+// kv_heads, head_dim, num_slots, block_size, threads, kv_format (KvFormat). qkv [T] rows of q_stride floats: the query heads,
 // then the key heads, then the value heads (q and k pair-rotated); the chunk's keys and values are
 // written into keys, values (one layer's [kv_heads][slots][D]) at the sequence's slots, then every token
 // attends over positions [0, its own]. table: the sequence's block ids; out [T][heads * D]. Returns 0, or
@@ -819,8 +877,10 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
 extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, void *keys,
                                     void *values, const int64_t *table, int64_t pos, int64_t T, float *out) {
     if (dims[2] != 64 && dims[2] != 128) return 1;
-    if (dims[6])
+    if (dims[6] == kF16)
         prefill_attention(dims, qkv, q_stride, static_cast<half *>(keys), static_cast<half *>(values), table, pos, T, out);
+    else if (dims[6] == kQ8)
+        prefill_attention(dims, qkv, q_stride, static_cast<q8 *>(keys), static_cast<q8 *>(values), table, pos, T, out);
     else
         prefill_attention(dims, qkv, q_stride, static_cast<float *>(keys), static_cast<float *>(values), table, pos, T,
                           out);
