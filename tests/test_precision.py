@@ -1,0 +1,115 @@
+"""Every precision mode against transformers' forward: tiny random models and the bundled model."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.bench.extras import QUALITY_TEXTS, quality_vs
+from app.bench.tables import CONCURRENCY_HEADER
+from conftest import tiny_model
+from engine import Engine, EngineConfig, SamplingParams
+from engine.hf_runner import make_runner
+from engine.llama import LeanLlama
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# largest logit difference allowed against transformers' forward in the same dtype (int8: vs fp32),
+# as a fraction of the largest logit
+TOLERANCE = {"fp32": 1e-5, "fp16": 0.02, "bf16": 0.08, "int8": 0.15}
+
+
+def last_logits_both_ways(model, runner, ids: torch.Tensor, chunks: list[int]):
+    with torch.no_grad():
+        reference = model(ids[None]).logits[0, -1].float()
+    cache, pos, logits = runner.new_cache(len(ids) + 1), 0, None
+    for size in chunks + [len(ids)]:
+        end = min(pos + size, len(ids))
+        logits = runner.forward(ids[pos:end], pos, cache, need_logits=end == len(ids))
+        pos = end
+        if pos == len(ids):
+            break
+    return reference, logits.float()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_model_logits_per_mode(tokenizer, kind, precision):
+    loaded = tiny_model(tokenizer, kind)
+    model = loaded.model if precision in ("fp32", "int8") else copy.deepcopy(loaded.model).to(DTYPES[precision])
+    runner = make_runner(model, precision)
+    assert (LeanLlama, precision) == (type(runner), runner.precision)
+    ids = torch.tensor(tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"])
+    reference, logits = last_logits_both_ways(loaded.model if precision == "int8" else model, runner, ids, [4, 3])
+    assert (logits - reference).abs().max() <= TOLERANCE[precision] * reference.abs().max()
+
+
+def test_int8_is_refused_where_the_lean_path_cannot_run(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(tokenizer))).eval()
+    with pytest.raises(ValueError, match="int8 needs the lean Llama-family path"):
+        make_runner(model, "int8")
+    assert "transformers" == make_runner(model, "auto").name  # other architectures fall back
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision must be one of auto, fp32, fp16, bf16, int8"):
+        EngineConfig(precision="int4")
+
+
+@pytest.mark.model
+def test_bundled_int8_quality_and_kv_cache(bundled):
+    reference, quantized = make_runner(bundled.model, "fp32"), make_runner(bundled.model, "int8")
+    quality = quality_vs(reference, quantized, bundled.tokenizer)
+    assert "fused C++" == quantized.decode_path
+    assert quality["top1_agreement"] >= 0.85, quality  # measured 0.905 on these texts
+    assert 0 < quality["mean_kl_nats"] < 0.04, quality  # measured 0.016 (FBGEMM's per-tensor activations: 0.048)
+    assert quality["positions"] == sum(len(bundled.tokenizer(t)["input_ids"]) for t in QUALITY_TEXTS)
+    assert 135_000_000 < quantized.weight_bytes < 140_000_000  # int8 weights, fp32 scales and norms
+    assert 3.9 < reference.weight_bytes / quantized.weight_bytes < 4.0
+    engine = Engine(bundled, EngineConfig(precision="int8"), runner=quantized)
+    finished = engine.generate([{"role": "user", "content": "What is a KV cache?"}],
+                               SamplingParams(max_new_tokens=16, temperature=0))
+    assert finished.text and finished.metrics.kv_bytes == 46080 * finished.metrics.kv_tokens  # fp32 KV cache
+
+
+@pytest.mark.model
+def test_bench_quick_produces_a_well_formed_table():
+    result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json"],
+                            capture_output=True, text=True, timeout=600)
+    assert 0 == result.returncode, result.stderr
+    report = json.loads(result.stdout)
+    rows = {(r["engine"], r["mode"], r["test"]): r for r in report["results"]}
+    for mode in ("lean-llama fp32", "lean-llama int8"):
+        for test in ("pp32", "tg8", "pp32+tg8"):
+            row = rows[("phasescope", mode, test)]
+            assert row["tokens_per_s"] > 0 and len(row["samples"]) == 1
+            assert row["vs_transformers"].endswith("×")
+    assert ("transformers", "eager generate float32", "tg8") in rows
+    assert rows[("phasescope", "lean-llama int8", "tg8")]["achieved"].endswith("GB/s of weights")
+    assert rows[("phasescope", "lean-llama fp32", "pp32")]["achieved"].endswith("GFLOP/s")
+    summary = report["summary"]
+    assert {"none", "hooks", "hooks+store"} == set(summary["hooks"])
+    assert summary["fp32_greedy_equals_transformers"] is True
+    assert {"fp16", "int8", "int8 prefill kernels"} == set(summary["quality_vs_fp32"])
+    assert {"lean-llama fp32": "fused C++", "lean-llama fp16": "PyTorch ops",
+            "lean-llama int8": "fused C++"} == summary["decode_paths"]
+    assert summary["native_decode_vs_pytorch_ops"]["lean-llama int8"]["speedup"] > 0
+    assert summary["cold_start_s"]["to_first_token_s"] > 0
+    for mode in ("lean-llama fp32", "lean-llama int8"):  # the native modes: batching and prefix caching
+        levels = summary["concurrency"][mode]
+        assert ["1", "2"] == list(levels) and all(v["same_tokens_as_alone"] for v in levels.values())
+        assert levels["2"]["decode_tokens_per_s"] > 0 and levels["1"]["tpot_vs_1"] == 1.0
+        turns = summary["second_turn"][mode]
+        assert turns["with prefix cache"]["cached_tokens"] > 0 == turns["without"]["cached_tokens"]
+        assert summary["scheduler_cost"][mode]["decode_vs_bare_loop"] > 0
+    markdown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--no-baseline", "--modes", "int8"],
+                              capture_output=True, text=True, timeout=600).stdout
+    assert markdown.startswith("| engine | mode | test | tokens/s |")
+    assert "| phasescope | lean-llama int8 | tg8 |" in markdown
+    assert CONCURRENCY_HEADER in markdown
+    assert "| lean-llama int8 | 2 |" in markdown
