@@ -79,7 +79,7 @@ def test_bundled_int8_quality_and_kv_cache(bundled):
 
 @pytest.mark.model
 def test_bench_quick_produces_a_well_formed_table():
-    result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json"],
+    result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json", "-d", "0,64"],
                             capture_output=True, text=True, timeout=600)
     assert 0 == result.returncode, result.stderr
     report = json.loads(result.stdout)
@@ -107,9 +107,36 @@ def test_bench_quick_produces_a_well_formed_table():
         turns = summary["second_turn"][mode]
         assert turns["with prefix cache"]["cached_tokens"] > 0 == turns["without"]["cached_tokens"]
         assert summary["scheduler_cost"][mode]["decode_vs_bare_loop"] > 0
+        for kv in ("KV fp32", "KV fp16", "KV int8"):  # decode after 0 and 64 tokens in the cache, in each format
+            for depth in (0, 64):
+                assert rows[("phasescope", f"{mode}, {kv}", f"tg8 @ d{depth}")]["tokens_per_s"] > 0
+        spec = summary["speculative_prompt_lookup"][mode]
+        assert spec["repeat"]["same_text"] and spec["no repeats"]["same_text"]
+        assert summary["no_kv_cache"][mode]["no_cache_step_gflop"] > summary["no_kv_cache"][mode]["cached_step_gflop"]
+        quality = summary["kv_formats_quality"][mode]
+        assert quality["tokens"] == 6 * 32 and quality["KV fp16"]["bytes_per_token"] == 46080 // 2
+        assert quality["KV int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
     markdown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--no-baseline", "--modes", "int8"],
                               capture_output=True, text=True, timeout=600).stdout
     assert markdown.startswith("| engine | mode | test | tokens/s |")
     assert "| phasescope | lean-llama int8 | tg8 |" in markdown
     assert CONCURRENCY_HEADER in markdown
     assert "| lean-llama int8 | 2 |" in markdown
+
+
+def test_llama_bench_depth_rows_are_named_as_ours(tmp_path):
+    """llama-bench's rows (a stand-in binary printing its JSON) become results named like the engine's:
+    pp512, tg128, and tg128 @ d1024 for its -d runs."""
+    from app.bench.extras import llama_bench
+
+    fake = tmp_path / "llama-bench"
+    rows = {"plain": [{"n_prompt": 512, "n_gen": 0, "avg_ts": 300.0, "stddev_ts": 1.0, "samples_ts": [300.0]},
+                      {"n_prompt": 0, "n_gen": 128, "avg_ts": 200.0, "stddev_ts": 1.0, "samples_ts": [200.0]}],
+            "deep": [{"n_prompt": 0, "n_gen": 128, "n_depth": 1024, "avg_ts": 110.0, "stddev_ts": 1.0,
+                      "samples_ts": [110.0]}]}
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys\n"
+                    f"rows = {rows!r}\nprint(json.dumps(rows['deep' if '-d' in sys.argv else 'plain']))\n")
+    fake.chmod(0o755)
+    results = llama_bench(str(fake), "model.gguf", 512, 128, 1, log=lambda line: None, depths=(1024,))
+    assert ["pp512", "tg128", "tg128 @ d1024"] == [test for _, test, _ in results]
+    assert [110.0] == results[-1][2]
