@@ -28,9 +28,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-kv-cache", action="store_true",
                         help="keep no KV cache: every decode step computes the whole sequence again (the baseline "
                              "that shows why the cache exists)")
-    parser.add_argument("--speculative", choices=["prompt-lookup"],
-                        help="speculative decoding: draft tokens from earlier text (the prompt, the reply so far) "
-                             "and verify them in one forward; greedy output unchanged")
+    parser.add_argument("--speculative", metavar="prompt-lookup|draft:PATH",
+                        help="speculative decoding: draft tokens from earlier text (the prompt, the reply so far), "
+                             "or with a smaller model with the same tokenizer, and verify them in one forward; "
+                             "the output is unchanged")
     parser.add_argument("--draft-tokens", type=int, default=8, help="the most tokens drafted at once (default 8)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"],
                         help="the KV cache's number format (auto: the activations', fp32 on CPU); fp16 halves it, "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .speculative import METHODS as SPECULATIVE_METHODS
+from .speculative import check_method
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -70,7 +70,8 @@ class EngineConfig:
         prompt is prefilled in chunks between the running requests' decode steps.
     kv_cache: keep keys and values between decode steps; off (the baseline that shows why the cache
         exists), every decode step recomputes the whole sequence and prefix caching is off.
-    speculative: None, or "prompt-lookup": draft tokens from earlier text and verify them in one forward
+    speculative: None; "prompt-lookup": draft tokens from earlier text; or "draft:PATH": a smaller model
+        with the same tokenizer drafts them. Either way the target verifies them in one forward
         (engine/speculative.py); draft_tokens: the most drafted at once.
     kv_dtype: the KV cache's number format: auto (the activations': fp32 for fp32 and int8 weights), fp32,
         fp16 (half the bytes per token; the keys and values rounded to fp16 as they are stored) or int8
@@ -108,8 +109,7 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {self.prefill_chunk!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.speculative not in (None, *SPECULATIVE_METHODS):
-            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        check_method(self.speculative)
         if self.speculative and not self.kv_cache:
             raise ValueError("speculative decoding verifies drafts against the KV cache: it needs kv_cache on")
         for name in ("kv_block_tokens", "max_running", "max_step_tokens", "draft_tokens"):

@@ -34,7 +34,7 @@ from .prompt import PromptTooLong, check_messages, render_prompt
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
 from .scheduler import Scheduler
-from .speculative import DraftLength, Speculation, prompt_lookup
+from .speculative import DRAFT_PREFIX, DraftLength, DraftModel, Speculation, prompt_lookup
 from .text import TextStream
 
 NUM_TOP = 5  # alternatives reported with each token
@@ -96,7 +96,9 @@ def _set_split_kv(runner, config: EngineConfig) -> None:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, runner=None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, runner=None,
+                 draft: LoadedModel | None = None) -> None:
+        """draft: the draft model of speculative decoding ("draft:PATH"), when already loaded (tests)."""
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
@@ -106,6 +108,7 @@ class Engine:
         self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
         self.pool = _new_pool(self.runner, self.config, self.pool_budget)
         _set_split_kv(self.runner, self.config)
+        self.drafter = self._drafter(draft)
         if (self.config.speculative or not self.config.kv_cache) and not getattr(self.runner, "drafts", False):
             raise ValueError(f"speculative decoding and decoding without a KV cache need the lean forward, "
                              f"not {self.runner.name}")
@@ -392,6 +395,23 @@ class Engine:
         attention = 2 * heads * info.head_dim * contexts  # q·k and weights·v
         return 2 * (info.num_layers * (num_tokens * layer + attention) + num_logits * hidden * config.vocab_size)
 
+    def _drafter(self, draft: LoadedModel | None) -> DraftModel | None:
+        """The draft model of "draft:PATH" speculative decoding, in the target's precision, with a KV pool
+        an eighth of the target's."""
+        method = self.config.speculative or ""
+        if not method.startswith(DRAFT_PREFIX):
+            return None
+        if draft is None:
+            draft = load_model(method[len(DRAFT_PREFIX):], self.config.device, self.config.load_dtype,
+                               self.config.cache_dir, lean=True)
+        if draft.model.config.vocab_size != self.loaded.model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.model.config.vocab_size}) is not the "
+                             f"target's ({self.loaded.model.config.vocab_size}): it needs the same tokenizer")
+        runner = make_runner(draft.model, self.runner.precision, cache_dir=self.config.cache_dir)
+        if not getattr(runner, "drafts", False):
+            raise ValueError(f"the draft model needs the lean forward, not {runner.name}")
+        return DraftModel(runner, self.pool_budget // 8)
+
     def _draft(self, r: Request) -> list[int]:
         """Speculative decoding's draft for a request's next step ([] for none: a plain step)."""
         if self.config.speculative is None or r.explain or r.decode_allowance is not None:
@@ -400,7 +420,11 @@ class Engine:
             r.draft_length = DraftLength(self.config.draft_tokens)
         room = r.max_new_tokens - r.num_generated - 1  # the model's own token always comes after the draft
         length = min(r.draft_length.next(), room)
-        return prompt_lookup(r.prompt_ids + r.generated_ids, length) if length > 0 else []
+        if length <= 0:
+            return []
+        if self.drafter is not None:
+            return self.drafter.propose(r, length)
+        return prompt_lookup(r.prompt_ids + r.generated_ids, length)
 
     # --- one step: schedule -> run -> postprocess -------------------------------------------------
 
@@ -587,5 +611,7 @@ class Engine:
         finished = Finished(r.request_id, self._t_ms(r, end_ns), reason, r.text, r.metrics(end_ns), error,
                             speculation)
         self.scheduler.finish(r)  # its blocks go back to the pool (named ones stay cached)
+        if self.drafter is not None:
+            self.drafter.release(r)
         r.kv_cache = None
         self._deliver(r, finished)

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 
 PROMPT_LOOKUP = "prompt-lookup"
-METHODS = (PROMPT_LOOKUP,)
+DRAFT_PREFIX = "draft:"  # "draft:PATH": a smaller model with the same tokenizer drafts
+METHODS = (PROMPT_LOOKUP, DRAFT_PREFIX + "PATH")
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method != PROMPT_LOOKUP and not (method.startswith(DRAFT_PREFIX) and
+                                                                 len(method) > len(DRAFT_PREFIX)):
+        raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {method!r}")
 MAX_NGRAM, MIN_NGRAM = 3, 2  # the n-grams matched, longest first; a single token matches too often
 
 
@@ -71,6 +78,52 @@ class DraftLength:
         self.current = min(self.most, self.current + 2) if accepted == drafted else accepted + 1
         self.misses = self.misses + 1 if accepted == 0 else 0
         self.pause = min(MAX_PAUSE, 2 ** self.misses // 2) if self.misses else 0
+
+
+class DraftModel:
+    """Speculative decoding with a draft model: a smaller model with the same tokenizer proposes the next
+    tokens greedily, one cheap decode step each, from its own KV cache of the sequence. Greedy drafts are
+    certain, so the engine's verification rule (sample, keep the draft token if it agrees) stays exact.
+
+    Each request's draft cache follows the sequence: before drafting, it is cut back to where it still
+    agrees with the tokens the target kept, and whatever it lacks is prefilled."""
+
+    def __init__(self, runner, budget_bytes: int) -> None:
+        self.runner = runner
+        self.pool = runner.new_pool(budget_bytes, prefix_caching=False)
+        self._caches: dict[str, tuple[object, list[int]]] = {}  # request id -> (its cache, the tokens in it)
+
+    def propose(self, request, count: int) -> list[int]:
+        tokens = request.prompt_ids + request.generated_ids
+        cache, cached = self._caches.get(request.request_id, (None, []))
+        if cache is None:
+            cache = self.pool.allocate([], request.num_kv_tokens + count + 1)
+            if cache is None:  # the draft pool is full: this step goes without a draft
+                return []
+        keep = 0
+        for have, want in zip(cached, tokens[:-1]):  # where the draft's cache still agrees with the sequence
+            if have != want:
+                break
+            keep += 1
+        cache.truncate(keep)
+        if keep < len(tokens) - 1:  # what the draft model has not seen: one prefill
+            self.runner.forward(self._ids(tokens[keep:-1]), keep, cache, need_logits=False)
+        drafted, last = [], tokens[-1]
+        for position in range(len(tokens) - 1, len(tokens) - 1 + count):
+            last = int(self.runner.decode([last], [position], [cache])[0].argmax())
+            drafted.append(last)
+        self._caches[request.request_id] = (cache, tokens + drafted[:-1])
+        return drafted
+
+    def release(self, request) -> None:
+        cache, _ = self._caches.pop(request.request_id, (None, None))
+        if cache is not None:
+            self.pool.free(cache)
+
+    def _ids(self, tokens: list[int]):
+        import torch
+
+        return torch.tensor(tokens, device=self.runner.device)
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,3 +133,42 @@ def test_speculation_needs_the_kv_cache():
         EngineConfig(speculative="prompt-lookup", kv_cache=False)
     with pytest.raises(ValueError, match="speculative must be one of"):
         EngineConfig(speculative="guess")
+
+
+def draft_engines(tokenizer, draft):
+    target = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)
+    draft = target if draft == "same" else tiny_model(tokenizer, seed=7, num_heads=2, num_kv_heads=1, hidden=128)
+    plain = Engine(target, EngineConfig(precision="fp32"))
+    drafted = Engine(target, EngineConfig(precision="fp32", speculative="draft:in-process", draft_tokens=4),
+                     draft=draft)
+    return plain, drafted
+
+
+def test_a_draft_model_that_is_the_target_has_every_draft_accepted(tokenizer):
+    plain, drafted = draft_engines(tokenizer, "same")
+    expected, _, _ = run(plain, "Tell me about the sea.", greedy(30, ignore_eos=True))
+    tokens, steps, finished = run(drafted, "Tell me about the sea.", greedy(30, ignore_eos=True))
+    assert expected == tokens
+    spec = finished.speculation
+    assert spec.accepted == spec.drafted > 0 and spec.tokens_per_forward > 3  # 4 drafted + the model's own
+    assert drafted.drafter.pool.usage().num_used == 0  # the draft's cache went back with the request
+
+
+@pytest.mark.parametrize("sampling", [greedy(30, ignore_eos=True),
+                                      SamplingParams(max_new_tokens=30, temperature=0.9, seed=5, ignore_eos=True)])
+def test_a_smaller_draft_model_leaves_the_output_unchanged(tokenizer, sampling):
+    plain, drafted = draft_engines(tokenizer, "smaller")
+    expected, _, _ = run(plain, "Tell me about the sea.", sampling)
+    tokens, _, finished = run(drafted, "Tell me about the sea.", sampling)
+    assert expected == tokens and finished.speculation.drafted > 0
+
+
+def test_a_draft_model_needs_the_targets_vocabulary(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from engine import LoadedModel
+
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    other = LoadedModel(small, tokenizer, "other", "in-process", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="same tokenizer"):
+        Engine(tiny_model(tokenizer), EngineConfig(precision="fp32", speculative="draft:x"), draft=other)
