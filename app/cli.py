@@ -36,6 +36,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"],
                         help="the KV cache's number format (auto: the activations', fp32 on CPU); fp16 halves it, "
                              "int8 (a scale per head and position) takes 68 bytes where fp32 takes 256")
+    parser.add_argument("--kv-window", type=int, help="a sliding window: keep only the first --kv-sinks tokens and "
+                                                      "the last N in the KV cache, which then stops growing")
+    parser.add_argument("--kv-sinks", type=int, default=4, help="tokens a --kv-window always keeps (default 4)")
     parser.add_argument("--split-kv", action="store_true",
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share")
 
@@ -118,7 +121,8 @@ def engine_config(args: argparse.Namespace):
                         prefill_chunk=getattr(args, "prefill_chunk", 0), kv_cache_mb=args.kv_cache_mb,
                         prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
                         kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens,
-                        split_kv=args.split_kv, kv_dtype=args.kv_dtype)
+                        split_kv=args.split_kv, kv_dtype=args.kv_dtype, kv_window=args.kv_window,
+                        kv_sinks=args.kv_sinks)
 
 
 def _engine(args: argparse.Namespace):

@@ -76,6 +76,10 @@ class EngineConfig:
     kv_dtype: the KV cache's number format: auto (the activations': fp32 for fp32 and int8 weights), fp32,
         fp16 (half the bytes per token; the keys and values rounded to fp16 as they are stored) or int8
         (each head's row of keys or values as int8 with its own fp32 scale: 68 bytes for 64 values).
+    kv_window, kv_sinks: a sliding window with attention sinks (StreamingLLM): once a sequence's cache
+        holds the first kv_sinks tokens and the last kv_window (whole blocks of kv_block_tokens), each
+        new block's worth of tokens pushes the oldest non-sink block out: the cache stops growing. None:
+        keep everything. Prefix caching and speculation are off with it.
     split_kv: Flash Decoding in the native decode step: a long sequence's attention cut into chunks that
         the threads share, merged exactly. Off by default: on two CPU cores it measured no faster, since
         attention at long context is bound by reading the cache (see the README).
@@ -97,6 +101,8 @@ class EngineConfig:
     draft_tokens: int = 8
     split_kv: bool = False
     kv_dtype: str = "auto"
+    kv_window: int | None = None
+    kv_sinks: int = 4
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -110,6 +116,14 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_method(self.speculative)
+        if self.kv_window is not None:
+            if not isinstance(self.kv_window, int) or self.kv_window < 1:
+                raise ValueError(f"kv_window must be an integer >= 1 (tokens), got {self.kv_window!r}")
+            if self.speculative:
+                raise ValueError("speculative decoding rolls the cache back, which a sliding window cannot: "
+                                 "use one or the other")
+        if not isinstance(self.kv_sinks, int) or self.kv_sinks < 0:
+            raise ValueError(f"kv_sinks must be an integer >= 0, got {self.kv_sinks!r}")
         if self.speculative and not self.kv_cache:
             raise ValueError("speculative decoding verifies drafts against the KV cache: it needs kv_cache on")
         for name in ("kv_block_tokens", "max_running", "max_step_tokens", "draft_tokens"):

@@ -28,7 +28,7 @@ import torch
 from .config import EngineConfig, SamplingParams
 from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
 from .hf_runner import in_dtype, make_runner
-from .kv_pool import PoolUsage, kv_bytes_formula
+from .kv_pool import PoolUsage, blocks_for, kv_bytes_formula
 from .loader import LoadedModel, load_model
 from .prompt import PromptTooLong, check_messages, render_prompt
 from .request import Request, Status
@@ -80,7 +80,8 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
 
 def _new_pool(runner, config: EngineConfig, budget_bytes: int):
     """The runner's KV pool under the config: its format, and prefix caching (which needs a cache)."""
-    prefix_caching = config.prefix_caching and config.kv_cache  # without a KV cache nothing is kept to reuse
+    # without a KV cache nothing is kept to reuse; a sliding window's blocks are its own
+    prefix_caching = config.prefix_caching and config.kv_cache and config.kv_window is None
     if config.kv_dtype == "auto":
         return runner.new_pool(budget_bytes, config.kv_block_tokens, prefix_caching)
     if runner.name != "lean-llama":
@@ -109,6 +110,11 @@ class Engine:
         self.pool = _new_pool(self.runner, self.config, self.pool_budget)
         _set_split_kv(self.runner, self.config)
         self.drafter = self._drafter(draft)
+        size = self.config.kv_block_tokens
+        self.sink_blocks = blocks_for(self.config.kv_sinks, size)
+        self.kv_limit = None  # a sliding window: sinks, the window, and the block being filled
+        if self.config.kv_window is not None:
+            self.kv_limit = (self.sink_blocks + blocks_for(self.config.kv_window, size) + 1) * size
         if (self.config.speculative or not self.config.kv_cache) and not getattr(self.runner, "drafts", False):
             raise ValueError(f"speculative decoding and decoding without a KV cache need the lean forward, "
                              f"not {self.runner.name}")
@@ -201,7 +207,8 @@ class Engine:
         if chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {chunk!r}")
         request = Request(f"req-{next(self._ids)}", list(messages or []), sampling, list(prompt_ids), max_new,
-                          submit_ns=submit_ns, tokenized_ns=self._now_ns(), prefill_chunk=chunk)
+                          submit_ns=submit_ns, tokenized_ns=self._now_ns(), prefill_chunk=chunk,
+                          kv_limit=self.kv_limit)
         self.pool.check_fits(request.num_kv_tokens)  # KVPoolTooSmall: it could never run
         return request
 
@@ -361,8 +368,10 @@ class Engine:
             return torch.cat([self._recompute(r) for r in requests])
         tokens, positions, caches, explained = [], [], [], None
         for r, draft in zip(requests, drafts or [[]] * len(requests)):
+            if r.kv_limit is not None and r.kv_cache.num_tokens == r.kv_cache.capacity_tokens:
+                r.kv_cache.slide(self.sink_blocks)  # the window is full: the oldest non-sink block goes
             pos = r.kv_cache.num_tokens
-            assert pos == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
+            assert pos + r.kv_cache.num_dropped == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
             if r.explain and explained is None:
                 explained = len(tokens)
             for i, token in enumerate([r.generated_ids[-1], *draft]):

@@ -85,7 +85,7 @@ class FusedDecode:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         self._top = native.ps_top_logits
         self._top.restype = ctypes.c_float
         self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -182,7 +182,8 @@ class FusedDecode:
         """Logits [B, vocab] after tokens[b] at positions[b] of sequences[b] (all in one pool); their keys
         and values land in the pool. capture: a sequence's index in the batch, whose attention weights
         [layers, heads, positions + 1] are returned beside the logits, with the step's time per stage
-        ({stage: ms}, STAGES)."""
+        ({stage: ms}, STAGES). A sequence whose sliding window dropped tokens (SequenceKV.num_dropped)
+        has its tokens rotated at their positions in the text, not their places in the cache."""
         ends = [seq.reserve(pos, 1) for seq, pos in zip(sequences, positions)]
         pool = sequences[0].pool
         assert pool.kv.is_contiguous()
@@ -194,6 +195,9 @@ class FusedDecode:
                                           torch.get_num_threads(), int(self.split_kv), _kv_format(pool)],
                             dtype=torch.int64)
         token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+        rope = None
+        if any(seq.num_dropped for seq in sequences):
+            rope = torch.tensor([p + seq.num_dropped for p, seq in zip(positions, sequences)], dtype=torch.int64)
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
         weights = stage_ms = None
         if capture is not None:  # [layers, heads, positions + 1]
@@ -202,7 +206,7 @@ class FusedDecode:
         status = self._fn(dims.data_ptr(), self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
                           pool.kv.data_ptr(), len(tokens), token_ids.data_ptr(), where.data_ptr(), tables.data_ptr(),
                           width, logits.data_ptr(), _address(weights), -1 if capture is None else capture,
-                          _address(stage_ms))
+                          _address(stage_ms), _address(rope))
         if status != 0:
             raise ValueError(f"decode step refused tokens {tokens} at positions {positions}")
         for seq, end in zip(sequences, ends):

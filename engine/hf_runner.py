@@ -16,6 +16,8 @@ from .llama import DTYPE_NAMES, LeanLlama
 
 
 class DynamicKVCache:
+    num_dropped = 0  # transformers' cache keeps every token (no sliding window)
+
     def __init__(self, model: torch.nn.Module) -> None:
         from transformers import DynamicCache
 

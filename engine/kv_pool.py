@@ -89,6 +89,7 @@ class SequenceKV:
         self.pool = pool
         self.block_ids = block_ids
         self.num_tokens = num_cached_tokens  # positions [0, num_tokens) hold keys and values
+        self.num_dropped = 0  # tokens a sliding window dropped: position p >= the sinks is token p + this
         self.num_hashed_blocks = num_cached_tokens // pool.block_size  # leading blocks with a name
         self.last_hash = b""  # the name of the last named block (the parent of the next)
         self._table: torch.Tensor | None = None
@@ -171,6 +172,19 @@ class SequenceKV:
     def mark_written(self, end: int) -> None:
         """Positions [0, end) are now filled in every layer (by a kernel writing the pool directly)."""
         self.num_tokens = max(self.num_tokens, end)
+
+    def slide(self, sink_blocks: int) -> None:
+        """A sliding window with attention sinks (StreamingLLM): forget the oldest block after the first
+        sink_blocks, and reuse it for what comes next. The cache stops growing; the kept tokens move one
+        block down in the cache but keep their keys, rotated where they stand in the text."""
+        size = self.pool.block_size
+        assert self.num_tokens == self.capacity_tokens and len(self.block_ids) > sink_blocks + 1
+        assert self.num_hashed_blocks == 0, "a windowed sequence shares no blocks"
+        self.block_ids.append(self.block_ids.pop(sink_blocks))
+        self.num_tokens -= size
+        self.num_dropped += size
+        self._table = self._device_table = None
+        self._is_consecutive = False
 
     def truncate(self, end: int) -> None:
         """Forget positions [end, num_tokens) (speculative decoding's rejected drafts); the next write

@@ -208,7 +208,8 @@ class LeanLlama:
         """One token for each of B sequences: tokens[b] at positions[b]. Returns logits [B, vocab]; with
         capture (an index into the batch) also that sequence's attention weights [layers, heads,
         positions + 1] (the native step only; else None) and the step's time per stage."""
-        if self.fused is not None and max(positions) < self.fused.num_positions:
+        last = max(p + cache.num_dropped for p, cache in zip(positions, caches))  # the rotary tables' reach
+        if self.fused is not None and last < self.fused.num_positions:
             return self.fused(tokens, positions, caches, capture)  # one native call for the whole batch
         if capture is not None:  # the PyTorch ops time their stages but do not hand out attention weights
             stage_ms = {}
@@ -266,12 +267,14 @@ class LeanLlama:
         return keys[None, :] <= queries[:, None]
 
     def _attention(self, index: int, qkv: torch.Tensor, pos: int, cache: SequenceKV) -> torch.Tensor:
-        """qkv: [T, (H + 2KV) * D] of one sequence at positions [pos, pos+T) -> attention output [T, H*D]."""
+        """qkv: [T, (H + 2KV) * D] of one sequence at positions [pos, pos+T) of its cache -> attention
+        output [T, H*D]. Rotated at their positions in the text: pos + what a sliding window dropped."""
         num_tokens = qkv.shape[0]
+        rope = pos + cache.num_dropped
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.pair_rope:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
-            torch.view_as_complex(qk).mul_(self.rotations[pos:pos + num_tokens])  # rotary embedding, in place
+            torch.view_as_complex(qk).mul_(self.rotations[rope:rope + num_tokens])  # rotary embedding, in place
             kv = qkv[:, heads * head_dim:].view(num_tokens, 2, kv_heads, head_dim).permute(1, 2, 0, 3)
             if self.fused is not None and self.fused.has_prefill_attention:  # writes k, v into the pool and
                 return self.fused.prefill_attention(qkv, index, pos, cache)  # reads them there, in place
@@ -281,7 +284,7 @@ class LeanLlama:
             q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         else:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
-            cos, sin = self.cos[pos:pos + num_tokens], self.sin[pos:pos + num_tokens]  # [T, 1, D]
+            cos, sin = self.cos[rope:rope + num_tokens], self.sin[rope:rope + num_tokens]  # [T, 1, D]
             qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin  # rotary embedding of q and k at once
             q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)

@@ -55,6 +55,7 @@ class Request:
     num_accepted: int = 0
     num_decode_forwards: int = 0  # decode forwards this request took part in
     num_decode_tokens: int = 0  # tokens those forwards gave it
+    kv_limit: int | None = None  # a sliding window's cache size in tokens (the cache stops growing there)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def take_stage_ms(self) -> dict | None:
@@ -88,7 +89,10 @@ class Request:
     def num_kv_tokens(self) -> int:
         """Positions the request needs in the KV cache: the prompt and every token fed back (the last
         generated token never is)."""
-        return self.num_prompt_tokens + self.max_new_tokens - 1
+        needed = self.num_prompt_tokens + self.max_new_tokens - 1
+        if self.kv_limit is not None:  # a sliding window: the prompt whole, then as much as the window keeps
+            return min(needed, max(self.num_prompt_tokens + 1, self.kv_limit))
+        return needed
 
     @property
     def num_generated(self) -> int:

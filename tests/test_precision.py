@@ -116,6 +116,7 @@ def test_bench_quick_produces_a_well_formed_table():
         quality = summary["kv_formats_quality"][mode]
         assert quality["tokens"] == 6 * 32 and quality["KV fp16"]["bytes_per_token"] == 46080 // 2
         assert quality["KV int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
+        assert quality["KV window 32 + 4 sinks"]["perplexity"] > 0
     markdown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--no-baseline", "--modes", "int8"],
                               capture_output=True, text=True, timeout=600).stdout
     assert markdown.startswith("| engine | mode | test | tokens/s |")

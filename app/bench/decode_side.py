@@ -64,9 +64,14 @@ def at_depth(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) 
     return samples[1:]
 
 
-def kv_variants(engine: Engine) -> dict[str, Engine]:
-    """The engine with its KV cache in each format the native step reads."""
-    return {f"KV {kv}": _sibling(engine, kv_dtype=kv) for kv in ("fp32", "fp16", "int8")}
+def kv_variants(engine: Engine, window: int | None = None) -> dict[str, Engine]:
+    """The engine with its KV cache in each format the native step reads, and, with window, an fp32
+    cache that keeps only 4 sink tokens and the last `window`."""
+    variants = {f"KV {kv}": _sibling(engine, kv_dtype=kv) for kv in ("fp32", "fp16", "int8")}
+    if window:
+        variants[f"KV window {window} + 4 sinks"] = _sibling(engine, kv_dtype="fp32", kv_window=window, kv_sinks=4,
+                                                            prefix_caching=False)
+    return variants
 
 
 def kv_quality(engine: Engine, variants: dict[str, Engine], max_tokens: int = 3000) -> dict:
@@ -76,11 +81,13 @@ def kv_quality(engine: Engine, variants: dict[str, Engine], max_tokens: int = 30
     ids = engine.tokenizer(LONG_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][:max_tokens]
 
     def read(e: Engine) -> tuple[float, list[int]]:
-        cache = e.pool.allocate([], len(ids))
+        cache = e.pool.allocate([], e.kv_limit or len(ids))
         nll, best = 0.0, []
         try:
             for position, token in enumerate(ids[:-1]):
-                logits = e.runner.decode([token], [position], [cache])[0].float()
+                if e.kv_limit is not None and cache.num_tokens == cache.capacity_tokens:
+                    cache.slide(e.sink_blocks)  # a sliding window, as the engine keeps it
+                logits = e.runner.decode([token], [cache.num_tokens], [cache])[0].float()
                 nll -= float(torch.log_softmax(logits, -1)[ids[position + 1]])
                 best.append(int(logits.argmax()))
         finally:

@@ -182,8 +182,10 @@ def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, re
     summary["no_kv_cache"] = {name: no_cache(e, pp) for name, e in native.items()}
     log(f"  a decode step without the KV cache vs with it: {summary['no_kv_cache']}")
     text_tokens = min(3000, 6 * pp)  # the whole text in a full run, a taste of it in a --quick one
-    summary["kv_formats_quality"] = {name: kv_quality(e, kv_variants(e), text_tokens) for name, e in native.items()}
-    log(f"  KV formats against an fp32 cache over a long text: {summary['kv_formats_quality']}")
+    summary["kv_formats_quality"] = {name: kv_quality(e, kv_variants(e, window=pp), text_tokens)
+                                     for name, e in native.items()}
+    log(f"  KV formats and a {pp}-token window against an fp32 cache over a long text: "
+        f"{summary['kv_formats_quality']}")
 
 
 def _scheduler(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int,

@@ -786,8 +786,9 @@ extern "C" int ps_kv_formats() { return 1 | (kHasHalf ? 2 : 0) | 4; }
 // positions[b], block table row b of tables [n][table_stride]. Writes each one's K/V at its position and
 // logits [n][vocab]. capture: null, or [layers][heads][positions[capture_b] + 1] for the attention weights
 // of sequence capture_b (the explain mode). stage_ms: null, or kNumStages doubles to which the wall time
-// of each stage of the step is added (the explain mode's pipeline). Returns 0, or 1 for an input out of
-// range (nothing is written then).
+// of each stage of the step is added (the explain mode's pipeline). rope_positions: null, or each
+// token's position for the rotary embedding where it is not its place in the cache (a sliding window
+// dropped tokens before it). Returns 0, or 1 for an input out of range (nothing is written then).
 enum Stage { kEmbedding, kNorm, kAttention, kFfn, kFinalNorm, kLmHead, kNumStages };
 
 // Adds the time since the previous lap to one stage; does nothing without a place to add it to.
@@ -805,7 +806,7 @@ struct StageClock {
 extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *layer_ptrs, const int64_t *model_ptrs,
                                void *kv, int64_t n, const int64_t *tokens, const int64_t *positions,
                                const int64_t *tables, int64_t table_stride, float *logits, float *capture,
-                               int64_t capture_b, double *stage_ms) {
+                               int64_t capture_b, double *stage_ms, const int64_t *rope_positions) {
     const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10],
                  dims[11], dims[12]};
     const Batch batch{n, tokens, positions, tables, table_stride};
@@ -833,7 +834,7 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
         linear(d, qkv_proj, h.data(), n, C, qkv_size, qkv.data());
         for (int64_t b = 0; b < n; b++) {
             float *row = qkv.data() + b * qkv_size;
-            const int64_t pos = positions[b];
+            const int64_t pos = rope_positions ? rope_positions[b] : positions[b];
             rotary(row, d.heads + d.kv_heads, D, ptr(model_ptrs[5]) + pos * (D / 2), ptr(model_ptrs[6]) + pos * (D / 2));
         }
         float *layer_capture = capture ? capture + l * d.heads * (positions[capture_b] + 1) : nullptr;

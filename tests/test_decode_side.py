@@ -1,6 +1,7 @@
-"""Decode-side switches: prompt-lookup speculative decoding gives plain decoding's tokens (greedy, and
-seeded sampling), its rollback leaves the cache as plain decoding would; without a KV cache the tokens
-are the cached decode's while each step recomputes everything."""
+"""Decode-side switches: speculative decoding (prompt lookup, a draft model) gives plain decoding's
+tokens (greedy, and seeded sampling), its rollback leaves the cache as plain decoding would; without a
+KV cache the tokens are the cached decode's while each step recomputes everything; a sliding window with
+attention sinks keeps the cache from growing (and is exact while nothing has been dropped)."""
 from __future__ import annotations
 
 import pytest
@@ -172,3 +173,44 @@ def test_a_draft_model_needs_the_targets_vocabulary(tokenizer):
     other = LoadedModel(small, tokenizer, "other", "in-process", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="same tokenizer"):
         Engine(tiny_model(tokenizer), EngineConfig(precision="fp32", speculative="draft:x"), draft=other)
+
+
+def test_a_sliding_window_stops_the_cache_growing(tokenizer):
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)
+    full = Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False))
+    windowed = Engine(loaded, EngineConfig(precision="fp32", kv_window=32, kv_sinks=4), runner=full.runner)
+    assert windowed.kv_limit == (1 + 2 + 1) * 16 and windowed.pool.prefix_caching is False
+    expected, _, _ = run(full, "Tell me about the sea.", greedy(120, ignore_eos=True))
+    tokens, steps, finished = run(windowed, "Tell me about the sea.", greedy(120, ignore_eos=True))
+    assert max(s.kv_tokens for s in steps) <= windowed.kv_limit  # it stopped growing
+    assert finished.metrics.kv_bytes <= windowed.kv_limit * windowed.info.kv_bytes_per_token
+    prompt = steps[0].kv_tokens
+    first_drop = windowed.kv_limit - prompt + 1  # tokens before the window first fills are exact
+    assert expected[:first_drop] == tokens[:first_drop]
+    wide = Engine(loaded, EngineConfig(precision="fp32", kv_window=1000), runner=full.runner)
+    assert expected == run(wide, "Tell me about the sea.", greedy(120, ignore_eos=True))[0]  # never full: exact
+
+
+def test_after_a_slide_the_native_step_and_pytorch_agree(tokenizer):
+    """Tokens after the dropped block keep their places in the text for the rotary embedding, in the
+    native step and in the PyTorch ops alike."""
+    from engine.llama import LeanLlama
+
+    lean = LeanLlama(tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256).model, precision="fp32")
+    pool = lean.new_pool(4_000_000, prefix_caching=False)
+    sequence = pool.allocate([], 48)  # 3 blocks of 16
+    lean.forward(torch.arange(48) % 300 + 5, 0, sequence)
+    sequence.slide(1)  # the second block (positions 16-31) goes; the third moves down
+    assert (32, 16) == (sequence.num_tokens, sequence.num_dropped)
+    native = lean.decode([7], [32], [sequence])
+    sequence.truncate(32)
+    with lean.pytorch_decode():
+        ops = lean.decode([7], [32], [sequence])
+    torch.testing.assert_close(native, ops, rtol=1e-4, atol=1e-4)
+
+
+def test_a_window_and_speculation_do_not_mix():
+    with pytest.raises(ValueError, match="one or the other"):
+        EngineConfig(kv_window=64, speculative="prompt-lookup")
+    with pytest.raises(ValueError, match="kv_window"):
+        EngineConfig(kv_window=0)
