@@ -120,19 +120,21 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         return render(walk, layer_choice, head_choice, lang_choice)
 
     def run_on(walk, layer_choice, head_choice, lang_choice):
-        """One step after another, each drawn, until the reply ends or Pause holds it."""
+        """One step after another, each drawn, until the reply ends or Pause holds it. It draws the views
+        only, never the state, and nothing once the walk was stopped or replaced: a Start or Stop during
+        its last step must not be drawn over by this walk."""
         if walk is None or walk.trace.finished:
-            yield render(walk, layer_choice, head_choice, lang_choice)
             return
         walk.running = True
         while walk.running and not walk.trace.finished:
             began, count = time.monotonic(), len(walk.trace.steps)
             engine.allow(walk.request, 1)
             _wait(lambda: len(walk.trace.steps) > count or walk.trace.finished)
-            yield render(walk, layer_choice, head_choice, lang_choice)
+            if walk.request.is_cancelled:
+                return
+            yield render(walk, layer_choice, head_choice, lang_choice)[1:]  # shows "done" at the end
             time.sleep(max(0.0, RUN_STEP_S - (time.monotonic() - began)))
         walk.running = False
-        yield render(walk, layer_choice, head_choice, lang_choice)
 
     def hold(walk, layer_choice, head_choice, lang_choice):
         if walk is not None:
@@ -149,7 +151,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     outputs, choices = [state, tokens, panel, pipeline, candidates, grid], [layer, head, lang]
     start.click(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs)
     step.click(next_token, [state, *choices], outputs)
-    run.click(run_on, [state, *choices], outputs, show_progress="hidden")
+    run.click(run_on, [state, *choices], outputs[1:], show_progress="hidden")
     pause.click(hold, [state, *choices], outputs, queue=False)
     stop.click(end, [state, *choices], outputs, queue=False)
     for dropdown in (layer, head):
