@@ -22,7 +22,8 @@ FONTS = ("system-ui", "Noto Sans CJK SC", "Noto Sans SC", "PingFang SC", "Micros
 
 
 def header_html(lang: str) -> str:
-    return f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> <span class="ps-tagline">{t(lang, "header.tagline")}</span></div>'
+    return (f'<div class="ps-header"><span class="ps-logo">{TITLE}</span> '
+            f'<span class="ps-tagline">{t(lang, "header.tagline")}</span></div>')
 
 
 def build_app(engine: Engine, store: Store) -> gr.Blocks:

@@ -14,8 +14,9 @@ from .metrics import RequestMetrics, percentiles, session_summary
 from .request import Request, Status
 
 __all__ = [
-    "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook", "KVPool",
-    "KVPoolTooSmall", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong", "Request", "SequenceKV",
+    "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook",
+    "KVPool", "KVPoolTooSmall", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong",
+    "Request", "SequenceKV",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary",
 ]

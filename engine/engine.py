@@ -371,7 +371,8 @@ class Engine:
             if r.kv_limit is not None and r.kv_cache.num_tokens == r.kv_cache.capacity_tokens:
                 r.kv_cache.slide(self.sink_blocks)  # the window is full: the oldest non-sink block goes
             pos = r.kv_cache.num_tokens
-            assert pos + r.kv_cache.num_dropped == r.num_prompt_tokens + r.num_generated - 1, "decode runs one new token"
+            assert pos + r.kv_cache.num_dropped == r.num_prompt_tokens + r.num_generated - 1, \
+                "decode runs one new token"
             if r.explain and explained is None:
                 explained = len(tokens)
             for i, token in enumerate([r.generated_ids[-1], *draft]):

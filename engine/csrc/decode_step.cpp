@@ -153,7 +153,8 @@ struct RowReader<q8> {
     float load1(int64_t i) const { return float(row[i]); }
     Vec load8(int64_t i) const {
 #if defined(__AVX2__)
-        return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(row + i))));
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(row + i));
+        return (Vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 #else
         Vec x;
         for (int j = 0; j < 8; j++) x[j] = float(row[i + j]);
@@ -496,17 +497,19 @@ void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t 
         const KV *k = keys + g * d.num_slots * row_size<KV>(D), *v = values + g * d.num_slots * row_size<KV>(D);
         const int64_t *table = batch.tables + b * batch.table_stride;
         float *s = scores.data() + task * group * length, *o = parts.data() + task * group * D;
+        float *m = &maxima[task * group], *l = &sums[task * group];
         if (D == 64)
-            attend_group_part<64, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
+            attend_group_part<64, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, m, l);
         else
-            attend_group_part<128, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, &maxima[task * group], &sums[task * group]);
+            attend_group_part<128, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, m, l);
     }
     for (int64_t b = 0; b < batch.size; b++) {  // merge each head's chunks
         if (b == skip_b) continue;
         for (int64_t g = 0; g < d.kv_heads; g++)
             for (int64_t h = 0; h < group; h++) {
                 float most = -INFINITY, total = 0.0f;
-                for (int64_t c = first[b]; c < first[b + 1]; c++) most = std::max(most, maxima[(c * d.kv_heads + g) * group + h]);
+                for (int64_t c = first[b]; c < first[b + 1]; c++)
+                    most = std::max(most, maxima[(c * d.kv_heads + g) * group + h]);
                 float *o = out + (b * d.heads + g * group + h) * D;
                 std::fill(o, o + D, 0.0f);
                 for (int64_t c = first[b]; c < first[b + 1]; c++) {
@@ -838,12 +841,13 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
             rotary(row, d.heads + d.kv_heads, D, ptr(model_ptrs[5]) + pos * (D / 2), ptr(model_ptrs[6]) + pos * (D / 2));
         }
         float *layer_capture = capture ? capture + l * d.heads * (positions[capture_b] + 1) : nullptr;
+        float *a = attn.data();
         if (d.kv_format == kF16)
-            write_and_attend(d, batch, static_cast<half *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
+            write_and_attend(d, batch, static_cast<half *>(kv), l, qkv.data(), qkv_size, a, layer_capture, capture_b);
         else if (d.kv_format == kQ8)
-            write_and_attend(d, batch, static_cast<q8 *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
+            write_and_attend(d, batch, static_cast<q8 *>(kv), l, qkv.data(), qkv_size, a, layer_capture, capture_b);
         else
-            write_and_attend(d, batch, static_cast<float *>(kv), l, qkv.data(), qkv_size, attn.data(), layer_capture, capture_b);
+            write_and_attend(d, batch, static_cast<float *>(kv), l, qkv.data(), qkv_size, a, layer_capture, capture_b);
         linear(d, o_proj, attn.data(), n, q_size, C, proj.data());
         for (int64_t i = 0; i < n * C; i++) x[i] += proj[i];
         clock.lap(kAttention);
@@ -869,11 +873,11 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
     return 0;
 }
 
-// Attention of a prefill chunk: tokens at positions [pos, pos + T) of one sequence. dims: heads,
-// kv_heads, head_dim, num_slots, block_size, threads, kv_format (KvFormat). qkv [T] rows of q_stride floats: the query heads,
-// then the key heads, then the value heads (q and k pair-rotated); the chunk's keys and values are
-// written into keys, values (one layer's [kv_heads][slots][D]) at the sequence's slots, then every token
-// attends over positions [0, its own]. table: the sequence's block ids; out [T][heads * D]. Returns 0, or
+// Attention of a prefill chunk: tokens at positions [pos, pos + T) of one sequence's cache. dims: heads,
+// kv_heads, head_dim, num_slots, block_size, threads, kv_format (KvFormat). qkv [T] rows of q_stride
+// floats: the query heads, then the key heads, then the value heads (q and k pair-rotated); the chunk's
+// keys and values are written into keys, values (one layer's [kv_heads][slots][row]) at the sequence's
+// slots, then every token attends over positions [0, its own]. table: the sequence's block ids; out [T][heads * D]. Returns 0, or
 // 1 for a head dimension it has no kernel for (64 and 128 only; the caller then uses PyTorch's).
 extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, void *keys,
                                     void *values, const int64_t *table, int64_t pos, int64_t T, float *out) {
