@@ -39,6 +39,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-window", type=int, help="a sliding window: keep only the first --kv-sinks tokens and "
                                                       "the last N in the KV cache, which then stops growing")
     parser.add_argument("--kv-sinks", type=int, default=4, help="tokens a --kv-window always keeps (default 4)")
+    parser.add_argument("--attention", default="auto", choices=["auto", "sdpa", "eager"],
+                        help="prefill's attention: auto (the native kernel), sdpa (PyTorch's fused kernel) or "
+                             "eager (the whole score matrix materialized)")
     parser.add_argument("--split-kv", action="store_true",
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share")
 
@@ -122,7 +125,7 @@ def engine_config(args: argparse.Namespace):
                         prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
                         kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens,
                         split_kv=args.split_kv, kv_dtype=args.kv_dtype, kv_window=args.kv_window,
-                        kv_sinks=args.kv_sinks)
+                        kv_sinks=args.kv_sinks, attention=args.attention)
 
 
 def _engine(args: argparse.Namespace):

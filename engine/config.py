@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8")
 PRECISION_DTYPES = {"fp32": "float32", "int8": "float32", "fp16": "float16", "bf16": "bfloat16"}
 KV_DTYPES = ("auto", "fp32", "fp16", "int8")
+ATTENTIONS = ("auto", "sdpa", "eager")
 DEFAULT_BLOCK_TOKENS = 16  # tokens per KV block
 
 
@@ -80,6 +81,9 @@ class EngineConfig:
         holds the first kv_sinks tokens and the last kv_window (whole blocks of kv_block_tokens), each
         new block's worth of tokens pushes the oldest non-sink block out: the cache stops growing. None:
         keep everything. Prefix caching and speculation are off with it.
+    attention: prefill's attention: auto (the native kernel reading the paged cache in place, where it is
+        built; else sdpa), sdpa (PyTorch's fused scaled_dot_product_attention) or eager (the score
+        matrix materialized: QK^T, mask, softmax, times V).
     split_kv: Flash Decoding in the native decode step: a long sequence's attention cut into chunks that
         the threads share, merged exactly. Off by default: on two CPU cores it measured no faster, since
         attention at long context is bound by reading the cache (see the README).
@@ -103,6 +107,7 @@ class EngineConfig:
     kv_dtype: str = "auto"
     kv_window: int | None = None
     kv_sinks: int = 4
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -116,6 +121,8 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         check_method(self.speculative)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.kv_window is not None:
             if not isinstance(self.kv_window, int) or self.kv_window < 1:
                 raise ValueError(f"kv_window must be an integer >= 1 (tokens), got {self.kv_window!r}")

@@ -90,8 +90,13 @@ def _new_pool(runner, config: EngineConfig, budget_bytes: int):
     return runner.new_pool(budget_bytes, config.kv_block_tokens, prefix_caching, kv_dtype)
 
 
-def _set_split_kv(runner, config: EngineConfig) -> None:
-    """Flash Decoding on or off in the native decode step, where the runner has one."""
+def _set_switches(runner, config: EngineConfig) -> None:
+    """The forward's switches: prefill's attention implementation, and Flash Decoding in the native
+    decode step, where the runner has them."""
+    if config.attention != "auto":
+        if not hasattr(runner, "attention"):
+            raise ValueError(f"--attention needs the lean forward, not {runner.name}")
+        runner.attention = config.attention
     if getattr(runner, "fused", None) is not None:
         runner.fused.split_kv = config.split_kv
 
@@ -108,7 +113,7 @@ class Engine:
         mb = self.config.kv_cache_mb
         self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
         self.pool = _new_pool(self.runner, self.config, self.pool_budget)
-        _set_split_kv(self.runner, self.config)
+        _set_switches(self.runner, self.config)
         self.drafter = self._drafter(draft)
         size = self.config.kv_block_tokens
         self.sink_blocks = blocks_for(self.config.kv_sinks, size)
@@ -332,7 +337,7 @@ class Engine:
             model = in_dtype(model, getattr(torch, config.load_dtype))
         runner = make_runner(model, precision, cache_dir=config.cache_dir)
         self.runner, self.config = runner, config
-        _set_split_kv(runner, config)
+        _set_switches(runner, config)
         self.pool = _new_pool(runner, config, self.pool_budget)
         self.scheduler.pool = self.pool
         self.__dict__.pop("info", None)  # the cached ModelInfo describes the old runner

@@ -51,6 +51,24 @@ def _params(linear: torch.nn.Linear, pair_heads: int = 0) -> tuple[torch.Tensor,
     return reorder(weight), None if bias is None else reorder(bias.detach())
 
 
+def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention as the textbook writes it: the whole score matrix S = Q K^T / sqrt(D) ([H, T, n], what
+    a fused kernel never holds at once), the causal mask, softmax, then S V. q [H, T, D]; keys and values
+    [KV, n, D], each KV head shared by H / KV query heads. Returns [H, T, D]."""
+    group = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+    scores = q @ keys.transpose(1, 2) / keys.shape[-1] ** 0.5  # [H, T, n]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ values
+
+
+def score_matrix_bytes(num_heads: int, num_tokens: int, num_keys: int, element_size: int = 4) -> int:
+    """What eager attention materializes for one layer: heads x queries x keys scores."""
+    return num_heads * num_tokens * num_keys * element_size
+
+
 class StageClock:
     """Adds the wall time since the previous lap to a stage of the forward pass (the explain mode's
     pipeline), after a device synchronize so that a stage's time is its own. Without a dict, nothing."""
@@ -122,6 +140,9 @@ class LeanLlama:
         # decode (T = 1) as one native call where it can be built: fp32 or int8 weights on CPU
         is_native = self.pair_rope and self.device.type == "cpu" and self.precision in ("fp32", "int8")
         self.fused = load_fused_decode(self, cache_root(cache_dir)) if is_native else None
+        # prefill's attention: "auto" (the native kernel where it is built, else PyTorch's fused SDPA),
+        # "sdpa" (PyTorch's fused kernel) or "eager" (the score matrix materialized, as textbooks write it)
+        self.attention = "auto"
 
     @property
     def decode_path(self) -> str:
@@ -276,8 +297,9 @@ class LeanLlama:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
             torch.view_as_complex(qk).mul_(self.rotations[rope:rope + num_tokens])  # rotary embedding, in place
             kv = qkv[:, heads * head_dim:].view(num_tokens, 2, kv_heads, head_dim).permute(1, 2, 0, 3)
-            if self.fused is not None and self.fused.has_prefill_attention:  # writes k, v into the pool and
-                return self.fused.prefill_attention(qkv, index, pos, cache)  # reads them there, in place
+            native = self.fused is not None and self.fused.has_prefill_attention and self.attention == "auto"
+            if native:  # writes k, v into the pool and reads them there, in place
+                return self.fused.prefill_attention(qkv, index, pos, cache)
             cache.write_kv(index, pos, kv)
             keys, values = cache.layer_kv(index, pos + num_tokens)  # [KV, pos+T, D] each
             keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)  # a no-op unless the cache is fp16
@@ -290,7 +312,10 @@ class LeanLlama:
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
             keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))
             keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=self._causal_mask(pos, num_tokens),
-                                             enable_gqa=heads != kv_heads)  # [1, H, T, D]
-        return out[0].transpose(0, 1).reshape(num_tokens, heads * head_dim)
+        if self.attention == "eager":
+            out = eager_attention(q.transpose(0, 1), keys, values, self._causal_mask(pos, num_tokens))
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                                 attn_mask=self._causal_mask(pos, num_tokens),
+                                                 enable_gqa=heads != kv_heads)[0]  # [H, T, D]
+        return out.transpose(0, 1).reshape(num_tokens, heads * head_dim)

@@ -117,6 +117,8 @@ def test_bench_quick_produces_a_well_formed_table():
         assert quality["tokens"] == 6 * 32 and quality["KV fp16"]["bytes_per_token"] == 46080 // 2
         assert quality["KV int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
         assert quality["KV window 32 + 4 sinks"]["perplexity"] > 0
+        attention = summary["prefill_attention"][mode]  # native, sdpa and eager prefill at 16 and 32 tokens
+        assert ["16", "32"] == list(attention) and attention["32"]["eager"]["prefill_ms"] > 0
     markdown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--no-baseline", "--modes", "int8"],
                               capture_output=True, text=True, timeout=600).stdout
     assert markdown.startswith("| engine | mode | test | tokens/s |")

@@ -25,6 +25,7 @@ from engine.hf_runner import in_dtype, make_runner
 from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops,
                            quality_vs)
 from .decode_side import at_depth, kv_quality, kv_variants, no_cache, speculation
+from .prefill_side import attention_impls
 from .scheduler import concurrency, scheduler_cost, second_turn
 
 BENCH_KV_MB = 1024  # each mode's KV pool: far more than any test here needs
@@ -145,6 +146,10 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
     _decode_side(summary, engines, pp, tg, repetitions, log)
+    lengths = (pp // 2, pp) if pp < 256 else (256, 1024, 2048, 4096)  # --quick: a taste
+    summary["prefill_attention"] = {name: attention_impls(e, lengths, vocab) for name, e in engines.items()
+                                    if getattr(e.runner, "fused", None) is not None}
+    log(f"  prefill attention, native vs sdpa vs eager: {summary['prefill_attention']}")
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
     log(f"  cold start: {summary['cold_start_s']}")
     results += [Result("llama.cpp", mode, test, samples)

@@ -1,0 +1,48 @@
+"""Prefill-side switches: the attention implementations (the native kernel, PyTorch's fused SDPA and the
+textbook's eager form) give the same logits, whole or in chunks, on each supported architecture."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model, user
+from engine import Engine, EngineConfig, SamplingParams
+from engine.llama import LeanLlama, eager_attention, score_matrix_bytes
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])  # qwen2: a bias on q, k and v
+@pytest.mark.parametrize("chunks", [[40], [16, 24], [7, 9, 24]])
+def test_attention_implementations_agree(tokenizer, kind, chunks):
+    loaded = tiny_model(tokenizer, kind, num_heads=6, num_kv_heads=2, hidden=384)  # GQA, head dim 64
+    lean = LeanLlama(loaded.model, precision="fp32")
+    ids = torch.arange(40) % 700 + 11
+    results = {}
+    for attention in ("auto", "sdpa", "eager"):
+        lean.attention = attention
+        cache, pos = lean.new_cache(64), 0
+        for size in chunks:
+            logits = lean.forward(ids[pos:pos + size], pos, cache)
+            pos += size
+        results[attention] = torch.cat([logits, lean.decode([5], [40], [cache])[0]])
+    torch.testing.assert_close(results["sdpa"], results["auto"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results["eager"], results["auto"], rtol=1e-4, atol=1e-4)
+
+
+def test_eager_attention_is_softmax_of_the_materialized_scores():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)  # 4 query heads over 2 KV heads
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2)  # query i sees keys 0..i+2
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0),
+                                                                attn_mask=mask)
+    torch.testing.assert_close(eager_attention(q, k, v, mask), expected)
+    assert score_matrix_bytes(9, 2048, 2048) == 9 * 2048 * 2048 * 4  # 151 MB per layer at 2,048 tokens
+
+
+def test_the_engine_switch_gives_the_same_greedy_tokens(tokenizer):
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)
+    sampling = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    tokens = {attention: Engine(loaded, EngineConfig(precision="fp32", attention=attention)).generate(
+        user("Tell me about the sea."), sampling).text for attention in ("auto", "sdpa", "eager")}
+    assert tokens["auto"] == tokens["sdpa"] == tokens["eager"]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        EngineConfig(attention="flash")
