@@ -107,9 +107,10 @@ def test_bench_quick_produces_a_well_formed_table():
         turns = summary["second_turn"][mode]
         assert turns["with prefix cache"]["cached_tokens"] > 0 == turns["without"]["cached_tokens"]
         assert summary["scheduler_cost"][mode]["decode_vs_bare_loop"] > 0
-        for kv in ("KV fp32", "KV fp16", "KV int8"):  # decode after 0 and 64 tokens in the cache, in each format
+        for kv in ("KV fp32", "KV fp16", "KV int8"):  # prefill and decode after 0 and 64 cached tokens, each format
             for depth in (0, 64):
-                assert rows[("phasescope", f"{mode}, {kv}", f"tg8 @ d{depth}")]["tokens_per_s"] > 0
+                for test in ("pp32", "tg8"):
+                    assert rows[("phasescope", f"{mode}, {kv}", f"{test} @ d{depth}")]["tokens_per_s"] > 0
         spec = summary["speculative_prompt_lookup"][mode]
         assert spec["repeat"]["same_text"] and spec["no repeats"]["same_text"]
         assert summary["no_kv_cache"][mode]["no_cache_step_gflop"] > summary["no_kv_cache"][mode]["cached_step_gflop"]

@@ -64,6 +64,20 @@ def at_depth(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) 
     return samples[1:]
 
 
+def prefill_at_depth(engine: Engine, context: list[int], prompts: list[list[int]]) -> list[float]:
+    """Prefill tok/s of each prompt after `context` is in the cache (llama-bench's pp at depth -d): the
+    context is cached first (prefix caching), then context + prompt is sent and only the prompt is
+    prefilled. One sample per prompt; the prompts differ, so none is cached from an earlier sample."""
+    sampling = SamplingParams(max_new_tokens=1, temperature=0)
+    e = _sibling(engine, prefix_caching=True)
+    samples = []
+    for prompt in prompts:
+        list(e.run(e.new_request_from_ids(context or prompt[:1], sampling)))  # the context into the cache
+        *_, finished = e.run(e.new_request_from_ids(context + prompt, sampling))
+        samples.append(finished.metrics.prefill_tokens_per_s or 0.0)
+    return samples
+
+
 def kv_variants(engine: Engine, window: int | None = None) -> dict[str, Engine]:
     """The engine with its KV cache in each format the native step reads, and, with window, an fp32
     cache that keeps only 4 sink tokens and the last `window`."""

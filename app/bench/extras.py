@@ -216,7 +216,7 @@ def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
         return []
     rows = json.loads(out.stdout)
     if depths:
-        deep = subprocess.run([binary, "-m", str(gguf), "-p", "0", "-n", str(tg), "-d", ",".join(map(str, depths)),
+        deep = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-d", ",".join(map(str, depths)),
                                "-r", str(repetitions), "-t", threads, "-o", "json"], capture_output=True, text=True,
                               timeout=3600)
         if deep.returncode == 0:

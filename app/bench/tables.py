@@ -24,7 +24,7 @@ from engine.hf_runner import in_dtype, make_runner
 
 from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops,
                            quality_vs)
-from .decode_side import at_depth, kv_quality, kv_variants, no_cache, speculation
+from .decode_side import at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation
 from .prefill_side import attention_impls
 from .scheduler import concurrency, scheduler_cost, second_turn
 
@@ -121,7 +121,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
             result = Result(engine_name, mode, test, [measure(prompt, num_prompt, num_gen) for _ in range(repetitions)])
             results.append(result)
             log(f"  {engine_name:<12} {mode:<24} {test:<14} {result.mean:8.1f} ± {result.std:.1f} tok/s")
-    results += _depths(engines, depths, tg, repetitions, vocab, bos, log)
+    results += _depths(engines, depths, pp, tg, repetitions, vocab, bos, log)
     best_name = max(engines, key=lambda name: _mean(results, name, f"tg{tg}"))
     best = engines[best_name]
     _annotate(results, engines, pp, tg)
@@ -158,24 +158,32 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     return {"results": results, "summary": summary}
 
 
-def depth_test(tg: int, depth: int) -> str:
-    return f"tg{tg} @ d{depth}"
+def depth_test(test: str, depth: int) -> str:
+    return f"{test} @ d{depth}"
 
 
-def _depths(engines: dict[str, Engine], depths: tuple[int, ...], tg: int, repetitions: int, vocab: int,
+def _random_prompt(num_tokens: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(100, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _depths(engines: dict[str, Engine], depths: tuple[int, ...], pp: int, tg: int, repetitions: int, vocab: int,
             bos: int | None, log) -> list[Result]:
-    """Decode after `depth` tokens already in the cache (llama-bench's -d), for each mode whose decode is
-    native, with its KV cache in fp32 and in fp16: how decode slows as the context grows."""
+    """Prefill and decode after `depth` tokens already in the cache (llama-bench's -d), for each mode
+    whose decode is native, with its KV cache in each format: how both phases slow as the context grows."""
     results = []
     for name, engine in engines.items():
         if getattr(engine.runner, "fused", None) is None:
             continue
         for kv, variant in kv_variants(engine).items():
             for depth in depths:
-                result = Result("phasescope", f"{name}, {kv}", depth_test(tg, depth),
-                                at_depth(variant, bench_prompt(depth, vocab, bos), tg, repetitions))
-                results.append(result)
-                log(f"  phasescope   {result.mode:<24} {result.test:<14} {result.mean:8.1f} ± {result.std:.1f} tok/s")
+                context = bench_prompt(depth, vocab, bos) if depth else []
+                prompts = [_random_prompt(pp, vocab, 1000 + i) for i in range(repetitions + 1)]
+                for test, samples in ((f"pp{pp}", prefill_at_depth(variant, context, prompts)[1:]),
+                                      (f"tg{tg}", at_depth(variant, context or [bos or 1], tg, repetitions))):
+                    result = Result("phasescope", f"{name}, {kv}", depth_test(test, depth), samples)
+                    results.append(result)
+                    log(f"  phasescope   {result.mode:<24} {result.test:<14} {result.mean:8.1f} ± {result.std:.1f} "
+                        "tok/s")
     return results
 
 
