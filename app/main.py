@@ -71,6 +71,7 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     # the engine thread loads the model, then runs the scheduler loop: one OpenMP team (see EngineThread)
     runner = EngineThread().start()
     engine = runner.call(lambda: Engine.from_config(config))
+    runner.call(engine.warm_up)  # the first chat's TTFT is then a prefill's, not a cold start's
     runner.serve(engine)
     info = engine.info
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})",

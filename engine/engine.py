@@ -217,6 +217,14 @@ class Engine:
         self.pool.check_fits(request.num_kv_tokens)  # KVPoolTooSmall: it could never run
         return request
 
+    def warm_up(self, num_tokens: int = 24) -> None:
+        """One short request through prefill and a few decode steps, so that the first user's numbers
+        are not those of the first call (kernel set-up, thread start-up, first page faults: a first TTFT
+        several times the next one's). Call it before serving."""
+        prompt = [100 + (i * 37) % 1000 for i in range(num_tokens)]
+        list(self.run(self.new_request_from_ids(prompt, SamplingParams(max_new_tokens=4, temperature=0,
+                                                                       ignore_eos=True))))
+
     def submit(self, request: Request, hooks: Iterable[Hook] = ()) -> Request:
         """Queue a request (from any thread); its events go to the engine's hooks, then to these."""
         request.subscribers = [*self._hooks, *hooks]

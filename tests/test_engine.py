@@ -211,3 +211,8 @@ def test_events_serialize_to_json(tiny_engine):
     for event in tiny_engine.stream(user("Hi"), GREEDY):
         data = json.loads(json.dumps(event.to_dict()))
         assert data["type"] == event.type
+
+
+def test_warm_up_leaves_nothing_running(tiny_engine):
+    tiny_engine.warm_up()
+    assert (0, 0) == tiny_engine.load() and tiny_engine.kv_usage().num_used == 0
