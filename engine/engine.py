@@ -93,10 +93,10 @@ def _new_pool(runner, config: EngineConfig, budget_bytes: int):
 def _set_switches(runner, config: EngineConfig) -> None:
     """The forward's switches: prefill's attention implementation, and Flash Decoding in the native
     decode step, where the runner has them."""
-    if config.attention != "auto":
-        if not hasattr(runner, "attention"):
-            raise ValueError(f"--attention needs the lean forward, not {runner.name}")
+    if hasattr(runner, "attention"):  # always set: engines sharing one runner (the bench) each bring theirs
         runner.attention = config.attention
+    elif config.attention != "auto":
+        raise ValueError(f"--attention needs the lean forward, not {runner.name}")
     if getattr(runner, "fused", None) is not None:
         runner.fused.split_kv = config.split_kv
 

@@ -206,7 +206,7 @@ class KVPool:
         row = row_elements(dtype, head_dim)
         self.kv = torch.empty((num_layers, 2, num_kv_heads, num_blocks * block_size, row), dtype=dtype,
                               device=device)
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * row * self.kv.element_size()
+        self.bytes_per_token = kv_bytes_formula(num_layers, num_kv_heads, row, self.kv.element_size(), 1)
         self._free = list(range(num_blocks))  # a heap: lowest ids first, so fresh tables are consecutive
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # block -> its name
@@ -217,7 +217,7 @@ class KVPool:
     def with_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                     dtype: torch.dtype, device: torch.device | str = "cpu", prefix_caching: bool = True) -> KVPool:
         element = torch.tensor([], dtype=dtype).element_size()
-        per_block = 2 * num_layers * num_kv_heads * row_elements(dtype, head_dim) * element * block_size
+        per_block = kv_bytes_formula(num_layers, num_kv_heads, row_elements(dtype, head_dim), element, block_size)
         return cls(num_layers, num_kv_heads, head_dim, max(1, budget_bytes // per_block), block_size, dtype, device,
                    prefix_caching)
 

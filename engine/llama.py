@@ -232,12 +232,11 @@ class LeanLlama:
         last = max(p + cache.num_dropped for p, cache in zip(positions, caches))  # the rotary tables' reach
         if self.fused is not None and last < self.fused.num_positions:
             return self.fused(tokens, positions, caches, capture)  # one native call for the whole batch
+        ids = torch.tensor(tokens, device=self.device)
         if capture is not None:  # the PyTorch ops time their stages but do not hand out attention weights
             stage_ms = {}
             segments = [(cache, pos, 1) for cache, pos in zip(caches, positions)]
-            ids = torch.tensor(tokens, device=self.device)
             return self._forward_rows(ids, segments, True, StageClock(stage_ms, self.device)), None, stage_ms
-        ids = torch.tensor(tokens, device=self.device)
         if self.precision == "int8":
             # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations
             # would set another's scale. Each sequence goes alone, so its tokens keep independent of its
@@ -302,7 +301,6 @@ class LeanLlama:
                 return self.fused.prefill_attention(qkv, index, pos, cache)
             cache.write_kv(index, pos, kv)
             keys, values = cache.layer_kv(index, pos + num_tokens)  # [KV, pos+T, D] each
-            keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)  # a no-op unless the cache is fp16
             q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         else:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
@@ -311,7 +309,7 @@ class LeanLlama:
             q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
             keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))
-            keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)
+        keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)  # a no-op unless the cache is fp16
         if self.attention == "eager":
             out = eager_attention(q.transpose(0, 1), keys, values, self._causal_mask(pos, num_tokens))
         else:

@@ -1,9 +1,10 @@
-"""Speculative decoding without a draft model: prompt lookup.
+"""Speculative decoding: prompt lookup, or a draft model.
 
 Decode reads every weight to make one token; verifying several guessed tokens in one forward reads
 them once for all of the guesses. Prompt-lookup decoding guesses by matching the sequence's last few
 tokens against earlier text (the prompt and the reply so far): where the reply quotes, repeats or
-edits the prompt, the tokens that followed the earlier occurrence are likely to follow again.
+edits the prompt, the tokens that followed the earlier occurrence are likely to follow again. A draft
+model (DraftModel) guesses by running a smaller model with the same tokenizer.
 
 The engine verifies a draft d_1..d_K by running the last token and the draft as K+1 rows of one
 batched decode step (each row at its own position of the same sequence, so row i sees the keys of the
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 PROMPT_LOOKUP = "prompt-lookup"
 DRAFT_PREFIX = "draft:"  # "draft:PATH": a smaller model with the same tokenizer drafts
@@ -30,6 +32,8 @@ def check_method(method: str | None) -> None:
     if method is not None and method != PROMPT_LOOKUP and not (method.startswith(DRAFT_PREFIX) and
                                                                  len(method) > len(DRAFT_PREFIX)):
         raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {method!r}")
+
+
 MAX_NGRAM, MIN_NGRAM = 3, 2  # the n-grams matched, longest first; a single token matches too often
 
 
@@ -107,7 +111,8 @@ class DraftModel:
             keep += 1
         cache.truncate(keep)
         if keep < len(tokens) - 1:  # what the draft model has not seen: one prefill
-            self.runner.forward(self._ids(tokens[keep:-1]), keep, cache, need_logits=False)
+            self.runner.forward(torch.tensor(tokens[keep:-1], device=self.runner.device), keep, cache,
+                                need_logits=False)
         drafted, last = [], tokens[-1]
         for position in range(len(tokens) - 1, len(tokens) - 1 + count):
             last = int(self.runner.decode([last], [position], [cache])[0].argmax())
@@ -119,11 +124,6 @@ class DraftModel:
         cache, _ = self._caches.pop(request.request_id, (None, None))
         if cache is not None:
             self.pool.free(cache)
-
-    def _ids(self, tokens: list[int]):
-        import torch
-
-        return torch.tensor(tokens, device=self.runner.device)
 
 
 @dataclass(frozen=True, slots=True)
