@@ -3,7 +3,6 @@ prompt that repeats a paragraph and on one that repeats nothing, and decode with
 decode with one at the same context."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -11,6 +10,8 @@ from pathlib import Path
 import torch
 
 from engine import DecodeStep, Engine, SamplingParams
+
+from .extras import sibling
 
 LONG_TEXT = Path(__file__).with_name("data") / "long_text.txt"  # a fixed story of ~2,000 words, for quality
 
@@ -23,16 +24,11 @@ SPECULATION_PROMPTS = {
 }
 
 
-def _sibling(engine: Engine, **changes) -> Engine:
-    """The same loaded model and forward under another engine setting (nothing converted again)."""
-    return Engine(engine.loaded, dataclasses.replace(engine.config, **changes), runner=engine.runner)
-
-
 def speculation(engine: Engine, repetitions: int, max_new_tokens: int = 128) -> dict:
     """Decode tok/s plain and with prompt lookup on each prompt (greedy, the best of `repetitions`
     interleaved runs), whether the text is the same, and what the drafts did."""
-    engines = {"plain": _sibling(engine, speculative=None, prefix_caching=False),
-               "prompt-lookup": _sibling(engine, speculative="prompt-lookup", prefix_caching=False)}
+    engines = {"plain": sibling(engine, speculative=None, prefix_caching=False),
+               "prompt-lookup": sibling(engine, speculative="prompt-lookup", prefix_caching=False)}
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
     report = {}
     for kind, prompt in SPECULATION_PROMPTS.items():
@@ -69,7 +65,7 @@ def prefill_at_depth(engine: Engine, context: list[int], prompts: list[list[int]
     context is cached first (prefix caching), then context + prompt is sent and only the prompt is
     prefilled. One sample per prompt; the prompts differ, so none is cached from an earlier sample."""
     sampling = SamplingParams(max_new_tokens=1, temperature=0)
-    e = _sibling(engine, prefix_caching=True)
+    e = sibling(engine, prefix_caching=True)
     samples = []
     for prompt in prompts:
         list(e.run(e.new_request_from_ids(context or prompt[:1], sampling)))  # the context into the cache
@@ -81,9 +77,9 @@ def prefill_at_depth(engine: Engine, context: list[int], prompts: list[list[int]
 def kv_variants(engine: Engine, window: int | None = None) -> dict[str, Engine]:
     """The engine with its KV cache in each format the native step reads, and, with window, an fp32
     cache that keeps only 4 sink tokens and the last `window`."""
-    variants = {f"KV {kv}": _sibling(engine, kv_dtype=kv) for kv in ("fp32", "fp16", "int8")}
+    variants = {f"KV {kv}": sibling(engine, kv_dtype=kv) for kv in ("fp32", "fp16", "int8")}
     if window:
-        variants[f"KV window {window} + 4 sinks"] = _sibling(engine, kv_dtype="fp32", kv_window=window, kv_sinks=4,
+        variants[f"KV window {window} + 4 sinks"] = sibling(engine, kv_dtype="fp32", kv_window=window, kv_sinks=4,
                                                             prefix_caching=False)
     return variants
 
@@ -125,7 +121,7 @@ def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset:
     prompt = [vocab_offset + (i * 7) % 5000 for i in range(context)]
     sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
     steps, tokens = {}, {}
-    for name, e in (("cached", _sibling(engine, prefix_caching=False)), ("no cache", _sibling(engine, kv_cache=False))):
+    for name, e in (("cached", sibling(engine, prefix_caching=False)), ("no cache", sibling(engine, kv_cache=False))):
         request = e.new_request_from_ids(prompt, sampling)
         steps[name] = [ev for ev in e.run(request) if isinstance(ev, DecodeStep) and ev.step > 0]
         tokens[name] = request.generated_ids

@@ -1,6 +1,7 @@
 """The benchmark's side measurements: hook and store costs, int8 quality, cold start, llama-bench."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import statistics
@@ -64,6 +65,16 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
                    "rounds": rounds, "hook_us_per_token": round(hook_us[name], 1),
                    "hook_share_of_step": round(hook_us[name] / step_us, 4)}
             for name in configs}
+
+
+def random_prompt(num_tokens: int, vocab: int, seed: int = 0) -> list[int]:
+    """Random token ids (as llama-bench uses), the same for the same seed."""
+    return torch.randint(100, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def sibling(engine: Engine, **changes) -> Engine:
+    """The same loaded model and forward under another engine setting (nothing converted again)."""
+    return Engine(engine.loaded, dataclasses.replace(engine.config, **changes), runner=engine.runner)
 
 
 def interleaved(runs: dict[object, Callable[[], T]], rounds: int) -> dict[object, list[T]]:
@@ -201,8 +212,8 @@ def cold_start_s(model: str | None, precision: str) -> dict:
 def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int, log,
                 depths: tuple[int, ...] = ()) -> list[tuple[str, str, list[float]]]:
     """llama.cpp's own benchmark on the same GGUF and thread count, when a llama-bench binary is at
-    hand: (mode, test, tokens/s samples) for each of its tests; with depths, also tg after that many
-    tokens in the cache (its -d)."""
+    hand: (mode, test, tokens/s samples) for each of its tests; with depths, also pp and tg after that
+    many tokens in the cache (its -d)."""
     binary = path or shutil.which("llama-bench")
     if not binary or not str(gguf).endswith(".gguf"):
         log("  llama.cpp: llama-bench not found (give it with --llama-bench PATH); not compared")

@@ -2,10 +2,10 @@
 and the textbook's eager form (the score matrix materialized), at growing prompt lengths."""
 from __future__ import annotations
 
-import dataclasses
-
 from engine import Engine, SamplingParams
 from engine.llama import score_matrix_bytes
+
+from .extras import random_prompt, sibling
 
 IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 
@@ -14,15 +14,12 @@ def attention_impls(engine: Engine, lengths: tuple[int, ...], vocab: int, repeti
     """Prefill time of a random prompt of each length with each attention implementation (the best of
     `repetitions`), the score matrix eager attention holds for one layer, and whether the greedy token
     after the prompt is the same."""
-    import torch
-
     report = {}
     for length in lengths:
-        prompt = torch.randint(100, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        prompt = random_prompt(length, vocab, seed=length)
         row, tokens = {}, {}
         for attention in IMPLEMENTATIONS:
-            e = Engine(engine.loaded, dataclasses.replace(engine.config, attention=attention, prefix_caching=False),
-                       runner=engine.runner)
+            e = sibling(engine, attention=attention, prefix_caching=False)
             best = None
             for _ in range(repetitions):
                 request = e.new_request_from_ids(prompt, SamplingParams(max_new_tokens=1, temperature=0))
@@ -31,7 +28,7 @@ def attention_impls(engine: Engine, lengths: tuple[int, ...], vocab: int, repeti
                 best = prefill_ms if best is None else min(best, prefill_ms)
                 tokens[attention] = request.generated_ids
             row[attention] = {"prefill_ms": round(best, 1), "tokens_per_s": round(length / best * 1000, 1)}
-        engine.runner.attention = "auto"  # the siblings share the engine's forward
+        engine.runner.attention = engine.config.attention  # the siblings share the engine's forward
         heads = engine.runner.num_heads
         row["eager_score_matrix_mb"] = round(score_matrix_bytes(heads, length, length) / 1e6, 1)
         row["sdpa_vs_eager"] = round(row["eager"]["prefill_ms"] / row["sdpa"]["prefill_ms"], 2)

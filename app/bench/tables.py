@@ -22,8 +22,8 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import in_dtype, make_runner
 
-from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops,
-                           quality_vs)
+from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, quality_vs,
+                     random_prompt)
 from .decode_side import at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation
 from .prefill_side import attention_impls
 from .scheduler import concurrency, scheduler_cost, second_turn
@@ -58,8 +58,7 @@ def bench_prompt(num_tokens: int, vocab: int, bos: int | None) -> list[int]:
     """Random token ids, as llama-bench uses; tg starts from one token (BOS) like it does."""
     if num_tokens == 0:
         return [bos if bos is not None else 1]
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(100, vocab, (num_tokens,), generator=generator).tolist()
+    return random_prompt(num_tokens, vocab)
 
 
 def engine_run(engine: Engine, prompt: list[int], num_gen: int, hooks=()) -> object:
@@ -120,7 +119,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
             measure(prompt, num_prompt, num_gen)  # warm-up, left out of the figures
             result = Result(engine_name, mode, test, [measure(prompt, num_prompt, num_gen) for _ in range(repetitions)])
             results.append(result)
-            log(f"  {engine_name:<12} {mode:<24} {test:<14} {result.mean:8.1f} ± {result.std:.1f} tok/s")
+            _log_result(log, result)
     results += _depths(engines, depths, pp, tg, repetitions, vocab, bos, log)
     best_name = max(engines, key=lambda name: _mean(results, name, f"tg{tg}"))
     best = engines[best_name]
@@ -147,8 +146,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
     _decode_side(summary, engines, pp, tg, repetitions, log)
     lengths = (pp // 2, pp) if pp < 256 else (256, 1024, 2048, 4096)  # --quick: a taste
-    summary["prefill_attention"] = {name: attention_impls(e, lengths, vocab) for name, e in engines.items()
-                                    if getattr(e.runner, "fused", None) is not None}
+    summary["prefill_attention"] = {name: attention_impls(e, lengths, vocab) for name, e in _native(engines).items()}
     log(f"  prefill attention, native vs sdpa vs eager: {summary['prefill_attention']}")
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
     log(f"  cold start: {summary['cold_start_s']}")
@@ -162,8 +160,14 @@ def depth_test(test: str, depth: int) -> str:
     return f"{test} @ d{depth}"
 
 
-def _random_prompt(num_tokens: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(100, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+def _log_result(log, result: Result) -> None:
+    log(f"  {result.engine:<12} {result.mode:<24} {result.test:<14} {result.mean:8.1f} ± {result.std:.1f} tok/s")
+
+
+def _native(engines: dict[str, Engine]) -> dict[str, Engine]:
+    """The modes whose decode is the native step (the PyTorch-ops modes are too slow to be worth the
+    bench's time in the longer measurements)."""
+    return {name: e for name, e in engines.items() if getattr(e.runner, "fused", None) is not None}
 
 
 def _depths(engines: dict[str, Engine], depths: tuple[int, ...], pp: int, tg: int, repetitions: int, vocab: int,
@@ -171,25 +175,22 @@ def _depths(engines: dict[str, Engine], depths: tuple[int, ...], pp: int, tg: in
     """Prefill and decode after `depth` tokens already in the cache (llama-bench's -d), for each mode
     whose decode is native, with its KV cache in each format: how both phases slow as the context grows."""
     results = []
-    for name, engine in engines.items():
-        if getattr(engine.runner, "fused", None) is None:
-            continue
+    for name, engine in _native(engines).items():
         for kv, variant in kv_variants(engine).items():
             for depth in depths:
                 context = bench_prompt(depth, vocab, bos) if depth else []
-                prompts = [_random_prompt(pp, vocab, 1000 + i) for i in range(repetitions + 1)]
+                prompts = [random_prompt(pp, vocab, 1000 + i) for i in range(repetitions + 1)]
                 for test, samples in ((f"pp{pp}", prefill_at_depth(variant, context, prompts)[1:]),
                                       (f"tg{tg}", at_depth(variant, context or [bos or 1], tg, repetitions))):
                     result = Result("phasescope", f"{name}, {kv}", depth_test(test, depth), samples)
                     results.append(result)
-                    log(f"  phasescope   {result.mode:<24} {result.test:<14} {result.mean:8.1f} ± {result.std:.1f} "
-                        "tok/s")
+                    _log_result(log, result)
     return results
 
 
 def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int, log) -> None:
-    """Speculative decoding and decode without a KV cache, for the modes whose decode is native."""
-    native = {name: e for name, e in engines.items() if getattr(e.runner, "fused", None) is not None}
+    """Speculative decoding, decode without a KV cache and the KV formats, for the native modes."""
+    native = _native(engines)
     summary["speculative_prompt_lookup"] = {name: speculation(e, repetitions, tg) for name, e in native.items()}
     log(f"  speculative decoding (prompt lookup) vs plain: {summary['speculative_prompt_lookup']}")
     summary["no_kv_cache"] = {name: no_cache(e, pp) for name, e in native.items()}
@@ -205,7 +206,7 @@ def _scheduler(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repe
                levels: tuple[int, ...], vocab: int, log) -> None:
     """Batching, prefix caching and the scheduler's own cost, for the modes whose decode is native (the
     PyTorch-ops modes batch too, but too slowly to be worth the bench's time)."""
-    native = {name: e for name, e in engines.items() if getattr(e.runner, "fused", None) is not None}
+    native = _native(engines)
     summary["scheduler_cost"] = {name: scheduler_cost(e, bench_prompt(pp, vocab, None), tg, repetitions)
                                  for name, e in native.items()}
     log(f"  scheduler vs a bare forward loop: {summary['scheduler_cost']}")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
 from engine.metrics import RequestMetrics
 
-from ..i18n import t
+from ..i18n import DEFAULT, t
 from ..ui.session import ChatSession
 from .store import FINAL_STATUS, Store, StoreError
 from ..ui.trace import ReplyTrace, summary_metrics
@@ -142,7 +142,7 @@ def message_events(message: dict, steps: list[dict]) -> list[Event]:
     return events
 
 
-def load_chat(store: Store, session_id: int, lang: str = "en") -> ChatSession:
+def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession:
     """A stored session as the chat tab holds it, to show it again and continue it (in the page's language)."""
     session = ChatSession(store_id=session_id, lang=lang)
     messages = store.messages(session_id)

@@ -9,7 +9,7 @@ import gradio as gr
 from engine import Engine, EngineBusy, Event, Request, SamplingParams, Status
 
 from ..bench.extras import precision_report
-from ..i18n import K, t
+from ..i18n import DEFAULT, K, t
 from . import live, panels
 from .language import Texts, user_error
 from .session import ActiveRequests, ChatSession, ReplyWorker
@@ -218,7 +218,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
             gr.HTML(PLOT_DIV, elem_id="ps-kv")
             stream = gr.Textbox(live.reset([], []), visible="hidden", elem_id="ps-stream")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
-            pool = gr.HTML(_pool(engine, "en"), elem_id="ps-pool")
+            pool = gr.HTML(_pool(engine, DEFAULT), elem_id="ps-pool")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]

@@ -9,7 +9,7 @@ import gradio as gr
 
 from engine import Engine
 
-from ..i18n import K, t
+from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render as render_export
@@ -49,9 +49,9 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, texts: Tex
         search = texts(gr.Textbox, placeholder=K("saved.search"), show_label=False, scale=5,
                        elem_id="ps-history-search")
         refresh = texts(gr.Button, value=K("saved.refresh"), scale=1, elem_id="ps-history-refresh")
-    table = gr.Dataframe(headers=columns("en"), value=session_rows(store), interactive=False, wrap=True,
+    table = gr.Dataframe(headers=columns(DEFAULT), value=session_rows(store), interactive=False, wrap=True,
                          elem_id="ps-history-table")
-    chosen = gr.HTML(t("en", "saved.select_hint"), elem_id="ps-history-selected")
+    chosen = gr.HTML(t(DEFAULT, "saved.select_hint"), elem_id="ps-history-selected")
     with gr.Row():
         open_button = texts(gr.Button, value=K("saved.open"), variant="primary", elem_id="ps-history-open")
         title = texts(gr.Textbox, placeholder=K("saved.new_title"), show_label=False, scale=3,

@@ -17,7 +17,7 @@ import gradio as gr
 
 from engine import Engine, SamplingParams
 
-from ...i18n import K, t
+from ...i18n import DEFAULT, K, t
 from ..language import Texts, user_error
 from ..session import ReplyWorker
 from ..trace import ReplyTrace
@@ -61,9 +61,9 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
                             elem_id="ps-explain-temperature")
         top_k = texts(gr.Slider, 0, 50, value=0, step=1, label=K("chat.top_k"), elem_id="ps-explain-top-k")
         top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"), elem_id="ps-explain-top-p")
-        layer = texts(gr.Dropdown, _choices(shape.layers, "en"), value="mean", label=K("explain.layer_choice"),
+        layer = texts(gr.Dropdown, _choices(shape.layers, DEFAULT), value="mean", label=K("explain.layer_choice"),
                       scale=1, elem_id="ps-explain-layer")
-        head = texts(gr.Dropdown, _choices(shape.heads, "en"), value="mean", label=K("explain.head_choice"),
+        head = texts(gr.Dropdown, _choices(shape.heads, DEFAULT), value="mean", label=K("explain.head_choice"),
                      scale=1, elem_id="ps-explain-head")
         presenter = texts(gr.Checkbox, value=False, label=K("explain.presenter"), elem_id="ps-presenter")
     with gr.Row(elem_id="ps-demos"):
@@ -72,13 +72,13 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         demo_buttons = {name: texts(gr.Button, value=K(key), size="sm", elem_id=f"ps-demo-{name.replace('_', '-')}")
                         for name, key in (("short_vs_long", "demo.short_vs_long"), ("long_answer", "demo.long_answer"),
                                           ("second_turn", "demo.second_turn"))}
-    tokens = gr.HTML(views.tokens_html(engine.tokenizer, DEFAULT_PROMPT, "en"), elem_id="ps-explain-tokens")
-    panel = gr.HTML(views.steps_html(engine, None, "mean", "mean", "en"), elem_id="ps-explain-steps")
-    pipeline = gr.HTML(views.pipeline_html(engine, None, "en"), elem_id="ps-explain-pipeline")
+    tokens = gr.HTML(views.tokens_html(engine.tokenizer, DEFAULT_PROMPT, DEFAULT), elem_id="ps-explain-tokens")
+    panel = gr.HTML(views.steps_html(engine, None, "mean", "mean", DEFAULT), elem_id="ps-explain-steps")
+    pipeline = gr.HTML(views.pipeline_html(engine, None, DEFAULT), elem_id="ps-explain-pipeline")
     with gr.Row(elem_id="ps-explain-charts"):
-        candidates = gr.Plot(views.candidates_figure(engine.tokenizer, None, None, "en"), show_label=False,
+        candidates = gr.Plot(views.candidates_figure(engine.tokenizer, None, None, DEFAULT), show_label=False,
                              elem_id="ps-explain-candidates")
-        grid = gr.Plot(views.kv_grid_figure(engine, None, "en"), show_label=False, elem_id="ps-explain-kv")
+        grid = gr.Plot(views.kv_grid_figure(engine, None, DEFAULT), show_label=False, elem_id="ps-explain-kv")
     demo_text = gr.HTML("", elem_id="ps-demo-result")
     demo_plot = gr.Plot(visible=False, show_label=False, elem_id="ps-demo-plot")
     with texts(gr.Accordion, label=K("explain.glossary_title"), open=False, elem_id="ps-glossary"):
