@@ -92,8 +92,8 @@ inline float sum_lanes(Vec v) {
     return total;
 }
 
-// --- the KV cache's number formats: fp32, or fp16 (half the bytes to read at long context, as llama.cpp's
-// default f16 cache). Keys and values are stored rounded to the format and read back as fp32; everything
+// --- the KV cache's number formats: fp32; fp16 (half the bytes to read at long context, as llama.cpp's
+// default f16 cache); or int8 with a scale per row (below). Keys and values are stored rounded to the format and read back as fp32; everything
 // else stays fp32. fp16 needs the F16C instructions (x86-64-v3).
 enum KvFormat { kF32 = 0, kF16 = 1, kQ8 = 2 };  // dims' kv_format
 typedef uint16_t half;

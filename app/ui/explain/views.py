@@ -51,10 +51,8 @@ class Shape:
 
     @classmethod
     def of(cls, engine: Engine) -> Shape:
-        config = engine.loaded.model.config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads, head_dim,
+        config, info = engine.loaded.model.config, engine.info  # info: the sizes the engine already worked out
+        return cls(info.num_layers, config.hidden_size, config.num_attention_heads, info.num_kv_heads, info.head_dim,
                    config.intermediate_size, config.vocab_size, getattr(engine.runner, "weight_bytes", 0))
 
 
