@@ -44,6 +44,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "eager (the whole score matrix materialized)")
     parser.add_argument("--split-kv", action="store_true",
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="split the model over N processes (Megatron-style, gloo on CPU): each holds a slice "
+                             "of every layer, joined by two all-reduces per layer; the cores are shared out")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -107,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also decode after this many tokens in the cache, comma-separated (llama-bench's -d), "
                             "with the KV cache in fp32, fp16 and int8, e.g. 0,1024,4096")
     bench.add_argument("--quick", action="store_true", help="a smoke run: pp32, tg8, one repetition, concurrency 1,2")
+    bench.add_argument("--tensor-parallel", type=int, default=2, metavar="N",
+                       help="also prefill and decode with the model split over N processes (one thread each) vs one "
+                            "rank with one thread and with N threads (default 2; 0 or 1: skip)")
     bench.add_argument("--browser", action="store_true",
                        help="also decode speed streamed to a real browser (Chromium) vs the CLI, per mode")
     return parser
@@ -125,7 +131,7 @@ def engine_config(args: argparse.Namespace):
                         prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
                         kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens,
                         split_kv=args.split_kv, kv_dtype=args.kv_dtype, kv_window=args.kv_window,
-                        kv_sinks=args.kv_sinks, attention=args.attention)
+                        kv_sinks=args.kv_sinks, attention=args.attention, tensor_parallel=args.tensor_parallel)
 
 
 def _engine(args: argparse.Namespace):
@@ -167,6 +173,18 @@ def speculation_line(speculation) -> str:
             f"tokens per forward ({speculation.tokens} in {speculation.forwards})")
 
 
+def tensor_parallel_line(events: list) -> str:
+    """Where a tensor-parallel reply's forward time went: compute, or the all-reduces joining the ranks."""
+    chunks = [e for e in events if e.type == "PrefillChunk"]
+    steps = [e for e in events if e.type == "DecodeStep" and e.step > 0]
+    prefill_ms, prefill_comm = sum(c.latency_ms for c in chunks), sum(c.comm_ms for c in chunks)
+    line = f"tensor parallel: prefill {prefill_ms:,.0f} ms, {prefill_comm:,.0f} ms of it in all-reduce"
+    if steps:
+        step_ms, step_comm = sum(s.forward_ms for s in steps) / len(steps), sum(s.comm_ms for s in steps) / len(steps)
+        line += f" · decode {step_ms:.1f} ms per step, {step_comm:.1f} ms of it in all-reduce"
+    return line
+
+
 def print_reply(events) -> object:
     """Print the reply's text as it streams; return the Finished event."""
     printed = ""
@@ -187,7 +205,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_messages(messages)  # before the model loads: an empty prompt is refused at once
     engine = _engine(args)
-    events = engine.stream(messages, sampling)
+    seen: list = []
+    events = _recorded(engine.stream(messages, sampling), seen)
     if args.json:
         for event in events:
             print(json.dumps(event.to_dict(), ensure_ascii=False), flush=True)
@@ -199,7 +218,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 1
     if finished.speculation and not args.json:
         print(speculation_line(finished.speculation), file=sys.stderr)
+    if engine.config.tensor_parallel > 1 and not args.json:
+        print(tensor_parallel_line(seen), file=sys.stderr)
+    engine.close()
     return 0
+
+
+def _recorded(events, seen: list):
+    for event in events:
+        seen.append(event)
+        yield event
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -316,7 +344,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
                        baseline=not args.no_baseline, llama_bench_path=args.llama_bench,
                        log=lambda line: print(line, file=sys.stderr, flush=True), concurrency_levels=levels,
-                       depths=depths)
+                       depths=depths, tensor_parallel=args.tensor_parallel)
     if args.browser:
         report["summary"]["browser"] = _browser_bench(modes, args.quick)
     print(bench.render(report, args.output))

@@ -108,6 +108,7 @@ class EngineConfig:
     kv_window: int | None = None
     kv_sinks: int = 4
     attention: str = "auto"
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -133,7 +134,7 @@ class EngineConfig:
             raise ValueError(f"kv_sinks must be an integer >= 0, got {self.kv_sinks!r}")
         if self.speculative and not self.kv_cache:
             raise ValueError("speculative decoding verifies drafts against the KV cache: it needs kv_cache on")
-        for name in ("kv_block_tokens", "max_running", "max_step_tokens", "draft_tokens"):
+        for name in ("kv_block_tokens", "max_running", "max_step_tokens", "draft_tokens", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -108,7 +108,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
-        self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir)
+        self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir,
+                                            tensor_parallel=self.config.tensor_parallel)
         self.eos_ids = _eos_ids(loaded)
         mb = self.config.kv_cache_mb
         self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
@@ -343,7 +344,8 @@ class Engine:
         model = self.loaded.model
         if config.load_dtype in ("float16", "bfloat16"):
             model = in_dtype(model, getattr(torch, config.load_dtype))
-        runner = make_runner(model, precision, cache_dir=config.cache_dir)
+        self.close()  # a tensor-parallel runner's workers: the new one starts its own
+        runner = make_runner(model, precision, cache_dir=config.cache_dir, tensor_parallel=config.tensor_parallel)
         self.runner, self.config = runner, config
         _set_switches(runner, config)
         self.pool = _new_pool(runner, config, self.pool_budget)
@@ -353,6 +355,12 @@ class Engine:
     def stop(self) -> None:
         self._stopped.set()
         self._wakeup.set()
+
+    def close(self) -> None:
+        """Let the runner go: a tensor-parallel runner stops its worker processes (else nothing to do)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # --- the two phases ---------------------------------------------------------------------------
 
@@ -474,7 +482,7 @@ class Engine:
         return not plan.is_empty
 
     def _run_prefill(self, r: Request, start: int, end: int) -> None:
-        begin_ns = self._now_ns()
+        begin_ns, comm_before = self._now_ns(), self._comm_ms()
         try:
             logits = self.prefill(r, start, end)
         except Exception as exc:  # a failed forward ends this request, not the engine
@@ -487,7 +495,8 @@ class Engine:
         cache = r.kv_cache
         self._deliver(r, PrefillChunk(r.request_id, self._t_ms(r, r.prefill_end_ns), r.num_prefill_chunks - 1,
                                       start, end, r.num_prompt_tokens, (r.prefill_end_ns - begin_ns) / 1e6,
-                                      cache.num_tokens, cache.bytes_used, r.take_stage_ms()))
+                                      cache.num_tokens, cache.bytes_used, r.take_stage_ms(),
+                                      self._comm_ms() - comm_before))
         if end == r.num_prompt_tokens and not r.is_cancelled:
             r.status = Status.DECODING
             r.text_stream = TextStream(self.tokenizer, r.sampling.stop)
@@ -495,7 +504,7 @@ class Engine:
             self._take_token(r, logits, batch_size=1)
 
     def _run_decodes(self, requests: list[Request]) -> None:
-        begin_ns = self._now_ns()
+        begin_ns, comm_before = self._now_ns(), self._comm_ms()
         drafts = [self._draft(r) for r in requests]
         try:
             logits = self.decode_step(requests, drafts)
@@ -503,7 +512,7 @@ class Engine:
             for r in requests:
                 self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             return
-        forward_ms = (self._now_ns() - begin_ns) / 1e6
+        forward_ms, comm_ms = (self._now_ns() - begin_ns) / 1e6, self._comm_ms() - comm_before
         batch_top = getattr(self.runner, "top_logits_batch", None)  # every row's top tokens in one call
         tops = batch_top(logits, NUM_TOP) if batch_top else [None] * len(logits)
         first = 0
@@ -518,10 +527,10 @@ class Engine:
             if r.is_cancelled:
                 self._finish(r, "cancelled")
             else:
-                self._take_tokens(r, logits[rows], tops[rows], draft, batch_size=len(logits), forward_ms=forward_ms)
+                self._take_tokens(r, logits[rows], tops[rows], draft, len(logits), forward_ms, comm_ms)
 
     def _take_tokens(self, r: Request, logits: torch.Tensor, tops: list, draft: list[int], batch_size: int,
-                     forward_ms: float) -> None:
+                     forward_ms: float, comm_ms: float) -> None:
         """A request's rows of a decode step: sample row by row as plain decoding would, and go on to the
         next row only while the sampled token is the draft's (speculative decoding; engine/speculative.py)."""
         pos = r.kv_cache.num_tokens - 1  # the position of the token this step fed
@@ -535,13 +544,18 @@ class Engine:
                 else self.forward_flops(1, pos + i)
             r.num_decode_tokens += 1
             self._take_token(r, row, batch_size=batch_size, top=top, forward_ms=forward_ms if i == 0 else 0.0,
-                             flops=flops, draft=i > 0, guess=draft[i] if i < len(draft) else None)
+                             comm_ms=comm_ms if i == 0 else 0.0, flops=flops, draft=i > 0,
+                             guess=draft[i] if i < len(draft) else None)
             if r.is_finished or i == len(draft) or r.generated_ids[-1] != draft[i]:
                 break
         if draft:
             r.draft_length.update(len(draft), r.num_accepted - accepted_before)
             if not r.is_finished:
                 self._name_blocks(r)
+
+    def _comm_ms(self) -> float:
+        """Time the runner has spent in collectives so far (tensor parallelism's all-reduces; else 0)."""
+        return getattr(self.runner, "comm_ms", 0.0)
 
     def _name_blocks(self, r: Request) -> None:
         """Full blocks of the request's cache become reusable by later requests (prefix caching)."""
@@ -550,7 +564,8 @@ class Engine:
             self.pool.name_full_blocks(r.kv_cache, r.prompt_ids + r.generated_ids)
 
     def _take_token(self, r: Request, logits: torch.Tensor, batch_size: int, top: tuple | None = None,
-                    forward_ms: float = 0.0, flops: int = 0, draft: bool = False, guess: int | None = None) -> None:
+                    forward_ms: float = 0.0, comm_ms: float = 0.0, flops: int = 0, draft: bool = False,
+                    guess: int | None = None) -> None:
         """Sample the next token from a request's logits, report it, and end the request if it is done.
         top: the logits' top tokens and log-sum-exp, when already computed for the whole batch;
         draft: the token comes from a draft's row; guess: the draft's token for this row, counted as
@@ -579,7 +594,7 @@ class Engine:
         piece = "" if is_eos else r.text_stream.push(picked.token_id)
         r.text = r.text_stream.text
         self._deliver(r, self._decode_event(r, step, picked, piece, now_ns, previous_ns, batch_size, forward_ms,
-                                            attention, stage_ms, flops, draft))
+                                            attention, stage_ms, flops, draft, comm_ms))
         if is_eos or r.text_stream.is_stopped:
             self._finish(r, "eos" if is_eos else "stop")
         elif r.num_generated == r.max_new_tokens:
@@ -613,13 +628,14 @@ class Engine:
 
     def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
                       batch_size: int, forward_ms: float = 0.0, attention: torch.Tensor | None = None,
-                      stage_ms: dict | None = None, flops: int = 0, draft: bool = False) -> DecodeStep:
+                      stage_ms: dict | None = None, flops: int = 0, draft: bool = False,
+                      comm_ms: float = 0.0) -> DecodeStep:
         decode = self.tokenizer.convert_ids_to_tokens
         top = tuple(TopToken(i, decode(i), p, q)
                     for i, p, q in zip(picked.top_ids, picked.top_probs, picked.top_sample_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
-                          picked.prob, top, batch_size, forward_ms, attention, stage_ms, flops, draft)
+                          picked.prob, top, batch_size, forward_ms, attention, stage_ms, flops, draft, comm_ms)
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         end_ns = self._now_ns()

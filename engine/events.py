@@ -70,6 +70,7 @@ class PrefillChunk(Event):
     kv_tokens: int
     kv_bytes: int
     stage_ms: dict | None = None  # an explained request's time per FORWARD_STAGES (ms)
+    comm_ms: float = 0.0  # of latency_ms, the time in collectives (tensor parallelism's all-reduces)
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +121,7 @@ class DecodeStep(Event):
     stage_ms: dict | None = None
     flops: int = 0  # the floating-point operations of this token's row of the forward (0 for step 0)
     draft: bool = False  # a drafted token the forward verified: it came with the token before it (a burst)
+    comm_ms: float = 0.0  # of forward_ms, the time in collectives (tensor parallelism's all-reduces)
 
 
 @dataclass(frozen=True, slots=True)

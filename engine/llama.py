@@ -101,6 +101,7 @@ class LeanLlama:
     """Llama-family forward over our KVCache. `forward` returns the last position's logits."""
 
     name = "lean-llama"
+    native = True  # decode through the native step where it builds (a tensor-parallel slice cannot)
     explains = True  # forward and decode can time their stages and hand out attention weights (explain mode)
     drafts = True  # decode takes several positions of one sequence in a batch (speculative decoding)
 
@@ -118,6 +119,11 @@ class LeanLlama:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        # which KV head each query head reads, where groups are uneven (a tensor-parallel slice); else
+        # None: query head h reads KV head h // (heads / kv_heads)
+        kv_head_of = getattr(config, "kv_head_of", None)
+        uniform = [h // (self.num_heads // self.num_kv_heads) for h in range(self.num_heads)]
+        self.kv_head_of = None if kv_head_of in (None, uniform) else torch.tensor(kv_head_of, device=model.device)
         self.eps = config.rms_norm_eps
         self.context_window = min(config.max_position_embeddings, max_positions)
         make = linear_factory(self.precision, self.device)
@@ -138,7 +144,8 @@ class LeanLlama:
         half = self.head_dim // 2  # cos + i sin per position and pair (the stored sine's first half is negated)
         self.rotations = torch.complex(self.cos[..., :half], -self.sin[..., :half]) if self.pair_rope else None
         # decode (T = 1) as one native call where it can be built: fp32 or int8 weights on CPU
-        is_native = self.pair_rope and self.device.type == "cpu" and self.precision in ("fp32", "int8")
+        is_native = (self.native and self.pair_rope and self.device.type == "cpu"
+                     and self.precision in ("fp32", "int8"))
         self.fused = load_fused_decode(self, cache_root(cache_dir)) if is_native else None
         # prefill's attention: "auto" (the native kernel where it is built, else PyTorch's fused SDPA),
         # "sdpa" (PyTorch's fused kernel) or "eager" (the score matrix materialized, as textbooks write it)
@@ -262,21 +269,29 @@ class LeanLlama:
             for cache, pos, num_tokens in segments:
                 rows.append(self._attention(index, qkv[start:start + num_tokens], pos, cache))
                 start += num_tokens
-            x = x + layer.o(torch.cat(rows) if len(rows) > 1 else rows[0])
+            x = x + self._join(layer.o(torch.cat(rows) if len(rows) > 1 else rows[0]))
             clock.lap("attention")
             h = F.rms_norm(x, shape, layer.mlp_norm, self.eps)
             clock.lap("norm")
             gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + self._join(layer.down(F.silu(gate) * up))
             clock.lap("ffn")
         if not need_logits:
             return None
         ends = torch.tensor([0] + [t for _, _, t in segments], device=self.device).cumsum(0)[1:] - 1
         h = F.rms_norm(x[ends], shape, self.final_norm, self.eps)
         clock.lap("final_norm")
-        logits = self.lm_head(h)  # [segments, vocab]
+        logits = self._logits(h)  # [segments, vocab]
         clock.lap("lm_head")
         return logits
+
+    def _join(self, partial: torch.Tensor) -> torch.Tensor:
+        """The output of a layer's attention or MLP. Here it is whole; a tensor-parallel slice holds a
+        part of the sum, which its all-reduce completes (tensor_parallel.py)."""
+        return partial
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
 
     def _causal_mask(self, pos: int, num_tokens: int) -> torch.Tensor | None:
         if num_tokens == 1:
@@ -310,10 +325,12 @@ class LeanLlama:
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
             keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))
         keys, values = keys.to(qkv.dtype), values.to(qkv.dtype)  # a no-op unless the cache is fp16
+        if self.kv_head_of is not None:  # uneven groups: each query head gets its own copy of its KV head
+            keys, values = keys[self.kv_head_of], values[self.kv_head_of]
         if self.attention == "eager":
             out = eager_attention(q.transpose(0, 1), keys, values, self._causal_mask(pos, num_tokens))
         else:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                                  attn_mask=self._causal_mask(pos, num_tokens),
-                                                 enable_gqa=heads != kv_heads)[0]  # [H, T, D]
+                                                 enable_gqa=heads != keys.shape[0])[0]  # [H, T, D]
         return out.transpose(0, 1).reshape(num_tokens, heads * head_dim)

@@ -1,9 +1,15 @@
 """The prefill-side switches, measured: prefill's attention as the native kernel, PyTorch's fused SDPA
-and the textbook's eager form (the score matrix materialized), at growing prompt lengths."""
+and the textbook's eager form (the score matrix materialized), at growing prompt lengths; and tensor
+parallelism against one rank."""
 from __future__ import annotations
 
-from engine import Engine, SamplingParams
+import statistics
+
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
 from engine.llama import score_matrix_bytes
+from engine.tensor_parallel import start
 
 from .extras import random_prompt, sibling
 
@@ -35,3 +41,58 @@ def attention_impls(engine: Engine, lengths: tuple[int, ...], vocab: int, repeti
         row["same_first_token"] = len({tuple(t) for t in tokens.values()}) == 1
         report[length] = row
     return report
+
+
+def tensor_parallel_vs_one_rank(loaded, pp: int, tg: int, repetitions: int, world: int = 2) -> dict:
+    """The honest experiment on one machine, in fp32, all through the same tensor-parallel code: one rank
+    with one thread; `world` ranks with one thread each (adding cores as devices); one rank with `world`
+    threads (the same cores, shared by threads instead). Prefill pp tokens and decode tg tokens, each with
+    its time in all-reduce; and whether the split model gives one rank's logits and greedy tokens."""
+    vocab = loaded.model.config.vocab_size
+    prompt = random_prompt(pp, vocab, seed=pp)
+    setups = {"1 rank x 1 thread": (1, 1), f"{world} ranks x 1 thread": (world, 1),
+              f"1 rank x {world} threads": (1, world)}
+    threads_before = torch.get_num_threads()
+    report, logits, tokens = {}, {}, {}
+    try:
+        for name, (ranks, threads) in setups.items():
+            runner = start(loaded.model, "fp32", ranks, threads)
+            try:
+                engine = Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False, kv_cache_mb=256),
+                                runner=runner)
+                report[name] = _tp_speed(engine, prompt, tg, repetitions)
+                cache = runner.new_cache(pp + 1)
+                logits[name] = runner.forward(torch.tensor(prompt), 0, cache)
+                request = engine.new_request_from_ids(prompt[:64], SamplingParams(max_new_tokens=16, temperature=0))
+                *_, finished = engine.run(request)
+                tokens[name] = request.generated_ids
+            finally:
+                runner.close()
+    finally:
+        torch.set_num_threads(threads_before)
+    one, split = "1 rank x 1 thread", f"{world} ranks x 1 thread"
+    report["prefill_speedup"] = round(report[split]["prefill_tokens_per_s"] / report[one]["prefill_tokens_per_s"], 2)
+    report["decode_speedup"] = round(report[split]["decode_tokens_per_s"] / report[one]["decode_tokens_per_s"], 2)
+    report["max_logit_difference"] = float((logits[split] - logits[one]).abs().max())
+    report["same_greedy_tokens"] = tokens[split] == tokens[one]
+    return report
+
+
+def _tp_speed(engine: Engine, prompt: list[int], tg: int, repetitions: int) -> dict:
+    """Prefill of the prompt and decode of tg tokens after it: the best of repetitions (after a warm-up),
+    with the share of each in collectives."""
+    best = None
+    for _ in range(repetitions + 1):
+        events = list(engine.run(engine.new_request_from_ids(
+            prompt, SamplingParams(max_new_tokens=tg, temperature=0, ignore_eos=True))))
+        chunk = next(e for e in events if e.type == "PrefillChunk")
+        steps = [e for e in events if e.type == "DecodeStep" and e.step > 0]
+        prefill = (chunk.latency_ms, chunk.comm_ms)
+        decode = (statistics.median(s.forward_ms for s in steps), statistics.median(s.comm_ms for s in steps))
+        if best is None or prefill[0] < best[0][0]:
+            best = (prefill, decode)
+    (prefill_ms, prefill_comm), (step_ms, step_comm) = best
+    return {"prefill_ms": round(prefill_ms, 1), "prefill_tokens_per_s": round(len(prompt) / prefill_ms * 1000, 1),
+            "prefill_all_reduce_share": round(prefill_comm / prefill_ms, 3),
+            "decode_step_ms": round(step_ms, 2), "decode_tokens_per_s": round(1000 / step_ms, 1),
+            "decode_all_reduce_share": round(step_comm / step_ms, 3)}

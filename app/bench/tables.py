@@ -25,7 +25,7 @@ from engine.hf_runner import in_dtype, make_runner
 from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, quality_vs,
                      random_prompt)
 from .decode_side import at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation
-from .prefill_side import attention_impls
+from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
 
 BENCH_KV_MB = 1024  # each mode's KV pool: far more than any test here needs
@@ -103,7 +103,8 @@ def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
 
 def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] = ("fp32", "int8"), pp: int = 512,
         tg: int = 128, repetitions: int = 3, baseline: bool = True, llama_bench_path: str | None = None,
-        log=print, concurrency_levels: tuple[int, ...] = (1, 2, 4, 8), depths: tuple[int, ...] = ()) -> dict:
+        log=print, concurrency_levels: tuple[int, ...] = (1, 2, 4, 8), depths: tuple[int, ...] = (),
+        tensor_parallel: int = 2) -> dict:
     loaded = load_model(model, device=device, dtype="float32")
     engines = mode_engines(loaded, list(modes))
     vocab, bos = loaded.model.config.vocab_size, loaded.tokenizer.bos_token_id
@@ -148,6 +149,9 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     lengths = (pp // 2, pp) if pp < 256 else (256, 1024, 2048, 4096)  # --quick: a taste
     summary["prefill_attention"] = {name: attention_impls(e, lengths, vocab) for name, e in _native(engines).items()}
     log(f"  prefill attention, native vs sdpa vs eager: {summary['prefill_attention']}")
+    if tensor_parallel > 1 and (loaded.device.type == "cpu" or torch.cuda.device_count() >= tensor_parallel):
+        summary["tensor_parallel"] = tensor_parallel_vs_one_rank(loaded, pp, min(tg, 32), repetitions, tensor_parallel)
+        log(f"  tensor parallel, fp32: {summary['tensor_parallel']}")
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
     log(f"  cold start: {summary['cold_start_s']}")
     results += [Result("llama.cpp", mode, test, samples)
