@@ -99,6 +99,10 @@ class FusedDecode:
         self._attend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         self.has_prefill_attention = lean.head_dim in (64, 128)
+        self._linear_int8 = native.ps_linear_int8
+        self._linear_int8.restype = None
+        self._linear_int8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         self._heads, self._kv_heads = lean.num_heads, lean.num_kv_heads
         self._eps = lean.eps
         self.is_int8 = lean.precision == "int8"
@@ -153,6 +157,16 @@ class FusedDecode:
         if layer == pool.num_layers - 1:
             sequence.mark_written(end)
         return out
+
+    def linear_int8(self, x: torch.Tensor, linear) -> torch.Tensor:
+        """A prefill's int8 linear over x [T, in] -> [T, out], from the same int8 rows and per-row scales
+        the decode step reads, x quantized per block of 64 as there (see Int8Linear.use_kernel)."""
+        weight, scale, bias = linear.native_layout()
+        x = x.float().contiguous()
+        y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+        self._linear_int8(x.data_ptr(), x.shape[0], weight.shape[1], weight.shape[0], weight.data_ptr(),
+                          scale.data_ptr(), _address(bias), torch.get_num_threads(), y.data_ptr())
+        return y
 
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
         """sampling.top_logits, natively: the k largest logits' ids and values, and logsumexp."""

@@ -147,6 +147,7 @@ class LeanLlama:
         is_native = (self.native and self.pair_rope and self.device.type == "cpu"
                      and self.precision in ("fp32", "int8"))
         self.fused = load_fused_decode(self, cache_root(cache_dir)) if is_native else None
+        self._use_native_int8(self.fused)
         # prefill's attention: "auto" (the native kernel where it is built, else PyTorch's fused SDPA),
         # "sdpa" (PyTorch's fused kernel) or "eager" (the score matrix materialized, as textbooks write it)
         self.attention = "auto"
@@ -156,15 +157,24 @@ class LeanLlama:
         """How a decode step runs: one native call, or PyTorch ops."""
         return "fused C++" if self.fused is not None else "PyTorch ops"
 
+    def _use_native_int8(self, fused) -> None:
+        """int8 linears run through the native library's matmul, on the int8 rows the decode step reads
+        (activations quantized per block of 64, as there), or with fused None through FBGEMM."""
+        if self.precision == "int8":
+            for linear in self._linears():
+                linear.use_kernel(None if fused is None else fused.linear_int8)
+
     @contextmanager
     def pytorch_decode(self) -> Iterator[None]:
-        """Within the block, decode and prefill's attention run the PyTorch ops even where the native
-        library is built (to compare the two, or to measure what the prefill kernels do at T = 1)."""
+        """Within the block nothing native runs, even where the native library is built: decode and
+        prefill's attention run the PyTorch ops, int8 linears FBGEMM (to compare the two)."""
         native, self.fused = self.fused, None
+        self._use_native_int8(None)
         try:
             yield
         finally:
             self.fused = native
+            self._use_native_int8(native)
 
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
         """sampling.top_logits, from the native library when decode uses it."""
@@ -197,12 +207,14 @@ class LeanLlama:
         sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return cos[0, :, None, :].contiguous(), sin[:, None, :].contiguous()
 
+    def _linears(self) -> list:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one forward pass reads (the embedding reads only the rows it needs)."""
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         norms = sum(layer.attn_norm.nbytes + layer.mlp_norm.nbytes for layer in self.layers)
-        return sum(lin.nbytes for lin in linears) + self.lm_head.nbytes + norms + self.final_norm.nbytes
+        return sum(lin.nbytes for lin in self._linears()) + norms + self.final_norm.nbytes
 
     def new_pool(self, budget_bytes: int, block_size: int = DEFAULT_BLOCK_TOKENS, prefix_caching: bool = True,
                  kv_dtype: torch.dtype | None = None) -> KVPool:
@@ -244,10 +256,10 @@ class LeanLlama:
             stage_ms = {}
             segments = [(cache, pos, 1) for cache, pos in zip(caches, positions)]
             return self._forward_rows(ids, segments, True, StageClock(stage_ms, self.device)), None, stage_ms
-        if self.precision == "int8":
+        if self.precision == "int8" and self.lm_head.runs_on == "FBGEMM":
             # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations
             # would set another's scale. Each sequence goes alone, so its tokens keep independent of its
-            # neighbours (the native step quantizes per sequence and reads the weights once for all).
+            # neighbours (the native kernels quantize each row's blocks on their own).
             return torch.cat([self._forward_rows(ids[i:i + 1], [(cache, pos, 1)], True)
                               for i, (cache, pos) in enumerate(zip(caches, positions))])
         return self._forward_rows(ids, [(cache, pos, 1) for cache, pos in zip(caches, positions)], True)

@@ -35,8 +35,10 @@ class DenseLinear:
 class Int8Linear:
     """int8 weights with one fp32 scale per output channel; x stays fp32 and is quantized per call.
 
-    The same int8 weights are also kept as plain rows ([out, in]) for the native decode step, which
-    quantizes activations per block of 64 instead of per tensor; FBGEMM's packed copy serves prefill."""
+    The weights are kept as plain rows ([out, in]) for the native library, which quantizes activations
+    per block of 64 (the decode step, and prefill through use_kernel). Where the library is not built,
+    FBGEMM runs prefill on its own packed copy of the rows (made at the first call), with one activation
+    scale per tensor: less accurate, and the weights twice in memory."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.detach().float().cpu()
@@ -45,27 +47,43 @@ class Int8Linear:
         with warnings.catch_warnings():  # quantized tensor constructors are deprecated, not yet replaced
             warnings.simplefilter("ignore")
             quantized = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
-        self._setup(quantized, scales.float(), bias)
+        self._setup(quantized.int_repr(), scales.float(), bias)
 
     @classmethod
     def from_rows(cls, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         """The linear of already quantized weights: int8 rows [out, in] and their fp32 scales [out]."""
         linear = cls.__new__(cls)
-        zero_points = torch.zeros(rows.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # deprecated like quantize_per_channel, not yet replaced
-            warnings.simplefilter("ignore")
-            quantized = torch._make_per_channel_quantized_tensor(rows, scales.double(), zero_points, 0)
-        linear._setup(quantized, scales.float(), bias)
+        linear._setup(rows, scales.float(), bias)
         return linear
 
-    def _setup(self, quantized: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _setup(self, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         bias = None if bias is None else bias.detach().float().cpu().contiguous()
-        self._packed = torch.ops.quantized.linear_prepack(quantized, bias)  # FBGEMM's layout, for prefill
-        self.output_features, self.input_features = quantized.shape
-        self._nbytes = quantized.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
-        self._native_layout = (quantized.int_repr().contiguous(), scales.contiguous(), bias)
+        self._packed, self._kernel = None, None
+        self.output_features, self.input_features = rows.shape
+        self._nbytes = rows.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
+        self._native_layout = (rows.contiguous(), scales.contiguous(), bias)
+
+    def use_kernel(self, kernel) -> None:
+        """Run through the native library's int8 matmul (FusedDecode.linear_int8) from now on; None: FBGEMM.
+        FBGEMM's copy of the weights is let go while the native kernel runs."""
+        self._kernel = kernel
+        if kernel is not None:
+            self._packed = None
+
+    @property
+    def runs_on(self) -> str:
+        return "native" if self._kernel is not None else "FBGEMM"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel(x, self)
+        if self._packed is None:  # FBGEMM's layout, a second copy of the weights, made when first needed
+            rows, scales, bias = self._native_layout
+            zero_points = torch.zeros(rows.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():  # quantized tensor constructors are deprecated, not yet replaced
+                warnings.simplefilter("ignore")
+                quantized = torch._make_per_channel_quantized_tensor(rows, scales.double(), zero_points, 0)
+            self._packed = torch.ops.quantized.linear_prepack(quantized, bias)
         return torch.ops.quantized.linear_dynamic(x, self._packed)
 
     def native_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -95,7 +95,7 @@ def test_bench_quick_produces_a_well_formed_table():
     summary = report["summary"]
     assert {"none", "hooks", "hooks+store"} == set(summary["hooks"])
     assert summary["fp32_greedy_equals_transformers"] is True
-    assert {"fp16", "int8", "int8 prefill kernels"} == set(summary["quality_vs_fp32"])
+    assert {"fp16", "int8", "int8 via FBGEMM"} == set(summary["quality_vs_fp32"])
     assert {"lean-llama fp32": "fused C++", "lean-llama fp16": "PyTorch ops",
             "lean-llama int8": "fused C++"} == summary["decode_paths"]
     assert summary["native_decode_vs_pytorch_ops"]["lean-llama int8"]["speedup"] > 0

@@ -46,3 +46,35 @@ def test_the_engine_switch_gives_the_same_greedy_tokens(tokenizer):
     assert tokens["auto"] == tokens["sdpa"] == tokens["eager"]
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(attention="flash")
+
+
+def test_the_native_int8_matmul_is_the_decode_steps_arithmetic(tokenizer):
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)
+    lean = LeanLlama(loaded.model, precision="int8")
+    if lean.fused is None:
+        pytest.skip("the native library is not built here")
+    linear = lean.layers[0].gate_up
+    assert linear.runs_on == "native" and linear._packed is None  # no FBGEMM copy of the weights
+    torch.manual_seed(0)
+    x = torch.randn(11, 256) * torch.linspace(0.1, 30, 256)  # an outlier column, as real activations have
+    y = linear(x)
+    # the same quantized values multiplied out in float64: x per row and block of 64, the weights per row
+    rows, scales, _ = linear.native_layout()
+    blocks = x.double().view(11, -1, 64)
+    top = blocks.abs().amax(-1, keepdim=True)
+    x_q = torch.where(top > 0, blocks * (127 / top), 0.0).round()  # round half to even, as the kernel does
+    expected = torch.einsum("nkb,okb,nk->no", x_q, rows.double().view(rows.shape[0], -1, 64), (top / 127)[..., 0])
+    torch.testing.assert_close(y.double(), expected * scales.double(), rtol=1e-5, atol=1e-4)
+    # tiles of 4 rows x 4 tokens and the edges give each row exactly what it gets alone (a decode step's row)
+    assert all(torch.equal(y[i], linear(x[i:i + 1])[0]) for i in range(11))
+
+
+@pytest.mark.model
+def test_bundled_int8_prefill_has_the_decode_steps_quality(bundled):
+    from app.bench.extras import prefill_quality
+    from engine.hf_runner import make_runner
+
+    reference, quantized = make_runner(bundled.model, "fp32"), make_runner(bundled.model, "int8")
+    quality = prefill_quality(reference, quantized, bundled.tokenizer)
+    assert quality["top1_agreement"] >= 0.88, quality  # measured 0.902 (FBGEMM's per-tensor scales: 0.518)
+    assert quality["mean_kl_nats"] <= 0.025, quality  # measured 0.018 (FBGEMM: 0.776)

@@ -178,10 +178,40 @@ def precision_report(loaded, runner) -> dict:
             "fp32_decode_tokens_per_s": round(reference_speed, 1), "decode_vs_fp32": round(speed / reference_speed, 2)}
 
 
-def int8_prefill_quality(reference, int8_runner, tokenizer) -> dict:
-    """int8 prefill runs FBGEMM's kernels, whose activations are quantized per tensor rather than in
-    blocks of 64 like the native decode step's: its quality, measured through the same positions."""
-    with int8_runner.pytorch_decode():  # T = 1 through FBGEMM: the prefill's quantization
+@torch.inference_mode()
+def prefill_quality(reference, other, tokenizer) -> dict:
+    """quality_vs through prefill: every prefix of each text prefilled in one pass (T > 1, prefill's
+    kernels), its last logits against the reference's."""
+    agree = total = 0
+    kl_sum = 0.0
+    for text in QUALITY_TEXTS:
+        ids = torch.tensor(tokenizer(text)["input_ids"])
+        for end in range(2, len(ids) + 1):
+            a = reference.forward(ids[:end], 0, reference.new_cache(end))
+            b = other.forward(ids[:end], 0, other.new_cache(end))
+            agree += int(a.argmax() == b.argmax())
+            total += 1
+            kl_sum += float(torch.nn.functional.kl_div(b.float().log_softmax(-1), a.float().log_softmax(-1),
+                                                       log_target=True, reduction="sum"))
+    return {"top1_agreement": round(agree / total, 4), "positions": total, "mean_kl_nats": round(kl_sum / total, 4)}
+
+
+def int8_prefill_report(reference, int8_runner, tokenizer) -> dict:
+    """int8 prefill's quality through the native kernels and through FBGEMM (whose one activation scale
+    per tensor spans every token of the prompt), and the weights int8 keeps: one copy, since FBGEMM's
+    packed copy is only made where the native library is not built."""
+    native = prefill_quality(reference, int8_runner, tokenizer)
+    with int8_runner.pytorch_decode():
+        fbgemm = prefill_quality(reference, int8_runner, tokenizer)
+    return {"native": native, "FBGEMM": fbgemm, "weights_mb": round(int8_runner.weight_bytes / 1e6, 1),
+            "fbgemm_copies_held": sum(linear._packed is not None for linear in int8_runner._linears())}
+
+
+def fbgemm_quality(reference, int8_runner, tokenizer) -> dict:
+    """int8 through FBGEMM, which quantizes activations per tensor rather than in blocks of 64 as the
+    native kernels do (prefill and decode alike): what int8 gives where the native library is not built,
+    and what prefill gave before it had a native kernel. Measured through the same positions."""
+    with int8_runner.pytorch_decode():  # FBGEMM's linears, T = 1
         return quality_vs(reference, int8_runner, tokenizer)
 
 

@@ -22,8 +22,8 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import in_dtype, make_runner
 
-from .extras import (cold_start_s, hook_costs, int8_prefill_quality, llama_bench, native_vs_ops, quality_vs,
-                     random_prompt)
+from .extras import (cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench, native_vs_ops,
+                     quality_vs, random_prompt)
 from .decode_side import at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation
 from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
@@ -139,9 +139,13 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         summary["quality_vs_fp32"] = {engine.runner.precision: quality_vs(reference, engine.runner, loaded.tokenizer)
                                       for name, engine in engines.items() if engine.runner is not reference}
         if "lean-llama int8" in engines and engines["lean-llama int8"].runner.fused is not None:
-            summary["quality_vs_fp32"]["int8 prefill kernels"] = int8_prefill_quality(
+            summary["quality_vs_fp32"]["int8 via FBGEMM"] = fbgemm_quality(
                 reference, engines["lean-llama int8"].runner, loaded.tokenizer)
         log(f"  quality vs fp32: {summary['quality_vs_fp32']}")
+        if "lean-llama int8" in engines and engines["lean-llama int8"].runner.fused is not None:
+            summary["int8_prefill_quality"] = int8_prefill_report(reference, engines["lean-llama int8"].runner,
+                                                                  loaded.tokenizer)
+            log(f"  int8 prefill (each prefix in one pass) vs fp32: {summary['int8_prefill_quality']}")
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)

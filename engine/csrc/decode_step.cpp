@@ -344,6 +344,66 @@ void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
     }
 }
 
+// The same products for a prefill's many rows of x: R weight rows x B sequences at a time, so that each
+// block of weights and of activations is loaded once for the whole tile (a weight row alone would stream
+// all of x from L2 for each row). Each (row, sequence) sum is made exactly as row_dots_int8 makes it,
+// block by block in the same order: a prefill gives the decode step's numbers.
+template <int R, int B>
+void tile_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *w, int64_t in, float out[R][B]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t blocks = in / kBlock, n = q.n;
+    __m512 acc[R][B];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
+    const __m512i bias = _mm512_set1_epi8(char(128));
+    for (int64_t k = 0; k < blocks; k++) {
+        __m512i weights[R], start[R];
+        for (int r = 0; r < R; r++) {
+            weights[r] = _mm512_loadu_si512(w + r * in + k * kBlock);
+            start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias,
+                                                                                    weights[r]));
+        }
+        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
+        const float *scale = q.scale.data() + k * n + b0;
+        for (int b = 0; b < B; b++) {
+            const __m512i xb = _mm512_loadu_si512(x + b * kBlock);
+            const __m512 sb = _mm512_set1_ps(scale[b]);
+            for (int r = 0; r < R; r++)
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start[r], xb, weights[r])), sb,
+                                            acc[r][b]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) out[r][b] = _mm512_reduce_add_ps(acc[r][b]);
+#else
+    for (int r = 0; r < R; r++) row_dots_int8<B>(q, b0, w + r * in, in, out[r]);
+#endif
+}
+
+// y[b][r0:r1] for all n rows of a prefill: tiles of 4 weight rows x 4 sequences, the edges one by one.
+void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
+                      int64_t r0, int64_t r1, float *y) {
+    constexpr int R = 4, B = 4;
+    const int64_t whole = q.n / B * B;
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+        float dots[R][B];
+        for (int64_t b0 = 0; b0 < whole; b0 += B) {
+            tile_dots_int8<R, B>(q, b0, w + r * in, in, dots);
+            for (int i = 0; i < R; i++)
+                for (int b = 0; b < B; b++) y[(b0 + b) * out + r + i] = dots[i][b] * scale[r + i];
+        }
+    }
+    if (whole < q.n || r < r1) {  // the last sequences for the tiled rows, and every sequence for the rest
+        float dots[1];
+        for (int64_t row = r0; row < r1; row++)
+            for (int64_t b = row < r ? whole : 0; b < q.n; b++) {
+                row_dots_int8<1>(q, b, w + row * in, in, dots);
+                y[b * out + row] = dots[0] * scale[row];
+            }
+    }
+}
+
 // y[b] = x[b] W^T (* scale) (+ bias) for every sequence b < n; x [n][in], y [n][out]. Each thread streams
 // one contiguous range of output rows, once for the whole batch.
 void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out, float *y) {
@@ -895,6 +955,29 @@ extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64
 // What sampling and the events need from a step's logits: the k largest (ids and values, largest first;
 // ties go to the lower id, as argmax does) and log(sum(exp(logits))), so that any token's probability
 // is exp(logit - lse). Two passes over [n], on one thread: about 10 µs for n = 49,152.
+// y [n][out] = x [n][in] W^T * scale (+ bias) for a prefill's n rows, W int8 output-major with a scale
+// per row, x quantized per block of 64 as the decode step quantizes it: the decode step's int8 rows,
+// without a second copy of the weights in another library's layout.
+extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t out, const int8_t *w, const float *scale,
+                               const float *bias, int64_t threads, float *y) {
+    QuantizedBatch q(n, in);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < in / kBlock; k++)
+            for (int64_t b = 0; b < n; b++) q.quantize(k, b, x + b * in + k * kBlock);
+        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t per = ((out + team - 1) / team + 15) / 16 * 16;
+        const int64_t c0 = std::min(out, t * per), c1 = std::min(out, c0 + per);
+        if (c0 < c1) {
+            matmul_int8_rows(q, w, scale, in, out, c0, c1, y);
+            if (bias)
+                for (int64_t b = 0; b < n; b++)
+                    for (int64_t c = c0; c < c1; c++) y[b * out + c] += bias[c];
+        }
+    }
+}
+
 extern "C" float ps_top_logits(const float *logits, int64_t n, int64_t k, int64_t *ids, float *values) {
     for (int64_t j = 0; j < k; j++) ids[j] = -1, values[j] = -INFINITY;
     constexpr int64_t kStretch = 64;  // a stretch's maximum (vectorized) decides whether to look closer
