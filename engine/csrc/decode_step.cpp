@@ -405,8 +405,10 @@ void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
 }
 
 // y[b] = x[b] W^T (* scale) (+ bias) for every sequence b < n; x [n][in], y [n][out]. Each thread streams
-// one contiguous range of output rows, once for the whole batch.
-void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out, float *y) {
+// one contiguous range of output rows, once for the whole batch. tiled: a prefill's many rows of x, int8
+// through matmul_int8_rows (the same sums, made tile by tile).
+void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t in, int64_t out, float *y,
+            bool tiled = false) {
     QuantizedBatch q(d.is_int8 ? n : 0, in);
 #pragma omp parallel num_threads(d.threads)
     {
@@ -419,7 +421,9 @@ void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t
         const int64_t per = ((out + team - 1) / team + 15) / 16 * 16;
         const int64_t c0 = std::min(out, t * per), c1 = std::min(out, c0 + per);
         if (c0 < c1) {
-            if (d.is_int8)
+            if (d.is_int8 && tiled)
+                matmul_int8_rows(q, static_cast<const int8_t *>(lin.weight), lin.scale, in, out, c0, c1, y);
+            else if (d.is_int8)
                 matvec_int8_rows(q, static_cast<const int8_t *>(lin.weight), lin.scale, in, out, c0, c1, y);
             else
                 matvec_f32_rows(x, n, static_cast<const float *>(lin.weight), in, out, c0, c1, y);
@@ -960,22 +964,10 @@ extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64
 // without a second copy of the weights in another library's layout.
 extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t out, const int8_t *w, const float *scale,
                                const float *bias, int64_t threads, float *y) {
-    QuantizedBatch q(n, in);
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t k = 0; k < in / kBlock; k++)
-            for (int64_t b = 0; b < n; b++) q.quantize(k, b, x + b * in + k * kBlock);
-        const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t per = ((out + team - 1) / team + 15) / 16 * 16;
-        const int64_t c0 = std::min(out, t * per), c1 = std::min(out, c0 + per);
-        if (c0 < c1) {
-            matmul_int8_rows(q, w, scale, in, out, c0, c1, y);
-            if (bias)
-                for (int64_t b = 0; b < n; b++)
-                    for (int64_t c = c0; c < c1; c++) y[b * out + c] += bias[c];
-        }
-    }
+    Dims d{};
+    d.is_int8 = 1;
+    d.threads = threads;
+    linear(d, Linear{w, scale, bias}, x, n, in, out, y, /*tiled=*/true);
 }
 
 extern "C" float ps_top_logits(const float *logits, int64_t n, int64_t k, int64_t *ids, float *values) {
