@@ -194,7 +194,7 @@ class ShardedLlama(LeanLlama):
 
     def _forward_rows(self, ids, segments, need_logits, clock=None):
         if self.group.rank == 0 and self.group.world > 1:
-            shared = [(self._key_of(cache.pool), cache.block_ids, cache.num_dropped, pos, num_tokens)
+            shared = [(cache.pool.tp_key, cache.block_ids, cache.num_dropped, pos, num_tokens)
                       for cache, pos, num_tokens in segments]
             with _uninterrupted():
                 self.group.broadcast(("forward", self._take_dropped(), ids.cpu(), shared, need_logits, self.attention))
@@ -228,10 +228,6 @@ class ShardedLlama(LeanLlama):
             self.group.broadcast(("pool", self._take_dropped(), pool.tp_key, num_blocks, block_size, kv_dtype))
             weakref.finalize(pool, self._dropped.append, pool.tp_key)  # only noted: told with the next command
         return pool
-
-    @staticmethod
-    def _key_of(pool: KVPool) -> int:
-        return pool.tp_key
 
     def _take_dropped(self) -> list[int]:
         dropped, self._dropped[:] = list(self._dropped), []
