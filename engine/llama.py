@@ -208,7 +208,8 @@ class LeanLlama:
         return cos[0, :, None, :].contiguous(), sin[:, None, :].contiguous()
 
     def _linears(self) -> list:
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        layers = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return layers + [self.lm_head]
 
     @property
     def weight_bytes(self) -> int:

@@ -127,19 +127,27 @@ def quality_vs(reference, other, tokenizer) -> dict:
     """Top-1 agreement of a mode (int8, fp16...) with the reference (fp32) on every position of a fixed
     text set (one decode step each), the mean KL divergence of its next-token distribution from
     fp32's (nats; steadier than agreement on a small set), and the largest difference of any logit."""
+    def pairs():
+        for text in QUALITY_TEXTS:
+            ids = torch.tensor(tokenizer(text)["input_ids"])
+            cache_a, cache_b = reference.new_cache(len(ids) + 1), other.new_cache(len(ids) + 1)
+            for pos in range(len(ids)):
+                yield reference.forward(ids[pos:pos + 1], pos, cache_a), other.forward(ids[pos:pos + 1], pos, cache_b)
+
+    return _agreement(pairs())
+
+
+def _agreement(pairs) -> dict:
+    """Top-1 agreement, mean KL divergence (nats) of b's next-token distribution from a's, and the
+    largest logit difference, over (a, b) pairs of logits."""
     agree = total = 0
     max_diff = kl_sum = 0.0
-    for text in QUALITY_TEXTS:
-        ids = torch.tensor(tokenizer(text)["input_ids"])
-        cache_a, cache_b = reference.new_cache(len(ids) + 1), other.new_cache(len(ids) + 1)
-        for pos in range(len(ids)):
-            a = reference.forward(ids[pos:pos + 1], pos, cache_a)
-            b = other.forward(ids[pos:pos + 1], pos, cache_b)
-            agree += int(a.argmax() == b.argmax())
-            total += 1
-            max_diff = max(max_diff, float((a - b).abs().max()))
-            kl_sum += float(torch.nn.functional.kl_div(b.float().log_softmax(-1), a.float().log_softmax(-1),
-                                                       log_target=True, reduction="sum"))
+    for a, b in pairs:
+        agree += int(a.argmax() == b.argmax())
+        total += 1
+        max_diff = max(max_diff, float((a - b).abs().max()))
+        kl_sum += float(torch.nn.functional.kl_div(b.float().log_softmax(-1), a.float().log_softmax(-1),
+                                                   log_target=True, reduction="sum"))
     return {"top1_agreement": round(agree / total, 4), "positions": total,
             "mean_kl_nats": round(kl_sum / total, 4), "max_logit_diff": round(max_diff, 3)}
 
@@ -182,18 +190,14 @@ def precision_report(loaded, runner) -> dict:
 def prefill_quality(reference, other, tokenizer) -> dict:
     """quality_vs through prefill: every prefix of each text prefilled in one pass (T > 1, prefill's
     kernels), its last logits against the reference's."""
-    agree = total = 0
-    kl_sum = 0.0
-    for text in QUALITY_TEXTS:
-        ids = torch.tensor(tokenizer(text)["input_ids"])
-        for end in range(2, len(ids) + 1):
-            a = reference.forward(ids[:end], 0, reference.new_cache(end))
-            b = other.forward(ids[:end], 0, other.new_cache(end))
-            agree += int(a.argmax() == b.argmax())
-            total += 1
-            kl_sum += float(torch.nn.functional.kl_div(b.float().log_softmax(-1), a.float().log_softmax(-1),
-                                                       log_target=True, reduction="sum"))
-    return {"top1_agreement": round(agree / total, 4), "positions": total, "mean_kl_nats": round(kl_sum / total, 4)}
+    def pairs():
+        for text in QUALITY_TEXTS:
+            ids = torch.tensor(tokenizer(text)["input_ids"])
+            for end in range(2, len(ids) + 1):
+                yield (reference.forward(ids[:end], 0, reference.new_cache(end)),
+                       other.forward(ids[:end], 0, other.new_cache(end)))
+
+    return _agreement(pairs())
 
 
 def int8_prefill_report(reference, int8_runner, tokenizer) -> dict:
