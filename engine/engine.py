@@ -93,7 +93,7 @@ def _new_pool(runner, config: EngineConfig, budget_bytes: int):
 def _set_switches(runner, config: EngineConfig) -> None:
     """The forward's switches: prefill's attention implementation, and Flash Decoding in the native
     decode step, where the runner has them."""
-    if hasattr(runner, "attention"):  # always set: engines sharing one runner (the bench) each bring theirs
+    if hasattr(runner, "attention"):  # always set: engines sharing one runner (variant()) each bring theirs
         runner.attention = config.attention
     elif config.attention != "auto":
         raise ValueError(f"--attention needs the lean forward, not {runner.name}")
@@ -352,6 +352,21 @@ class Engine:
         self.scheduler.pool = self.pool
         self.__dict__.pop("info", None)  # the cached ModelInfo describes the old runner
 
+    def variant(self, **changes) -> Engine:
+        """This engine's model under other settings, to measure side by side (the bench, the lab): the same
+        loaded weights and, unless the precision or tensor parallelism changes, the same forward, so nothing
+        is converted again; its own KV pool and scheduler. Step it on the thread that steps this engine, not
+        while this one serves, and close() it when it brought its own forward."""
+        config = dataclasses.replace(self.config, **changes)
+        if config.precision in ("auto", self.runner.precision) and config.tensor_parallel == self.config.tensor_parallel:
+            return Engine(self.loaded, config, runner=self.runner)
+        model = self.loaded.model
+        if config.load_dtype in ("float16", "bfloat16"):
+            model = in_dtype(model, getattr(torch, config.load_dtype))
+        runner = make_runner(model, config.precision, cache_dir=config.cache_dir,
+                             tensor_parallel=config.tensor_parallel)
+        return Engine(self.loaded, config, runner=runner)
+
     def stop(self) -> None:
         self._stopped.set()
         self._wakeup.set()
@@ -465,6 +480,7 @@ class Engine:
             return self._step_unlocked()
 
     def _step_unlocked(self) -> bool:
+        _set_switches(self.runner, self.config)  # engines sharing one forward (variant()) each bring theirs
         plan = self.scheduler.schedule()
         for r in plan.cancelled:
             self._finish(r, "cancelled")

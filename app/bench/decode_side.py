@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
 from engine import DecodeStep, Engine, SamplingParams
 
-from .extras import sibling
 
 LONG_TEXT = Path(__file__).with_name("data") / "long_text.txt"  # a fixed story of ~2,000 words, for quality
 
@@ -27,8 +27,8 @@ SPECULATION_PROMPTS = {
 def speculation(engine: Engine, repetitions: int, max_new_tokens: int = 128) -> dict:
     """Decode tok/s plain and with prompt lookup on each prompt (greedy, the best of `repetitions`
     interleaved runs), whether the text is the same, and what the drafts did."""
-    engines = {"plain": sibling(engine, speculative=None, prefix_caching=False),
-               "prompt-lookup": sibling(engine, speculative="prompt-lookup", prefix_caching=False)}
+    engines = {"plain": engine.variant(speculative=None, prefix_caching=False),
+               "prompt-lookup": engine.variant(speculative="prompt-lookup", prefix_caching=False)}
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
     report = {}
     for kind, prompt in SPECULATION_PROMPTS.items():
@@ -65,7 +65,7 @@ def prefill_at_depth(engine: Engine, context: list[int], prompts: list[list[int]
     context is cached first (prefix caching), then context + prompt is sent and only the prompt is
     prefilled. One sample per prompt; the prompts differ, so none is cached from an earlier sample."""
     sampling = SamplingParams(max_new_tokens=1, temperature=0)
-    e = sibling(engine, prefix_caching=True)
+    e = engine.variant(prefix_caching=True)
     samples = []
     for prompt in prompts:
         list(e.run(e.new_request_from_ids(context or prompt[:1], sampling)))  # the context into the cache
@@ -77,11 +77,32 @@ def prefill_at_depth(engine: Engine, context: list[int], prompts: list[list[int]
 def kv_variants(engine: Engine, window: int | None = None) -> dict[str, Engine]:
     """The engine with its KV cache in each format the native step reads, and, with window, an fp32
     cache that keeps only 4 sink tokens and the last `window`."""
-    variants = {f"KV {kv}": sibling(engine, kv_dtype=kv) for kv in ("fp32", "fp16", "int8")}
+    variants = {f"KV {kv}": engine.variant(kv_dtype=kv) for kv in ("fp32", "fp16", "int8")}
     if window:
-        variants[f"KV window {window} + 4 sinks"] = sibling(engine, kv_dtype="fp32", kv_window=window, kv_sinks=4,
+        variants[f"KV window {window} + 4 sinks"] = engine.variant(kv_dtype="fp32", kv_window=window, kv_sinks=4,
                                                             prefix_caching=False)
     return variants
+
+
+def teacher_forced(e: Engine, ids: list[int]) -> tuple[float, list[int], list[float], list[int]]:
+    """Feed ids token by token through decode steps, which read the cache as the engine keeps it (a sliding
+    window slides): the perplexity of ids, the most likely next token at each position, and each step's
+    time (ms) and the cache's bytes after it."""
+    cache = e.pool.allocate([], e.kv_limit or len(ids))
+    nll, best, step_ms, kv_bytes = 0.0, [], [], []
+    try:
+        for position, token in enumerate(ids[:-1]):
+            if e.kv_limit is not None and cache.num_tokens == cache.capacity_tokens:
+                cache.slide(e.sink_blocks)
+            start = time.perf_counter()
+            logits = e.runner.decode([token], [cache.num_tokens], [cache])[0].float()
+            best.append(int(logits.argmax()))  # on a GPU: waits for the step, so the time below is its own
+            step_ms.append((time.perf_counter() - start) * 1000)
+            kv_bytes.append(cache.bytes_used)
+            nll -= float(torch.log_softmax(logits, -1)[ids[position + 1]])
+    finally:
+        e.pool.free(cache)
+    return math.exp(nll / (len(ids) - 1)), best, step_ms, kv_bytes
 
 
 def kv_quality(engine: Engine, variants: dict[str, Engine], max_tokens: int = 3000) -> dict:
@@ -90,25 +111,11 @@ def kv_quality(engine: Engine, variants: dict[str, Engine], max_tokens: int = 30
     one fp32's is."""
     ids = engine.tokenizer(LONG_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][:max_tokens]
 
-    def read(e: Engine) -> tuple[float, list[int]]:
-        cache = e.pool.allocate([], e.kv_limit or len(ids))
-        nll, best = 0.0, []
-        try:
-            for position, token in enumerate(ids[:-1]):
-                if e.kv_limit is not None and cache.num_tokens == cache.capacity_tokens:
-                    cache.slide(e.sink_blocks)  # a sliding window, as the engine keeps it
-                logits = e.runner.decode([token], [cache.num_tokens], [cache])[0].float()
-                nll -= float(torch.log_softmax(logits, -1)[ids[position + 1]])
-                best.append(int(logits.argmax()))
-        finally:
-            e.pool.free(cache)
-        return math.exp(nll / (len(ids) - 1)), best
-
-    reference_ppl, reference = read(variants["KV fp32"])
+    reference_ppl, reference, *_ = teacher_forced(variants["KV fp32"], ids)
     report = {"tokens": len(ids), "KV fp32": {"perplexity": round(reference_ppl, 3)}}
     for name, e in variants.items():
         if name != "KV fp32":
-            ppl, best = read(e)
+            ppl, best, *_ = teacher_forced(e, ids)
             report[name] = {"perplexity": round(ppl, 3), "vs_fp32": round(ppl / reference_ppl, 4),
                             "top1_agreement": round(sum(a == b for a, b in zip(best, reference)) / len(best), 4),
                             "bytes_per_token": e.info.kv_bytes_per_token}
@@ -121,7 +128,7 @@ def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset:
     prompt = [vocab_offset + (i * 7) % 5000 for i in range(context)]
     sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
     steps, tokens = {}, {}
-    for name, e in (("cached", sibling(engine, prefix_caching=False)), ("no cache", sibling(engine, kv_cache=False))):
+    for name, e in (("cached", engine.variant(prefix_caching=False)), ("no cache", engine.variant(kv_cache=False))):
         request = e.new_request_from_ids(prompt, sampling)
         steps[name] = [ev for ev in e.run(request) if isinstance(ev, DecodeStep) and ev.step > 0]
         tokens[name] = request.generated_ids

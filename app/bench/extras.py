@@ -1,7 +1,6 @@
 """The benchmark's side measurements: hook and store costs, int8 quality, cold start, llama-bench."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import statistics
@@ -70,11 +69,6 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
 def random_prompt(num_tokens: int, vocab: int, seed: int = 0) -> list[int]:
     """Random token ids (as llama-bench uses), the same for the same seed."""
     return torch.randint(100, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def sibling(engine: Engine, **changes) -> Engine:
-    """The same loaded model and forward under another engine setting (nothing converted again)."""
-    return Engine(engine.loaded, dataclasses.replace(engine.config, **changes), runner=engine.runner)
 
 
 def interleaved(runs: dict[object, Callable[[], T]], rounds: int) -> dict[object, list[T]]:

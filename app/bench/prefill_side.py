@@ -11,7 +11,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.llama import score_matrix_bytes
 from engine.tensor_parallel import start
 
-from .extras import random_prompt, sibling
+from .extras import random_prompt
 
 IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 
@@ -25,7 +25,7 @@ def attention_impls(engine: Engine, lengths: tuple[int, ...], vocab: int, repeti
         prompt = random_prompt(length, vocab, seed=length)
         row, tokens = {}, {}
         for attention in IMPLEMENTATIONS:
-            e = sibling(engine, attention=attention, prefix_caching=False)
+            e = engine.variant(attention=attention, prefix_caching=False)
             best = None
             for _ in range(repetitions):
                 request = e.new_request_from_ids(prompt, SamplingParams(max_new_tokens=1, temperature=0))
@@ -34,7 +34,6 @@ def attention_impls(engine: Engine, lengths: tuple[int, ...], vocab: int, repeti
                 best = prefill_ms if best is None else min(best, prefill_ms)
                 tokens[attention] = request.generated_ids
             row[attention] = {"prefill_ms": round(best, 1), "tokens_per_s": round(length / best * 1000, 1)}
-        engine.runner.attention = engine.config.attention  # the siblings share the engine's forward
         heads = engine.runner.num_heads
         row["eager_score_matrix_mb"] = round(score_matrix_bytes(heads, length, length) / 1e6, 1)
         row["sdpa_vs_eager"] = round(row["eager"]["prefill_ms"] / row["sdpa"]["prefill_ms"], 2)
@@ -60,7 +59,7 @@ def tensor_parallel_vs_one_rank(loaded, pp: int, tg: int, repetitions: int, worl
             try:
                 engine = Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False, kv_cache_mb=256),
                                 runner=runner)
-                report[name] = _tp_speed(engine, prompt, tg, repetitions)
+                report[name] = tp_speed(engine, prompt, tg, repetitions)
                 cache = runner.new_cache(pp + 1)
                 logits[name] = runner.forward(torch.tensor(prompt), 0, cache)
                 request = engine.new_request_from_ids(prompt[:64], SamplingParams(max_new_tokens=16, temperature=0))
@@ -78,7 +77,7 @@ def tensor_parallel_vs_one_rank(loaded, pp: int, tg: int, repetitions: int, worl
     return report
 
 
-def _tp_speed(engine: Engine, prompt: list[int], tg: int, repetitions: int) -> dict:
+def tp_speed(engine: Engine, prompt: list[int], tg: int, repetitions: int) -> dict:
     """Prefill of the prompt and decode of tg tokens after it: the best of repetitions (after a warm-up),
     with the share of each in collectives."""
     best = None

@@ -1,4 +1,5 @@
-"""The history database: sessions, their messages, and every prefill chunk and decode step.
+"""The history database: sessions, their messages, and every prefill chunk and decode step; and the
+Optimization Lab's runs.
 
 One SQLite file in WAL mode, so that a reader never blocks the writer and a killed process loses at
 most the batch of steps it had not yet written. The schema is versioned with `PRAGMA user_version`
@@ -65,7 +66,15 @@ def _v3(db: Database) -> None:
     db["steps"].add_column("batch_size", int)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3]
+def _v4(db: Database) -> None:
+    """The Optimization Lab's runs: which experiment, under which settings, on which machine, and what it
+    measured (JSON: the figure is drawn again from the results)."""
+    db["lab_runs"].create({"id": int, "created_at": str, "experiment": str, "settings": str, "machine": str,
+                           "results": str}, pk="id")
+    db["lab_runs"].create_index(["experiment"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
 LATEST_VERSION = len(MIGRATIONS)
 
 
@@ -176,6 +185,12 @@ class Store:
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
             self.db.execute("DELETE FROM sessions WHERE id = ?", [session_id])
 
+    def add_lab_run(self, experiment: str, settings: dict, machine: dict, results: dict) -> int:
+        with self._lock:
+            return self.db["lab_runs"].insert(dict(created_at=now_iso(), experiment=experiment,
+                                                   settings=json.dumps(settings), machine=json.dumps(machine),
+                                                   results=json.dumps(results))).last_pk
+
     # --- reading ----------------------------------------------------------------------------------
 
     def _query(self, sql: str, params: list | dict | None = None) -> list[dict]:
@@ -206,3 +221,15 @@ class Store:
     def steps(self, message_id: int) -> list[dict]:
         return self._query("SELECT * FROM steps WHERE message_id = ? ORDER BY CASE phase WHEN 'prefill' THEN 0 "
                            "ELSE 1 END, idx", [message_id])
+
+    def lab_runs(self, limit: int = 50) -> list[dict]:
+        """The newest lab runs first: id, created_at, experiment (not their results)."""
+        return self._query("SELECT id, created_at, experiment FROM lab_runs ORDER BY id DESC LIMIT ?", [limit])
+
+    def lab_run(self, run_id: int) -> dict:
+        """One lab run with its settings, machine and results decoded."""
+        rows = self._query("SELECT * FROM lab_runs WHERE id = ?", [run_id])
+        if not rows:
+            raise StoreError(f"no lab run with id {run_id}")
+        row = rows[0]
+        return {**row, **{key: json.loads(row[key]) for key in ("settings", "machine", "results")}}

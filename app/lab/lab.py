@@ -1,0 +1,70 @@
+"""What every experiment uses: the engine it measures, its size (quick or full), progress and stop, and
+the runs it makes, greedy and through the engine's events."""
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import DecodeStep, Engine, Event, Request, SamplingParams
+
+
+class LabStopped(Exception):
+    """The run was stopped (the Stop button) between two of its measurements."""
+
+
+@dataclass
+class Lab:
+    engine: Engine
+    quick: bool = False
+    progress: Callable[[str], None] | None = None
+    stop: threading.Event | None = None
+
+    def step(self, text: str) -> None:
+        """Between two measurements: stop here if asked to, else say what comes next."""
+        if self.stop is not None and self.stop.is_set():
+            raise LabStopped("stopped")
+        if self.progress is not None:
+            self.progress(text)
+
+    def size(self, quick, full):
+        return quick if self.quick else full
+
+    def tokens(self, text: str, count: int) -> list[int]:
+        """The text's tokens, repeated until there are `count` (a prompt of a chosen length from any text)."""
+        ids = self.engine.tokenizer(text.strip() or "Hello", add_special_tokens=False)["input_ids"]
+        return (ids * (count // len(ids) + 1))[:count]
+
+    def request(self, engine: Engine, prompt: list[int] | list[dict] | str, max_new_tokens: int,
+                **options) -> Request:
+        """A greedy request: for token ids exactly max_new_tokens (as a benchmark); for a chat's messages or
+        a text (a one-message chat) at most that many, ending where the model ends its reply."""
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        is_chat = bool(prompt) and isinstance(prompt[0], dict)
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=not is_chat)
+        if is_chat:
+            return engine.new_request(prompt, sampling, **options)
+        return engine.new_request_from_ids(prompt, sampling, **options)
+
+    def run(self, engine: Engine, prompt: list[int] | list[dict] | str, max_new_tokens: int, explain: bool = False,
+            **options) -> tuple[Request, list[Event]]:
+        """One request to the end: the request (its tokens) and its events."""
+        request = self.request(engine, prompt, max_new_tokens, **options)
+        request.explain = explain
+        return request, list(engine.run(request))
+
+
+def decode_steps(events: list[Event]) -> list[DecodeStep]:
+    """The decode steps that ran a forward of their own (step 0 samples from the prefill's logits)."""
+    return [e for e in events if isinstance(e, DecodeStep) and e.step > 0]
+
+
+def median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
+def r(value: float, digits: int = 1) -> float:
+    return round(float(value), digits)
