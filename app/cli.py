@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "rank with one thread and with N threads (default 2; 0 or 1: skip)")
     bench.add_argument("--browser", action="store_true",
                        help="also decode speed streamed to a real browser (Chromium) vs the CLI, per mode")
+    lab = commands.add_parser("lab", help="run an Optimization Lab experiment (or all) both ways on the same prompt")
+    lab.add_argument("experiment", help="an experiment's name, or all (see `phasescope lab list`)")
+    lab.add_argument("--quick", action="store_true", help="smaller sizes: each experiment in seconds")
+    lab.add_argument("--prompt", help="the prompt to run (default: the experiment's own)")
+    lab.add_argument("--output", choices=["md", "json"], default="md")
+    lab.add_argument("--png", metavar="DIR", help="also write each figure to DIR (PNG; standalone HTML where "
+                                                  "kaleido cannot draw)")
+    _add_model_options(lab)
+    _add_db_option(lab)
     return parser
 
 
@@ -351,6 +360,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lab(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from app import lab
+    from app.history.store import Store
+
+    if args.experiment == "list":
+        for experiment in lab.EXPERIMENTS.values():
+            print(f"{experiment.name:<16} {experiment.title}")
+        return 0
+    names = list(lab.EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    unknown = [name for name in names if name not in lab.EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"no experiment {unknown[0]!r}; choose one of: all, {', '.join(lab.EXPERIMENTS)}")
+    store = Store.open(args.db)  # first: a bad --db fails before the model loads
+    png = Path(args.png) if args.png else None
+    if png:
+        png.mkdir(parents=True, exist_ok=True)
+    engine = _engine(args)
+    engine.warm_up()
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    results = {}
+    try:
+        for name in names:
+            log(f"lab {name}{' (quick)' if args.quick else ''}:")
+            result = lab.run(engine, name, args.prompt, args.quick, progress=lambda text: log(f"  {text}"))
+            run_id = store.add_lab_run(name, {"prompt": result.prompt, "quick": result.quick, **result.settings},
+                                       result.machine, result.to_dict())
+            log(f"  {result.seconds:.1f} s; saved as lab run {run_id} in {store.path or 'memory'}")
+            if png:
+                log(f"  figure: {lab.write_image(lab.figure(result), png / name)}")
+            results[name] = result
+    finally:
+        engine.close()
+    if args.output == "json":
+        print(json.dumps({name: result.to_dict() for name, result in results.items()}, indent=1))
+    else:
+        print("\n\n".join(result.markdown() for result in results.values()))
+    return 0
+
+
 def _browser_bench(modes: tuple[str, ...], quick: bool) -> dict:
     from app.bench.browser import browser_available, stream_vs_cli
 
@@ -372,6 +423,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "chat": cmd_chat,
     "sessions": cmd_sessions,
     "export": cmd_export,
+    "lab": cmd_lab,
 }
 
 

@@ -10,7 +10,7 @@ import gradio as gr
 from engine import Engine, EngineConfig
 
 from .i18n import DEFAULT, K, t
-from .ui import chat_tab, explain, history_tab, language
+from .ui import chat_tab, explain, history_tab, lab_tab, language
 from .ui.language import Texts
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
@@ -39,6 +39,8 @@ def build_app(engine: Engine, store: Store) -> gr.Blocks:
                 explain.build(engine, texts, lang)
             with texts(gr.Tab, label=K("tab.history"), id="history", elem_id="ps-history-tab"):
                 history_tab.build(engine, store, chat, tabs, texts, lang)
+            with texts(gr.Tab, label=K("tab.lab"), id="lab", elem_id="ps-lab-tab"):
+                lab_tab.build(engine, store, texts, lang)
         texts.on_switch(header_html, [], [header])
         texts.wire(lang, remembered, app)
     app.queue(default_concurrency_limit=1)

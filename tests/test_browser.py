@@ -368,3 +368,38 @@ def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, a
     assert "Send" == page.inner_text("#ps-send").strip()
     assert {app_url.rstrip("/")} == hosts  # offline: no font, script or call to any other host
     page.close()
+
+
+def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
+    """The Lab tab: one experiment run from the browser draws both settings in one figure with its table,
+    is saved in the database file, and comes back from the saved runs."""
+    page.get_by_role("tab", name="Lab").click()
+    page.locator("#ps-lab-experiment input").click()
+    page.get_by_role("option", name="Batching", exact=True).click()
+    page.wait_for_function("() => document.querySelector('#ps-lab-prompt textarea').value.includes('poem')")
+    page.locator("#ps-lab-quick input").check()
+    page.click("#ps-lab-run")
+    page.wait_for_selector("#ps-lab-plot .js-plotly-plot", timeout=120_000)
+    page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('saved as lab run')")
+    assert plot_traces(page, "ps-lab-plot") == {"batching · aggregate decode": 3}  # B = 1, 2, 4
+    report = page.inner_text("#ps-lab-report")
+    assert "aggregate tok/s" in report and "shown: batching raises aggregate throughput" in report
+    page.screenshot(path=str(tmp_path / "lab.png"), full_page=True)
+
+    page.locator("#ps-lab-experiment input").click()
+    page.get_by_role("option", name="KV cache on/off", exact=True).click()
+    page.locator("#ps-lab-quick input").check()
+    page.click("#ps-lab-run")
+    page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('lab run #2')",
+                           timeout=120_000)
+    names = set(plot_traces(page, "ps-lab-plot"))
+    assert {"KV cache · ms per token", "no KV cache · ms per token"} <= names  # both settings drawn
+
+    from app.history.store import Store
+    saved = Store.open(app_db).lab_runs()
+    assert [row["experiment"] for row in saved[:2]] == ["kv-cache", "batching"]
+    page.locator("#ps-lab-runs input").click()
+    page.get_by_role("option", name=re.compile(r"#1 · Batching")).click()
+    page.click("#ps-lab-open")
+    page.wait_for_function("() => document.querySelector('#ps-lab-report').innerText.includes('aggregate tok/s')")
+    assert set(plot_traces(page, "ps-lab-plot")) == {"batching · aggregate decode"}

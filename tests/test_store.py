@@ -205,7 +205,7 @@ def test_a_newer_schema_is_refused_and_untouched(tmp_path):
     conn.commit()
     conn.close()
     before = path.read_bytes()
-    with pytest.raises(StoreError, match=r"newer PhaseScope \(schema 99, this one knows 3\)"):
+    with pytest.raises(StoreError, match=r"newer PhaseScope \(schema 99, this one knows 4\)"):
         Store.open(path)
     assert before == path.read_bytes()
 

@@ -24,7 +24,7 @@ def figure(result: LabResult) -> go.Figure:
         if series.kind == "bar":
             fig.add_trace(go.Bar(marker_color=color, textposition="none", **common))
         else:
-            fig.add_trace(go.Scatter(mode=series.kind, line=dict(color=color, dash=series.dash),
+            fig.add_trace(go.Scatter(mode=series.kind, line=dict(color=color, dash=series.dash, shape=series.shape),
                                      marker=dict(color=color, size=7), textposition="top center", **common))
     axis = dict(gridcolor=GRID_COLOR, zeroline=False, linecolor="#d5dae1")
     fig.update_layout(
@@ -33,10 +33,11 @@ def figure(result: LabResult) -> go.Figure:
         margin=dict(l=60, r=60 if result.y2_label else 15, t=50, b=50), barmode="stack",
         legend=dict(orientation="h", y=-0.2, x=0, yanchor="top"),
         xaxis=dict(title=dict(text=result.x_label), type="log" if result.log_x else None, **axis),
-        yaxis=dict(title=dict(text=result.y_label), type="log" if result.log_y else None, **axis))
+        yaxis=dict(title=dict(text=result.y_label), type="log" if result.log_y else None,
+                   rangemode="normal" if result.log_y else "tozero", **axis))
     if result.y2_label:
         fig.update_layout(yaxis2=dict(title=dict(text=result.y2_label), overlaying="y", side="right",
-                                      showgrid=False, zeroline=False))
+                                      rangemode="tozero", showgrid=False, zeroline=False))
     return fig
 
 

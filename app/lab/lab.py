@@ -31,9 +31,13 @@ class Lab:
     def size(self, quick, full):
         return quick if self.quick else full
 
+    def encode(self, text: str) -> list[int]:
+        """The text's tokens, as plain text (no chat template)."""
+        return self.engine.tokenizer(text.strip() or "Hello", add_special_tokens=False)["input_ids"]
+
     def tokens(self, text: str, count: int) -> list[int]:
         """The text's tokens, repeated until there are `count` (a prompt of a chosen length from any text)."""
-        ids = self.engine.tokenizer(text.strip() or "Hello", add_special_tokens=False)["input_ids"]
+        ids = self.encode(text)
         return (ids * (count // len(ids) + 1))[:count]
 
     def request(self, engine: Engine, prompt: list[int] | list[dict] | str, max_new_tokens: int,

@@ -40,7 +40,8 @@ def chunked_prefill(lab: Lab, prompt: str) -> LabResult:
         arrived = long.submit_ns
         times = [(ns - arrived) / 1e6 for ns in chat.token_ns]
         gaps = [(b, b - a) for a, b in zip(times, times[1:]) if b > -50]  # from just before it arrived
-        series.append(Series(f"{name} · running chat", [r(t, 1) for t, _ in gaps], [r(g, 1) for _, g in gaps]))
+        series.append(Series(f"{name} · running chat", [r(t, 1) for t, _ in gaps], [r(g, 1) for _, g in gaps],
+                             shape="vh"))  # each gap drawn over the time it lasted
         during = [g for t, g in gaps if t > 0]
         rows.append({"setting": name, "long prompt TTFT (ms)": r((long.token_ns[0] - arrived) / 1e6),
                      "chat longest pause (ms)": r(max(during)), "chat median gap (ms)": r(median(during)),
@@ -150,13 +151,13 @@ def tensor_parallel(lab: Lab, prompt: str) -> LabResult:
                 runner.close()
     finally:
         torch.set_num_threads(threads_before)
-    series = []
-    for row in rows:
-        for phase, ms, share in (("prefill", row["prefill_ms"], row["prefill_all_reduce_share"]),
-                                 ("decode step x10", row["decode_step_ms"] * 10, row["decode_all_reduce_share"])):
-            x = [f"{phase}<br>{row['setup']}"]
-            series.append(Series(f"{row['setup']} · compute", x, [r(ms * (1 - share), 1)], kind="bar"))
-            series.append(Series(f"all-reduce · {row['setup']}", x, [r(ms * share, 1)], kind="bar"))
+    bars = [(f"{phase}<br>{row['setup']}", ms, share) for phase, ms_key, share_key, scale in
+            (("prefill", "prefill_ms", "prefill_all_reduce_share", 1),
+             ("decode step x10", "decode_step_ms", "decode_all_reduce_share", 10))
+            for row in rows for ms, share in [(row[ms_key] * scale, row[share_key])]]
+    x = [bar for bar, _, _ in bars]
+    series = [Series("compute", x, [r(ms * (1 - share), 1) for _, ms, share in bars], kind="bar"),
+              Series("all-reduce", x, [r(ms * share, 1) for _, ms, share in bars], kind="bar")]
     one, split, threads = rows
     explanation = (f"Prefill of {num_prompt} tokens took {one['prefill_ms']:.0f} ms on one rank with one thread and "
                    f"{split['prefill_ms']:.0f} ms on two ranks ({one['prefill_ms'] / split['prefill_ms']:.2f}x), "

@@ -36,7 +36,7 @@ def stages(lab: Lab, prompt: str) -> LabResult:
     rows.append({"stage": "step (measured)", "prefill (ms)": r(prefill_total, 2), "prefill %": 100.0,
                  "decode step (ms)": r(decode_total, 3), "decode %": 100.0})
     labels = [f"prefill ({num_prompt} tokens)", "one decode step"]
-    series = [Series(f"{row['stage']} · share", labels, [row["prefill %"], row["decode %"]], kind="bar",
+    series = [Series(row["stage"], labels, [row["prefill %"], row["decode %"]], kind="bar",
                      text=[f"{row['prefill (ms)']} ms", f"{row['decode step (ms)']} ms"]) for row in rows[:-1]]
     by_stage = {row["stage"]: row for row in rows}
     explanation = (f"Prefill of {num_prompt} tokens took {prefill_total:.0f} ms: the MLP {by_stage['ffn']['prefill %']:.0f} % "
@@ -101,7 +101,7 @@ def roofline(lab: Lab, prompt: str) -> LabResult:
             e.close()
     peak, bandwidth = peaks["peak_gflops"], peaks["bandwidth_gbs"]
     ridge = peak / bandwidth
-    xs = [0.1 * 2 ** (i / 2) for i in range(36)]
+    xs = [0.1 * 2 ** (i / 2) for i in range(25)]  # 0.1 to 410 FLOP per byte
     series = [Series(f"roof · {peak:.0f} GFLOP/s, {bandwidth:.1f} GB/s", [r(x, 3) for x in xs],
                       [r(min(peak, bandwidth * x), 2) for x in xs], kind="lines", dash="dash")]
     for point in points:

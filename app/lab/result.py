@@ -24,6 +24,7 @@ class Series:
     axis: str = "y"
     text: list | None = None
     dash: str | None = None
+    shape: str | None = None  # a line's shape between points: "vh" draws each y over the x-span before it
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""The Lab tab: pick an optimization, press Run, and see both settings on the same prompt in one figure,
+with the measured numbers, what to look for in them, and the machine they came from (app/lab).
+
+An experiment runs on the engine's own thread between two scheduler steps (Engine.call), so chats wait
+while it measures: they would otherwise share the cores with it and spoil both. Progress shows as it
+goes; Stop ends it after the measurement in progress. Each run is saved (lab_runs) to reopen or export.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import tempfile
+import threading
+from pathlib import Path
+
+import gradio as gr
+
+from engine import Engine
+
+from .. import lab
+from ..history.store import Store, StoreError
+from ..i18n import DEFAULT, K, t
+from .language import Texts, user_error
+
+FIRST = "kv-cache"
+EXPORTS = Path(tempfile.gettempdir()) / "phasescope-lab"
+
+
+def _run_choices(store: Store) -> list[tuple[str, int]]:
+    try:
+        runs = store.lab_runs()
+    except StoreError:
+        return []
+    titles = {name: e.title for name, e in lab.EXPERIMENTS.items()}
+    return [(f"#{row['id']} · {titles.get(row['experiment'], row['experiment'])} · "
+             f"{row['created_at'][:19].replace('T', ' ')}", row["id"]) for row in runs]
+
+
+def _exports(result: lab.LabResult, run_id: int | None) -> tuple[Path, Path]:
+    """The run as JSON and its figure as a standalone page (plotly.js inlined: it opens offline). The
+    figure's own camera button saves a PNG."""
+    EXPORTS.mkdir(parents=True, exist_ok=True)
+    stem = EXPORTS / f"lab-{run_id or 'unsaved'}-{result.experiment}"
+    stem.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
+    lab.figure(result).write_html(stem.with_suffix(".html"), include_plotlyjs=True)
+    return stem.with_suffix(".json"), stem.with_suffix(".html")
+
+
+def _show(result: lab.LabResult, run_id: int | None, lang: str) -> list:
+    """status, plot, report, the two downloads."""
+    json_path, html_path = _exports(result, run_id)
+    status = t(lang, "lab.done", seconds=result.seconds, run=run_id or "-") if run_id else t(lang, "lab.not_saved")
+    return [status, gr.Plot(lab.figure(result), visible=True), result.markdown(),
+            gr.DownloadButton(value=str(json_path), visible=True), gr.DownloadButton(value=str(html_path), visible=True)]
+
+
+def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
+    stop_event = gr.State(None)  # the running experiment's: Stop sets it
+    with gr.Row(equal_height=True):
+        experiment = texts(gr.Dropdown, choices=[(e.title, e.name) for e in lab.EXPERIMENTS.values()], value=FIRST,
+                           label=K("lab.experiment"), scale=3, elem_id="ps-lab-experiment")
+        quick = texts(gr.Checkbox, value=False, label=K("lab.quick"), scale=1, elem_id="ps-lab-quick")
+        run = texts(gr.Button, value=K("lab.run"), variant="primary", scale=1, elem_id="ps-lab-run")
+        stop = texts(gr.Button, value=K("lab.stop"), variant="stop", scale=1, elem_id="ps-lab-stop")
+    prompt = texts(gr.Textbox, value=lab.EXPERIMENTS[FIRST].default_prompt, label=K("lab.prompt"), lines=2,
+                   max_lines=6, elem_id="ps-lab-prompt")
+    status = gr.Markdown(t(DEFAULT, "lab.intro"), elem_id="ps-lab-status")
+    plot = gr.Plot(visible=False, show_label=False, elem_id="ps-lab-plot")
+    report = gr.Markdown(elem_id="ps-lab-report")
+    with gr.Row(equal_height=True):
+        runs = texts(gr.Dropdown, choices=_run_choices(store), value=None, label=K("lab.saved"), scale=3,
+                     elem_id="ps-lab-runs")
+        reopen = texts(gr.Button, value=K("lab.open"), scale=1, elem_id="ps-lab-open")
+        json_file = texts(gr.DownloadButton, label=K("lab.export_json"), visible=False, scale=1,
+                          elem_id="ps-lab-json")
+        html_file = texts(gr.DownloadButton, label=K("lab.export_figure"), visible=False, scale=1,
+                          elem_id="ps-lab-html")
+    shown = [status, plot, report, json_file, html_file]
+
+    def on_run(name, text, is_quick, lang_choice):
+        event, progress, outcome = threading.Event(), queue.SimpleQueue(), {}
+
+        def work() -> None:
+            try:
+                outcome["result"] = engine.call(lambda: lab.run(engine, name, text, is_quick, progress.put, event))
+            except BaseException as exc:  # shown to the user below
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=work, name="lab", daemon=True)
+        worker.start()
+        yield [event, t(lang_choice, "lab.waiting"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+        while worker.is_alive():
+            worker.join(0.25)
+            line = None
+            while not progress.empty():
+                line = progress.get()
+            if line:
+                yield [gr.skip(), t(lang_choice, "lab.running", step=line), *[gr.skip()] * 5]
+        error = outcome.get("error")
+        if isinstance(error, lab.LabStopped):
+            yield [None, t(lang_choice, "lab.stopped"), *[gr.skip()] * 5]
+            return
+        if error is not None:
+            yield [None, t(lang_choice, "lab.failed", detail=user_error(lang_choice, error)), *[gr.skip()] * 5]
+            return
+        result, run_id = outcome["result"], None
+        try:
+            run_id = store.add_lab_run(name, {"prompt": result.prompt, "quick": result.quick, **result.settings},
+                                       result.machine, result.to_dict())
+        except Exception as exc:  # a full disk or a broken database: the result is still shown
+            gr.Warning(t(lang_choice, "lab.save_failed", detail=str(exc)))
+        yield [None, *_show(result, run_id, lang_choice), gr.Dropdown(choices=_run_choices(store), value=run_id)]
+
+    def on_open(run_id, lang_choice):
+        if run_id is None:
+            return [gr.skip()] * 5
+        try:
+            row = store.lab_run(int(run_id))
+        except StoreError as exc:
+            gr.Warning(str(exc))
+            return [gr.skip()] * 5
+        return _show(lab.LabResult.from_dict(row["results"]), row["id"], lang_choice)
+
+    experiment.change(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
+    run.click(on_run, [experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
+              concurrency_id="lab")
+    stop.click(lambda event: event.set() if event else None, [stop_event], None, queue=False)
+    reopen.click(on_open, [runs, lang], shown)

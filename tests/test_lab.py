@@ -1,0 +1,106 @@
+"""The Optimization Lab: every experiment from the command line on the bundled model, each showing the
+effect it is about in its own numbers; the results stored, drawn and exported."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from app import lab
+from app.history.store import Store
+from engine import Engine, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_all(tmp_path_factory):
+    """`phasescope lab all --quick --output json`, as a user runs it, with its database file."""
+    db = tmp_path_factory.mktemp("lab") / "history.db"
+    out = subprocess.run([sys.executable, "-m", "app.cli", "lab", "all", "--quick", "--output", "json", "--db",
+                          str(db)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout), db
+
+
+@pytest.mark.model
+def test_lab_all_quick_every_experiment_shows_its_effect(quick_all):
+    results, db = quick_all
+    assert list(results) == list(lab.EXPERIMENTS)
+    for name, data in results.items():
+        result = lab.LabResult.from_dict(data)
+        assert result.experiment == name and result.quick and result.machine["model"]
+        assert result.series and all(len(s.x) == len(s.y) > 0 for s in result.series), name
+        assert result.table and result.explanation and result.effects, name
+        # the direction of each effect: no-cache slower at the end than at the start, the prefix cache lowers
+        # the second turn's TTFT, batching raises throughput, ...
+        assert result.shows_its_effect, (name, result.effects, result.table)
+        assert len(lab.figure(result).data) == len(result.series)
+    stages = results["stages"]["settings"]
+    assert 0.9 <= stages["stages_over_prefill"] <= 1.1 and 0.9 <= stages["stages_over_decode"] <= 1.1
+    roofline = results["roofline"]["settings"]
+    assert roofline["peak_gflops"] > 0 and roofline["bandwidth_gbs"] > 0
+    saved = Store.open(db).lab_runs()
+    assert sorted(row["experiment"] for row in saved) == sorted(lab.EXPERIMENTS)
+
+
+@pytest.mark.model
+def test_a_stored_run_comes_back_whole_and_exports(quick_all, tmp_path):
+    _, db = quick_all
+    store = Store.open(db)
+    row = store.lab_run(store.lab_runs()[0]["id"])
+    result = lab.LabResult.from_dict(row["results"])
+    assert row["experiment"] == result.experiment and row["machine"] == result.machine
+    assert result.markdown().startswith(f"## {result.title}")
+    written = lab.write_image(lab.figure(result), tmp_path / result.experiment)
+    assert written.suffix in (".png", ".html") and written.stat().st_size > 1000
+
+
+@pytest.mark.model
+def test_cli_names_the_experiments_and_refuses_an_unknown_one():
+    listing = subprocess.run([sys.executable, "-m", "app.cli", "lab", "list"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+    assert listing.returncode == 0 and all(name in listing.stdout for name in lab.EXPERIMENTS)
+    wrong = subprocess.run([sys.executable, "-m", "app.cli", "lab", "kv-cach"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=120)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines()[-1].startswith("phasescope: error: no experiment 'kv-cach'")
+
+
+def test_stop_ends_a_run_between_measurements(tiny):
+    engine = Engine(tiny, EngineConfig())
+    stop = threading.Event()
+    seen = []
+
+    def progress(text: str) -> None:
+        seen.append(text)
+        stop.set()  # asked to stop while the first measurement runs
+
+    with pytest.raises(lab.LabStopped):
+        lab.run(engine, "batching", quick=True, progress=progress, stop=stop)
+    assert len(seen) == 1
+
+
+def test_a_variant_shares_the_forward_and_brings_its_own_switches(tiny):
+    engine = Engine(tiny, EngineConfig(attention="sdpa"))
+    eager = engine.variant(attention="eager", prefix_caching=False)
+    assert eager.runner is engine.runner and eager.pool is not engine.pool
+    list(eager.run(eager.new_request_from_ids([5, 6, 7], None)))
+    assert engine.runner.attention == "eager"
+    list(engine.run(engine.new_request_from_ids([5, 6, 7], None)))
+    assert engine.runner.attention == "sdpa"  # each step runs under its own engine's settings
+    fp16 = engine.variant(precision="fp16")
+    assert fp16.runner is not engine.runner and fp16.info.precision == "fp16"
+
+
+def test_lab_runs_are_a_table_of_the_history_database(tmp_path):
+    store = Store.open(tmp_path / "h.db")
+    run_id = store.add_lab_run("batching", {"quick": True}, {"cores": 2}, {"table": [{"requests": 1}]})
+    again = Store.open(tmp_path / "h.db")
+    assert again.lab_runs() == [{"id": run_id, "created_at": again.lab_runs()[0]["created_at"],
+                                 "experiment": "batching"}]
+    assert again.lab_run(run_id)["results"] == {"table": [{"requests": 1}]}
