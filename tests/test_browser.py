@@ -132,6 +132,10 @@ def test_stop_keeps_the_partial_reply(page):
                            ".ps-value'); return t && parseInt(t.innerText) >= 5; }", timeout=120_000)
     page.click("#ps-stop")
     assert "stopped" == wait_phase(page, "stopped", "done", timeout_ms=30_000)
+    # the reply's closing line can land an update after the phase line
+    page.wait_for_function("() => { const bots = document.querySelectorAll('#ps-chatbot [data-testid=bot]'); "
+                           "return bots.length && / tok · stopped/.test(bots[bots.length - 1].innerText); }",
+                           timeout=10_000)
     reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
     kept = int(re.search(r"(\d+) tok · stopped", reply).group(1))
     assert 5 <= kept < 300  # cancelled soon after the click (int8 makes ~100 tokens in 0.3 s), far from 1,000
