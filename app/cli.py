@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=DEFAULT_PORT)
     _add_db_option(ui)
     ui.add_argument("--open", action="store_true", help="open the default browser on the app")
+    _add_access_options(ui)
 
     generate = commands.add_parser("generate", help="answer one prompt and print the reply or its events")
     generate.add_argument("--prompt", required=True)
@@ -115,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "rank with one thread and with N threads (default 2; 0 or 1: skip)")
     bench.add_argument("--browser", action="store_true",
                        help="also decode speed streamed to a real browser (Chromium) vs the CLI, per mode")
+    serve = commands.add_parser("serve", help="an OpenAI-compatible API (and /metrics) over the engine")
+    serve.add_argument("--host", default=DEFAULT_HOST, help="the address to bind (default 127.0.0.1: this machine "
+                                                            "only; any other needs --api-key or --insecure)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("PHASESCOPE_API_KEY"),
+                       help="require Authorization: Bearer KEY on /v1 (env PHASESCOPE_API_KEY)")
+    serve.add_argument("--ui", action="store_true", help="also serve the browser app at /ui")
+    _add_access_options(serve)
+    _add_model_options(serve)
+    _add_db_option(serve)
     lab = commands.add_parser("lab", help="run an Optimization Lab experiment (or all) both ways on the same prompt")
     lab.add_argument("experiment", help="an experiment's name, or all (see `phasescope lab list`)")
     lab.add_argument("--quick", action="store_true", help="smaller sizes: each experiment in seconds")
@@ -125,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(lab)
     _add_db_option(lab)
     return parser
+
+
+def _add_access_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--auth", metavar="USER:PASSWORD", help="require this login for the UI (env PHASESCOPE_AUTH)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow binding to a non-loopback address without credentials (a warning is printed)")
 
 
 def _add_db_option(parser: argparse.ArgumentParser) -> None:
@@ -293,8 +310,21 @@ def tune_openmp_for_the_app(precision: str) -> None:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from app.main import launch
+    from app.serve.access import check_exposure, parse_auth
 
-    launch(engine_config(args), host=args.host, port=args.port, db_path=args.db, open_browser=args.open)
+    auth = parse_auth(args.auth)
+    check_exposure(args.host, ui=True, api=False, auth=auth, api_key=None, insecure=args.insecure)
+    launch(engine_config(args), host=args.host, port=args.port, db_path=args.db, open_browser=args.open, auth=auth)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app.serve import check_exposure, parse_auth, serve
+
+    auth = parse_auth(args.auth)
+    check_exposure(args.host, ui=args.ui, api=True, auth=auth, api_key=args.api_key, insecure=args.insecure)
+    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, auth=auth, with_ui=args.ui,
+          db_path=args.db)
     return 0
 
 
@@ -424,6 +454,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "sessions": cmd_sessions,
     "export": cmd_export,
     "lab": cmd_lab,
+    "serve": cmd_serve,
 }
 
 
@@ -433,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["ui", *argv]  # `phasescope` alone starts the app
     args = parser.parse_args(argv)
-    if args.command == "ui":
+    if args.command in ("ui", "serve"):
         tune_openmp_for_the_app(args.precision)
     from app.history.store import StoreError
     from engine import ModelError

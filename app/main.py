@@ -57,7 +57,8 @@ def _plotly_js() -> Path:
 def launch_options() -> dict:
     scripts = [_plotly_js(), STATIC / "phasescope.js"]
     gr.set_static_paths(scripts)  # served as files, cached by the browser
-    head = "".join(f'<script src="/gradio_api/file={path}"></script>' for path in scripts)
+    # relative: under `serve --ui` the app lives at /ui/
+    head = "".join(f'<script src="gradio_api/file={path}"></script>' for path in scripts)
     # the machine's own fonts, CJK included: a theme's default web font would be fetched from outside
     theme = gr.themes.Soft(primary_hue="blue", font=list(FONTS), font_mono=["ui-monospace", "monospace"])
     return dict(theme=theme, css_paths=[STATIC / "app.css"], head=head,
@@ -65,12 +66,10 @@ def launch_options() -> dict:
                    "go(); }")
 
 
-def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,
-           open_browser: bool = False) -> None:
-    store = Store.open(db_path)  # first: a bad --db fails before the model loads
-    print(f"History: {store.path}", file=sys.stderr, flush=True)
+def start_engine(config: EngineConfig) -> Engine:
+    """Load the model and serve it: the engine thread loads it, then runs the scheduler loop, so that one
+    OpenMP team does all the work (see EngineThread)."""
     print("Loading the model…", file=sys.stderr, flush=True)
-    # the engine thread loads the model, then runs the scheduler loop: one OpenMP team (see EngineThread)
     runner = EngineThread().start()
     engine = runner.call(lambda: Engine.from_config(config))
     runner.call(engine.warm_up)  # the first chat's TTFT is then a prefill's, not a cold start's
@@ -78,10 +77,18 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     info = engine.info
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})",
           file=sys.stderr, flush=True)
+    return engine
+
+
+def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,
+           open_browser: bool = False, auth: tuple[str, str] | None = None) -> None:
+    store = Store.open(db_path)  # first: a bad --db fails before the model loads
+    print(f"History: {store.path}", file=sys.stderr, flush=True)
+    engine = start_engine(config)
     app = build_app(engine, store)
     url = f"http://{host}:{port}"
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:
         webbrowser.open(url)
-    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
+    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[], auth=auth,
                **launch_options())

@@ -1,0 +1,41 @@
+"""`phasescope serve`: the engine behind an OpenAI-compatible API with Prometheus metrics, the UI
+beside it on request; and the rules for who may reach either (access.py)."""
+from __future__ import annotations
+
+import sys
+
+from engine import EngineConfig
+
+from .access import check_exposure, is_loopback, parse_auth
+from .api import create_api
+
+__all__ = ["check_exposure", "create_api", "is_loopback", "parse_auth", "serve"]
+
+
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          auth: tuple[str, str] | None = None, with_ui: bool = False, db_path: str | None = None) -> None:
+    import uvicorn
+
+    from ..main import start_engine
+
+    store = None
+    if with_ui:
+        from ..history.store import Store
+
+        store = Store.open(db_path)  # first: a bad --db fails before the model loads
+    engine = start_engine(config)
+    api = create_api(engine, api_key)
+    engine_hooks = engine.hooks(api.state.metrics.observe)  # every request counts, the UI's too
+    engine_hooks.__enter__()
+    if with_ui:
+        import gradio as gr
+
+        from ..main import build_app, launch_options
+
+        api = gr.mount_gradio_app(api, build_app(engine, store), path="/ui", auth=auth, footer_links=[],
+                                  **launch_options())
+    url = f"http://{host}:{port}"
+    print(f"PhaseScope API at {url}/v1 (metrics at {url}/metrics{', UI at ' + url + '/ui' if with_ui else ''})  "
+          "(Ctrl-C to stop)", flush=True)
+    uvicorn.run(api, host=host, port=port, log_level="warning")
+    print("stopped", file=sys.stderr)

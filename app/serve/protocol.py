@@ -1,0 +1,147 @@
+"""The OpenAI API's requests and answers, as PhaseScope speaks them.
+
+Requests are pydantic models (they also make the OpenAPI document); an invalid one is answered with
+OpenAI's error shape and a 4xx code. Answers are built from the engine's events: a stream's chunks, the
+whole completion, usage, and a `timings` object with llama.cpp's field names.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import DecodeStep, Finished, SamplingParams
+
+MAX_TOP_LOGPROBS = 5  # the engine reports each step's five most likely tokens
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+class APIError(Exception):
+    """An error for the client: an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # fields this server does not use (user, metadata, ...) pass
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, le=1_000_000)  # vLLM's extension; 0 or -1: off
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop) or len(stop) > 16:
+            raise APIError(400, "stop takes up to 16 non-empty strings", param="stop")
+        return SamplingParams(max_new_tokens=max_tokens or 10_000_000, temperature=self.temperature,
+                              top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
+                              repetition_penalty=self.repetition_penalty)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def chat(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(16, ge=1, le=10_000_000)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: Literal[False] = False
+
+
+# --- answers ------------------------------------------------------------------------------------------
+
+
+def timings(finished: Finished) -> dict:
+    """llama.cpp's `timings`: the prompt tokens prefilled (not taken from the cache) and their time, the
+    tokens generated and theirs, the prompt tokens reused."""
+    m = finished.metrics
+    prompt_n = m.num_prompt_tokens - m.num_cached_tokens
+    predicted_n = m.num_generated_tokens
+    predicted_ms = m.decode_ms
+    return {"prompt_n": prompt_n, "prompt_ms": round(m.prefill_ms, 3),
+            "prompt_per_second": round(m.prefill_tokens_per_s or 0.0, 3),
+            "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(m.tpot_ms or 0.0, 3),
+            "predicted_per_second": round(m.decode_tokens_per_s or 0.0, 3), "cache_n": m.num_cached_tokens}
+
+
+def usage(finished: Finished) -> dict:
+    m = finished.metrics
+    return {"prompt_tokens": m.num_prompt_tokens, "completion_tokens": m.num_generated_tokens,
+            "total_tokens": m.num_prompt_tokens + m.num_generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": m.num_cached_tokens}}
+
+
+def finish_reason(finished: Finished) -> str:
+    return FINISH_REASONS.get(finished.reason, "stop")
+
+
+def _logprob(prob: float) -> float:
+    return math.log(prob) if prob > 0 else -9999.0
+
+
+def chat_logprob(step: DecodeStep, token_text: str, top: int) -> dict:
+    entry = {"token": token_text, "logprob": _logprob(step.prob), "bytes": list(token_text.encode("utf-8"))}
+    entry["top_logprobs"] = [{"token": t.text, "logprob": _logprob(t.prob), "bytes": list(t.text.encode("utf-8"))}
+                             for t in step.top[:top]]
+    return entry
+
+
+def completion_logprobs(steps: list[tuple[DecodeStep, str]], top: int) -> dict:
+    offsets, at = [], 0
+    for _, text in steps:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": [text for _, text in steps], "token_logprobs": [_logprob(s.prob) for s, _ in steps],
+            "top_logprobs": [{t.text: _logprob(t.prob) for t in s.top[:top]} for s, _ in steps],
+            "text_offset": offsets}
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,233 @@
+"""`phasescope serve`: the OpenAI-compatible API driven by the official `openai` client, /metrics parsed
+with prometheus_client's parser, llama.cpp's timings against the events, bad requests answered 4xx, and
+who may bind where."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app.bench.browser import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "test-key"
+
+
+def start_server(*args: str, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return process, url
+        except OSError:
+            if process.poll() is not None:
+                break
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"the server did not start: {process.stdout.read()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process, url = start_server("--api-key", KEY, "--db", str(tmp_path_factory.mktemp("db") / "h.db"))
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=120, max_retries=0)
+
+
+def post(url: str, body, key: str | None = KEY) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    def key(sample) -> str:
+        labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+        return f"{sample.name}{{{labels}}}" if labels else sample.name
+
+    return {key(sample): sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if "_bucket" not in sample.name}
+
+
+pytestmark = pytest.mark.model
+
+
+def test_chat_whole_and_streamed_give_the_same_greedy_text_with_usage_and_timings(client):
+    messages = [{"role": "user", "content": "What is the capital of France? One word."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
+    assert whole.choices[0].message.content and whole.choices[0].finish_reason in ("stop", "length")
+    timings = whole.model_extra["timings"]
+    assert timings["predicted_n"] == whole.usage.completion_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == whole.usage.prompt_tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: prefix cache
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.model_extra["timings"]["cache_n"] == chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+
+def test_completions_logprobs_and_stop(client):
+    answer = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                       logprobs=3)
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == answer.usage.completion_tokens == len(logprobs.token_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs) and all(len(top) == 3 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count: 1, 2, 3, 4"}],
+                                          temperature=0, max_tokens=20, logprobs=True, top_logprobs=2, stop=["7"])
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert "7" not in chat.choices[0].message.content
+    streamed = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                              stream=True))
+    assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1
+
+
+def test_concurrent_clients_get_their_own_answers(client):
+    prompts = {i: f"Repeat exactly: {word}" for i, word in enumerate(["apple", "river", "castle", "orange"])}
+    alone = {i: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], temperature=0,
+                                               max_tokens=8).choices[0].message.content for i, p in prompts.items()}
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
+                                                temperature=0, max_tokens=8, stream=True)
+        together[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert together == alone
+
+
+def test_metrics_count_what_was_asked(server, client):
+    before = metrics(server)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                            temperature=0, max_tokens=5)
+    after = metrics(server)
+
+    def grew(name: str) -> float:
+        key = f"phasescope:{name}"
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("prompt_tokens_total") == answer.usage.prompt_tokens
+    assert grew("generation_tokens_total") == answer.usage.completion_tokens
+    assert grew("time_to_first_token_seconds_count") == 1
+    assert grew("e2e_request_latency_seconds_count") == 1
+    assert grew("inter_token_latency_seconds_count") == answer.usage.completion_tokens - 1
+    assert grew("prefix_cache_queries_total") == answer.usage.prompt_tokens
+    assert after["phasescope:num_requests_running"] == 0 and 0 <= after["phasescope:kv_cache_usage_perc"] <= 1
+    models = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}), timeout=10).read())
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{not json", 400),
+    ({"model": MODEL}, 400),  # no messages
+    ({"model": MODEL, "messages": "hi"}, 400),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**30}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": True}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, 400),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404),
+])
+def test_bad_requests_get_openai_errors(server, body, status):
+    code, answer = post(f"{server}/v1/chat/completions", body)
+    assert code == status, answer
+    assert answer["error"]["message"] and answer["error"]["type"]
+
+
+def test_bad_completion_prompts_and_a_missing_key(server):
+    assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [10**9]})[0] == 400
+    assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": ["a", "b"]})[0] == 400
+    code, answer = post(f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=None)
+    assert code == 401 and answer["error"]["code"] == "invalid_api_key"
+
+
+def test_a_client_that_leaves_cancels_its_request(server):
+    import http.client
+
+    host, port = server.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
+                       "max_tokens": 5000, "stream": True, "temperature": 0})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {KEY}"})
+    answer = connection.getresponse()
+    answer.readline()  # the stream has started
+    cancelled = 'phasescope:request_success_total{finished_reason="cancelled"}'
+    before = metrics(server).get(cancelled, 0)
+    connection.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metrics(server).get(cancelled, 0) == before:
+        time.sleep(0.1)
+    now = metrics(server)
+    assert now.get(cancelled, 0) == before + 1 and now["phasescope:num_requests_running"] == 0
+
+
+@pytest.mark.parametrize("command", [["ui", "--host", "0.0.0.0"], ["serve", "--host", "0.0.0.0"],
+                                     ["serve", "--host", "0.0.0.0", "--ui", "--api-key", "k"]])
+def test_binding_beyond_this_machine_needs_credentials(command):
+    out = subprocess.run([sys.executable, "-m", "app.cli", *command], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("phasescope: error: binding to 0.0.0.0 lets anyone on the network in")
+
+
+def test_on_the_network_the_api_needs_its_key_and_the_ui_a_login():
+    process, url = start_server("--host", "0.0.0.0", "--api-key", KEY, "--auth", "teacher:s3cret", "--ui")
+    try:
+        assert post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                    key="wrong")[0] == 401
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/ui/config", timeout=10)
+        assert refused.value.code == 401
+        import http.cookiejar
+
+        jar = http.cookiejar.CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        with pytest.raises(urllib.error.HTTPError):
+            opener.open(f"{url}/ui/login", b"username=teacher&password=wrong", timeout=10)
+        opener.open(f"{url}/ui/login", b"username=teacher&password=s3cret", timeout=10)
+        assert opener.open(f"{url}/ui/config", timeout=10).status == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
