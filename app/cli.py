@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="chat in the terminal, with a timing line after each reply")
     _add_model_options(chat)
     _add_sampling_options(chat, max_new_tokens=512)
+    _add_endpoint_options(chat)
+    _add_db_option(chat)
 
     sessions = commands.add_parser("sessions", help="list the chat sessions in the history")
     _add_db_option(sessions)
@@ -114,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tensor-parallel", type=int, default=2, metavar="N",
                        help="also prefill and decode with the model split over N processes (one thread each) vs one "
                             "rank with one thread and with N threads (default 2; 0 or 1: skip)")
+    _add_endpoint_options(bench)
+    bench.add_argument("--requests", type=int, default=16, help="with --endpoint: requests per concurrency level")
+    bench.add_argument("--request-rate", type=float, help="with --endpoint: Poisson arrivals per second (default: "
+                                                         "all at once, up to the concurrency)")
+    bench.add_argument("--input-words", type=int, default=100, help="with --endpoint: words per prompt (default 100)")
+    bench.add_argument("--output-tokens", type=int, default=64, help="with --endpoint: tokens per reply (default 64)")
+    bench.add_argument("--random-lengths", action="store_true", help="with --endpoint: prompt lengths 0.5x to 1.5x")
+    bench.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="with --endpoint: goodput counts the requests "
+                                                                "within these latencies")
+    bench.add_argument("--png", metavar="DIR", help="with --endpoint: write the latency-throughput chart to DIR")
     bench.add_argument("--browser", action="store_true",
                        help="also decode speed streamed to a real browser (Chromium) vs the CLI, per mode")
     serve = commands.add_parser("serve", help="an OpenAI-compatible API (and /metrics) over the engine")
@@ -136,6 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(lab)
     _add_db_option(lab)
     return parser
+
+
+def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", metavar="URL", help="measure an OpenAI-compatible server (vLLM, SGLang, "
+                        "llama.cpp, Ollama, phasescope serve) instead of the local engine, e.g. http://host:8000/v1")
+    parser.add_argument("--endpoint-model", metavar="NAME", help="the model to ask the endpoint for (default: the "
+                                                                 "first it lists)")
+    parser.add_argument("--endpoint-key", metavar="KEY", default=os.environ.get("PHASESCOPE_ENDPOINT_KEY"),
+                        help="the endpoint's API key (env PHASESCOPE_ENDPOINT_KEY)")
+
+
+def _endpoint(args: argparse.Namespace):
+    from app.remote import Endpoint
+
+    endpoint = Endpoint(args.endpoint, args.endpoint_model, args.endpoint_key)
+    endpoint.resolve_model()
+    return endpoint
 
 
 def _add_access_options(parser: argparse.ArgumentParser) -> None:
@@ -258,6 +287,8 @@ def _recorded(events, seen: list):
 
 def cmd_chat(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
+    if args.endpoint:
+        return _chat_with_endpoint(args, sampling)
     engine = _engine(args)
     info = engine.info
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}). "
@@ -296,6 +327,70 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"\033[2m{summary_line(finished.metrics)}{note}\033[0m")
             if finished.speculation:
                 print(f"\033[2m{speculation_line(finished.speculation)}\033[0m")
+
+
+def _chat_with_endpoint(args: argparse.Namespace, sampling) -> int:
+    """The terminal chat against a remote server, measured from here and saved in the history."""
+    from app.history.recorder import make_recorder
+    from app.history.store import Store
+    from app.ui.session import ChatSession
+    from app.ui.trace import ReplyTrace
+
+    store = Store.open(args.db)
+    endpoint = _endpoint(args)
+    record = make_recorder(store, endpoint.info())
+    session = ChatSession()
+    print(f"{endpoint.model} at {endpoint.url} (client-side timings; history: {store.path}). Type /clear for a new "
+          "chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
+    while True:
+        try:
+            text = input("\n>>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text in ("/bye", "/exit", "/quit"):
+            return 0
+        if text == "/clear":
+            session = ChatSession()
+            print("(new chat)")
+            continue
+        if not text:
+            continue
+        messages = _conversation(args.system) + session.messages + [{"role": "user", "content": text}]
+        trace = ReplyTrace(turn=len(session.traces) + 1)
+        session.traces.append(trace)
+        hooks = [trace.add, record(session, messages, sampling, trace)]
+        events = _through(endpoint.stream(messages, sampling), hooks)
+        try:
+            finished = print_reply(events)
+        except KeyboardInterrupt:
+            events.close()  # closes the connection: the server stops the request
+            print()
+            finished = None
+        session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+        if finished is not None:
+            if finished.error:
+                print(f"error: {finished.error}")
+            print(f"\033[2m{summary_line(finished.metrics)} (client-side){_server_note(finished.server)}\033[0m")
+
+
+def _through(events, hooks):
+    """Each event handed to the hooks, then passed on; closing this closes the source."""
+    try:
+        for event in events:
+            for hook in hooks:
+                hook(event)
+            yield event
+    finally:
+        events.close()
+
+
+def _server_note(server: dict | None) -> str:
+    timings = (server or {}).get("timings")
+    if not timings:
+        return ""
+    return (f" · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
+            f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
 
 
 def tune_openmp_for_the_app(precision: str) -> None:
@@ -363,14 +458,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from app import bench
 
+    if args.endpoint:
+        return _load_sweep(args)
     if args.quick:
         args.n_prompt, args.n_gen, args.repetitions, args.concurrency = 32, 8, 1, "1,2"
     if min(args.n_prompt, args.n_gen, args.repetitions) < 1:
         raise ValueError("-p, -n and -r must be at least 1")
-    try:
-        levels = tuple(sorted({int(b) for b in args.concurrency.split(",") if b.strip() and int(b) > 0}))
-    except ValueError:
-        raise ValueError(f"--concurrency takes numbers separated by commas, got {args.concurrency!r}") from None
+    levels = _levels(args.concurrency)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     try:
         depths = tuple(int(d) for d in args.depth.split(",") if d.strip())
@@ -430,6 +524,49 @@ def cmd_lab(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(result.markdown() for result in results.values()))
     return 0
+
+
+def _load_sweep(args: argparse.Namespace) -> int:
+    import csv
+    import io
+    import json
+    from pathlib import Path
+
+    from app import lab
+    from app.remote import sweep
+
+    levels = _levels(args.concurrency)
+    if min(args.requests, args.input_words, args.output_tokens) < 1 or (args.request_rate or 1) <= 0:
+        raise ValueError("--requests, --input-words, --output-tokens and --request-rate must be positive")
+    slo = sweep.parse_slo(args.slo)
+    endpoint = _endpoint(args)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"phasescope bench --endpoint {endpoint.url} ({endpoint.model}): concurrency {', '.join(map(str, levels))}")
+    report = sweep.sweep(endpoint, levels, args.requests, args.input_words, args.output_tokens, args.random_lengths,
+                         args.request_rate, slo, log)
+    if args.png:
+        folder = Path(args.png)
+        folder.mkdir(parents=True, exist_ok=True)
+        log(f"  chart: {lab.write_image(lab.figure(sweep.figure_result(report)), folder / 'load-sweep')}")
+    if args.output == "json":
+        print(json.dumps(report, indent=1))
+    elif args.output == "csv":
+        rows = sweep.csv_rows(report)
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        print(out.getvalue(), end="")
+    else:
+        print(sweep.markdown(report))
+    return 0
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(b) for b in text.split(",") if b.strip() and int(b) > 0}))
+    except ValueError:
+        raise ValueError(f"--concurrency takes numbers separated by commas, got {text!r}") from None
 
 
 def _browser_bench(modes: tuple[str, ...], quick: bool) -> dict:

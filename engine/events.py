@@ -110,7 +110,7 @@ class DecodeStep(Event):
     latency_ms: float  # since the previous token was available; for step 0 since submit, i.e. TTFT
     kv_tokens: int
     kv_bytes: int
-    prob: float  # the model's probability of this token (softmax of the logits)
+    prob: float | None  # the model's probability of this token (softmax of the logits); None: unknown (remote)
     top: tuple[TopToken, ...]  # the five most likely tokens at this step
     batch_size: int = 1  # sequences in the decode forward this token came from (step 0: its prefill, 1)
     forward_ms: float = 0.0  # the decode forward this token came from (shared by its batch); step 0: 0
@@ -133,6 +133,8 @@ class Finished(Event):
     metrics: RequestMetrics
     error: str | None = None
     speculation: Speculation | None = None  # what speculative decoding did, when the engine speculates
+    # a remote server's own figures (app/remote): its timings, its /metrics before and after, by name
+    server: dict | None = None
 
 
 Hook = Callable[[Event], None]

@@ -63,6 +63,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: exactly max_tokens (load tests)
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -70,7 +71,7 @@ class _Common(BaseModel):
             raise APIError(400, "stop takes up to 16 non-empty strings", param="stop")
         return SamplingParams(max_new_tokens=max_tokens or 10_000_000, temperature=self.temperature,
                               top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,160 @@
+"""Measuring a remote OpenAI-compatible server from the client side: against `phasescope serve` end to
+end (the chat stored, the load sweep), and against a misbehaving server, where every fault ends the reply
+with a clear message, the partial reply kept and nothing hanging."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from app.bench.browser import free_port
+from app.history.store import Store
+from app.remote import Endpoint
+from engine import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLING = SamplingParams(max_new_tokens=8, temperature=0)
+
+
+def _chunk(text: str, finish: str | None = None) -> bytes:
+    body = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+class Faulty(BaseHTTPRequestHandler):
+    """A server that fails in the way its path says."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        fault = self.path.split("/")[1]
+        if fault == "ok":
+            self._start_stream()
+            for piece in ("Hello", " there"):
+                self.wfile.write(_chunk(piece))
+            self.wfile.write(_chunk("", "stop"))
+            self.wfile.write(b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n')
+            self.wfile.write(b"data: [DONE]\n\n")
+        elif fault == "json":
+            body = b'{"choices": [{"message": {"content": "not a stream"}}]}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif fault == "500":
+            body = b'{"error": {"message": "out of memory", "type": "server_error"}}'
+            self.send_response(500)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif fault == "cut":
+            self._start_stream()
+            self.wfile.write(_chunk("partial"))
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)  # gone mid-stream
+        elif fault == "slow":
+            self._start_stream()
+            self.wfile.write(_chunk("first"))
+            self.wfile.flush()
+            time.sleep(3)  # longer than the client's read timeout
+
+
+@pytest.fixture(scope="module")
+def faulty():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Faulty)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def reply(url: str, **options):
+    endpoint = Endpoint(url, "m", read_timeout_s=1.0, scrape_metrics=False, **options)
+    start = time.monotonic()
+    events = list(endpoint.stream([{"role": "user", "content": "hi"}], SAMPLING))
+    return events, time.monotonic() - start
+
+
+def test_a_good_stream_becomes_the_engines_events(faulty):
+    events, _ = reply(f"{faulty}/ok")
+    assert [e.type for e in events] == ["Started", "FirstToken", "DecodeStep", "DecodeStep", "Finished"]
+    finished = events[-1]
+    assert (finished.reason, finished.text, finished.error) == ("stop", "Hello there", None)
+    assert finished.metrics.num_prompt_tokens == 5 and finished.metrics.ttft_ms > 0
+    assert len(finished.metrics.itl_ms) == 1
+
+
+@pytest.mark.parametrize("fault, message, partial", [
+    ("json", "did not answer with a stream (content-type application/json)", ""),
+    ("500", "answered HTTP 500: out of memory", ""),
+    ("cut", "closed the stream before it ended", "partial"),
+    ("slow", "sent nothing for 1 s", "first"),
+])
+def test_each_fault_is_one_clear_line_with_the_partial_reply(faulty, fault, message, partial):
+    events, seconds = reply(f"{faulty}/{fault}")
+    finished = events[-1]
+    assert finished.reason == "error" and message in finished.error, finished.error
+    assert finished.text == partial and "\n" not in finished.error
+    assert seconds < 10
+
+
+def test_connection_refused_is_said_at_once():
+    events, seconds = reply(f"http://127.0.0.1:{free_port()}")
+    assert "connection refused" in events[-1].error and seconds < 10
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory):
+    from tests.test_serve import start_server
+
+    process, url = start_server()
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.mark.model
+def test_chat_against_an_endpoint_is_measured_and_stored(own_server, tmp_path):
+    db = tmp_path / "h.db"
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--endpoint", own_server, "--temperature", "0",
+                          "--max-new-tokens", "12", "--db", str(db)], input="Hello!\nAnd again?\n/bye\n",
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("(client-side)") == 2 and "server: prompt" in out.stdout
+    store = Store.open(db)
+    [session] = store.sessions()
+    assert session["model"] == "SmolLM2-135M-Instruct" and session["device"] == f"endpoint {own_server}/v1"
+    replies = [m for m in store.messages(session["id"]) if m["role"] == "assistant"]
+    assert len(replies) == 2 and all(m["ttft_ms"] > 0 and m["status"] == "complete" for m in replies)
+    assert replies[1]["cached_prompt_tokens"] > 0  # the server's prefix cache, as its usage reported it
+    steps = store.steps(replies[0]["id"])
+    assert len(steps) == replies[0]["generated_tokens"] and all(s["phase"] == "decode" for s in steps)
+
+
+@pytest.mark.model
+def test_load_sweep_against_phasescope_serve_shows_batching(own_server):
+    out = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--endpoint", own_server, "--concurrency", "1,4",
+                          "--requests", "8", "--input-words", "20", "--output-tokens", "32", "--slo",
+                          "ttft:60000,tpot:60000", "--output", "json"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    one, four = report["levels"]
+    assert one["completed"] == four["completed"] == 8 and one["errors"] == four["errors"] == 0
+    assert four["output_tokens_per_s"] > one["output_tokens_per_s"]  # continuous batching
+    assert four["goodput"] > 0 and set(four["ttft_ms"]) == {"p50", "p90", "p99"}
