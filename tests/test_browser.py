@@ -407,3 +407,32 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
     page.click("#ps-lab-open")
     page.wait_for_function("() => document.querySelector('#ps-lab-report').innerText.includes('aggregate tok/s')")
     assert set(plot_traces(page, "ps-lab-plot")) == {"batching · aggregate decode"}
+
+
+def test_chat_with_a_remote_endpoint_from_the_page(page, app_db):
+    """The backend selector: the same chat against an OpenAI-compatible server (here `phasescope serve`),
+    measured from the app's side, its session saved with the endpoint."""
+    from tests.test_serve import start_server
+
+    process, url = start_server()
+    try:
+        page.click("#ps-backend button")
+        page.get_by_label("An OpenAI-compatible endpoint", exact=False).check()
+        page.fill("#ps-endpoint-url textarea, #ps-endpoint-url input", url)
+        page.click("#ps-use-backend")
+        page.wait_for_function("() => document.querySelector('#ps-model-line').innerText.includes('client-side')")
+        assert f"{url}/v1" in page.inner_text("#ps-model-line")
+        set_setting(page, "ps-temperature", 0)
+        set_setting(page, "ps-max-new", 12)
+        send(page, "Say hello to the class.")
+        assert "done" == wait_phase(page, "done", "error")
+        page.wait_for_timeout(500)
+        reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+        assert re.search(r"TTFT \d[\d,]* ms", reply), reply
+        assert plot_traces(page, "ps-latency")["decode"] >= 2  # a point per streamed chunk
+        from app.history.store import Store
+        sessions = Store.open(app_db).sessions()
+        assert any(s["device"] == f"endpoint {url}/v1" and s["title"] == "Say hello to the class." for s in sessions)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -15,7 +15,8 @@ QUOTED = re.compile(r"""["']([a-z_]+\.[a-z0-9_.]+)["']""")
 
 
 def source() -> str:
-    return "\n".join(path.read_text(encoding="utf-8") for path in APP.rglob("*.py"))
+    """The app's code, less the HTTP API's (its wire names, such as "chat.completion", are not UI words)."""
+    return "\n".join(path.read_text(encoding="utf-8") for path in APP.rglob("*.py") if path.parent.name != "serve")
 
 
 def fields(text: str) -> set[str]:

@@ -94,7 +94,7 @@ def test_a_good_stream_becomes_the_engines_events(faulty):
     events, _ = reply(f"{faulty}/ok")
     assert [e.type for e in events] == ["Started", "FirstToken", "DecodeStep", "DecodeStep", "Finished"]
     finished = events[-1]
-    assert (finished.reason, finished.text, finished.error) == ("stop", "Hello there", None)
+    assert (finished.reason, finished.text, finished.error) == ("eos", "Hello there", None)
     assert finished.metrics.num_prompt_tokens == 5 and finished.metrics.ttft_ms > 0
     assert len(finished.metrics.itl_ms) == 1
 

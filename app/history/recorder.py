@@ -86,8 +86,9 @@ def make_recorder(store: Store, info: ModelInfo):
         user_text = messages[-1]["content"]
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
             settings = {name: getattr(sampling, name) for name in sampling.__slots__}
+            about = session.endpoint.info() if session.endpoint is not None else info  # a remote chat: the endpoint
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
-                                                    info.name, info.device, info.dtype, settings)
+                                                    about.name, about.device, about.dtype, settings)
         store.add_message(session.store_id, trace.turn, "user", user_text)
         message_id = store.add_message(session.store_id, trace.turn, "assistant", "", status="in_progress")
         return MessageRecorder(store, message_id,

@@ -210,7 +210,8 @@ class _Stream:
                     yield FirstToken(self.id, ttft, ttft, 0.0, 0.0, 0.0, ttft, 0.0)
                 yield DecodeStep(self.id, self._t_ms(now), step, -1, piece, (now - previous) / 1e6, 0, 0, None, ())
             if choice.get("finish_reason"):
-                self.reason = {"stop": "stop", "length": "length"}.get(choice["finish_reason"], "stop")
+                # "stop": the model ended its reply or met a stop string; the server does not say which
+                self.reason = "length" if choice["finish_reason"] == "length" else "eos"
 
     def _finished(self, error: str | None) -> Finished:
         end_ns = time.perf_counter_ns()

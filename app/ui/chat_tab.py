@@ -9,10 +9,11 @@ import gradio as gr
 from engine import Engine, EngineBusy, Event, Request, SamplingParams, Status
 
 from ..bench.extras import precision_report
+from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
 from . import live, panels
 from .language import Texts, user_error
-from .session import ActiveRequests, ChatSession, ReplyWorker
+from .session import ActiveRequests, ChatSession, RemoteWorker, ReplyWorker
 from .trace import ReplyTrace
 
 # How often the page is sent what is new (text, points, tiles): static/phasescope.js appends it in place.
@@ -44,6 +45,8 @@ class ChatTab:
 
 def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None, lang: str) -> str:
     """The phase line, with where the request stands among the others the engine runs."""
+    if getattr(request, "remote", False):  # a remote endpoint's reply: its server's queue is not visible here
+        return panels.phase_html(trace, num_others=0, lang=lang)
     running, _ = engine.load()
     if request is not None and request.status == Status.WAITING:
         place = engine.place_in_line(request)
@@ -68,7 +71,8 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, strea
         stream = live.reset(trace.events if trace else [], [r.events for r in session.traces], lang=lang)
     return (session.display if chatbot else gr.skip(), gr.skip(), _phase(engine, trace, request, lang),
             panels.kpi_html(trace, lang), panels.time_split_html(metrics if trace and trace.steps else None, lang),
-            stream, panels.kv_measured_html(trace, engine.info, lang), _pool(engine, lang), session)
+            stream, "" if session.endpoint else panels.kv_measured_html(trace, engine.info, lang), _pool(engine, lang),
+            session)
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams:
@@ -103,7 +107,8 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         messages = system_messages + session.messages + [{"role": "user", "content": text}]
         try:
             sampling = _settings(max_new_tokens, temperature, top_p, top_k, seed)
-            request = engine.new_request(messages, sampling, prefill_chunk=int(prefill_chunk or 0))
+            request = None if session.endpoint else engine.new_request(messages, sampling,
+                                                                        prefill_chunk=int(prefill_chunk or 0))
         except ValueError as exc:
             active.finish(session.id)
             session.pending = ""
@@ -118,8 +123,11 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
                 hooks.append(recorder(session, messages, sampling, trace))
             except Exception as exc:  # a full disk or a broken database must not stop the chat
                 session.warn(t(session.lang, "warning.not_saved", detail=exc))
+        if session.endpoint:  # measured from here: the reply streams from the remote server
+            worker = request = RemoteWorker(session.endpoint, messages, sampling, trace, hooks)
+        else:
+            worker = ReplyWorker(engine, request, trace, hooks)
         active.start(session.id, request)
-        worker = ReplyWorker(engine, request, trace, hooks)
         updates = live.LiveReply(f"{session.id}-{trace.turn}", session.traces, session.lang)
         session.show_live()
         try:
@@ -210,6 +218,18 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
                                   label=K("chat.precision"), scale=1, min_width=110, elem_id="ps-precision")
                 precision_note = gr.HTML(panels.precision_html(None), elem_id="ps-precision-note")
             model_line = gr.HTML(panels.model_html(engine.info), elem_id="ps-model-line")
+            with texts(gr.Accordion, label=K("chat.backend"), open=False, elem_id="ps-backend"):
+                backend = texts(gr.Radio, choices=[(t(DEFAULT, "chat.backend_local"), "local"),
+                                                   (t(DEFAULT, "chat.backend_endpoint"), "endpoint")],
+                                value="local", show_label=False, elem_id="ps-backend-kind")
+                endpoint_url = texts(gr.Textbox, label=K("chat.endpoint_url"), placeholder="http://127.0.0.1:8000/v1",
+                                     elem_id="ps-endpoint-url")
+                with gr.Row():
+                    endpoint_model = texts(gr.Textbox, label=K("chat.endpoint_model"),
+                                           placeholder=K("chat.endpoint_model_default"), elem_id="ps-endpoint-model")
+                    endpoint_key = texts(gr.Textbox, label=K("chat.endpoint_key"), type="password",
+                                         elem_id="ps-endpoint-key")
+                use_backend = texts(gr.Button, value=K("chat.use_backend"), size="sm", elem_id="ps-use-backend")
         with gr.Column(scale=6, min_width=420):
             phase = gr.HTML(panels.phase_html(None), elem_id="ps-phase")
             kpis = gr.HTML(panels.kpi_html(None), elem_id="ps-kpis")
@@ -237,13 +257,33 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
     # closing a running reply's generator cancels its request (see respond's finally)
     new.click(new_chat(engine, active), [session, lang], tab.outputs, cancels=replies)
 
+    def choose_backend(kind, url, model, key, chat, lang_choice):
+        """This chat's backend: the local engine, or a remote endpoint checked by listing its models."""
+        chat = chat or ChatSession(lang=lang_choice)
+        if kind == "local" or not (url or "").strip():
+            chat.endpoint = None
+            return chat, panels.model_html(engine.info, lang_choice)
+        try:
+            endpoint = Endpoint(url.strip(), (model or "").strip() or None, (key or "").strip() or None)
+            endpoint.resolve_model()
+        except ValueError as exc:
+            gr.Warning(user_error(lang_choice, exc))
+            return chat, gr.skip()
+        chat.endpoint = endpoint
+        return chat, panels.endpoint_html(endpoint, lang_choice)
+
+    use_backend.click(choose_backend, [backend, endpoint_url, endpoint_model, endpoint_key, session, lang],
+                      [session, model_line], queue=False)
+
     def redraw(lang_choice, chat):
         """The panels in another language; the conversation and a streaming reply's text stay as they are."""
         chat = chat or ChatSession()
         chat.lang = lang_choice
         trace = chat.traces[-1] if chat.traces else None
         outputs = render(chat, engine, trace, chatbot=False)
-        return (*outputs[2:-1], panels.model_html(engine.info, lang_choice),
+        model = panels.endpoint_html(chat.endpoint, lang_choice) if chat.endpoint else panels.model_html(engine.info,
+                                                                                                        lang_choice)
+        return (*outputs[2:-1], model,
                 panels.precision_html(measured["report"], lang_choice))
 
     texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note])

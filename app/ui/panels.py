@@ -117,6 +117,12 @@ def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT) -> str
     return " · ".join(parts)
 
 
+def endpoint_html(endpoint, lang: str = DEFAULT) -> str:
+    """The model line of a chat against a remote endpoint: what is measured where."""
+    return (f'<div class="ps-model"><b>{escape(endpoint.model or "")}</b> · {escape(endpoint.url)}<br>'
+            f'{t(lang, "model.endpoint")}</div>')
+
+
 def model_html(info: ModelInfo, lang: str = DEFAULT) -> str:
     row = info.kv_bytes_per_token // (2 * info.num_layers * info.num_kv_heads)  # bytes of one head's keys
     weights = info.precision if info.precision == "int8" else info.dtype

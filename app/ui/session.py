@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from html import escape
 
-from engine import Engine, Event, Finished, Request
+from engine import Engine, Event, Finished, Request, SamplingParams, Status
 
 from ..i18n import DEFAULT
 from .panels import stats_line
@@ -31,6 +31,7 @@ class ChatSession:
     pending: str = ""  # a message accepted and waiting for the engine
     warnings: list[str] = field(default_factory=list)  # e.g. the history could not be saved
     lang: str = DEFAULT  # the page's language when the chat last sent or switched (app/i18n)
+    endpoint: object | None = None  # an app.remote.Endpoint when this chat talks to a remote server
 
     def accept(self, user_text: str) -> None:
         """Show the user's message at once, with a placeholder reply, until the engine takes it."""
@@ -192,6 +193,48 @@ class ReplyWorker:
             if error is not None:  # a hook failed; the engine ended the request
                 self.error = f"{type(error).__name__}: {error}"
             self._done.set()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+
+class RemoteWorker:
+    """A reply from a remote endpoint (app/remote), streamed on its own thread into a trace and hooks, as
+    ReplyWorker does for the engine; it also stands in for the engine's Request where the chat tab
+    reads one (cancel, status, is_finished)."""
+
+    remote = True
+
+    def __init__(self, endpoint, messages: list[dict], sampling: SamplingParams, trace: ReplyTrace,
+                 hooks: Iterable[Callable[[Event], None]] = ()) -> None:
+        self.error: str | None = None
+        self.status = Status.DECODING
+        self._cancelled, self._done = threading.Event(), threading.Event()
+        hooks = [trace.add, *hooks]
+
+        def run() -> None:
+            try:
+                for event in endpoint.stream(messages, sampling, cancelled=self._cancelled.is_set):
+                    for hook in hooks:
+                        hook(event)
+            except Exception as exc:  # a hook failed: the reply ends here, said
+                self.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.status = Status.FINISHED
+                self._done.set()
+
+        threading.Thread(target=run, name="remote-reply", daemon=True).start()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def is_finished(self) -> bool:
+        return self._done.is_set()
 
     @property
     def is_running(self) -> bool:

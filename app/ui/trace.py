@@ -5,6 +5,7 @@ appends, so a reader sees a consistent prefix.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,11 @@ class ReplyTrace:
             self.first = event
         elif isinstance(event, Finished):
             self.finished = event
+            m = event.metrics
+            if self.started is not None and not self.started.num_prompt_tokens and m.num_prompt_tokens:
+                # a remote server's prompt size is known only from its usage, at the end
+                self.started = dataclasses.replace(self.started, num_prompt_tokens=m.num_prompt_tokens,
+                                                   num_cached_tokens=m.num_cached_tokens)
 
     @property
     def events(self) -> list[Event]:
