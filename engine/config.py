@@ -54,6 +54,37 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask for and how much may wait, each refused with a one-line message (UI, CLI
+    and API alike) rather than left to grow.
+
+    max_prompt_tokens: prompt tokens after the chat template; None: the model's context window.
+    max_new_tokens: the most tokens one request may ask for.
+    max_waiting: requests queued behind the running batch; one more is refused as busy (HTTP 429).
+    max_message_chars: characters in one message.
+    request_timeout_s: a request still running after this long (from submit) ends with an error, its
+        text so far kept; None: no limit.
+    """
+
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int = 8192
+    max_waiting: int = 64
+    max_message_chars: int = 100_000
+    request_timeout_s: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_waiting", "max_message_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
+                                                   or self.max_prompt_tokens < 1):
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {self.max_prompt_tokens!r}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Which model to run, where, and how prefill is split.
 
@@ -84,6 +115,7 @@ class EngineConfig:
     attention: prefill's attention: auto (the native kernel reading the paged cache in place, where it is
         built; else sdpa), sdpa (PyTorch's fused scaled_dot_product_attention) or eager (the score
         matrix materialized: QK^T, mask, softmax, times V).
+    limits: what one request may ask for, and how many may wait (Limits).
     split_kv: Flash Decoding in the native decode step: a long sequence's attention cut into chunks that
         the threads share, merged exactly. Off by default: on two CPU cores it measured no faster, since
         attention at long context is bound by reading the cache (see the README).
@@ -109,6 +141,7 @@ class EngineConfig:
     kv_sinks: int = 4
     attention: str = "auto"
     tensor_parallel: int = 1
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):

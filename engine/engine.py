@@ -45,6 +45,10 @@ class EngineBusy(RuntimeError):
     """A change that needs an idle engine (e.g. another precision) asked for while requests run."""
 
 
+class QueueFull(EngineBusy):
+    """As many requests wait as the limits allow: try again shortly (HTTP 429)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     name: str
@@ -193,7 +197,7 @@ class Engine:
         """Template and tokenize a conversation; raises ValueError for empty or too long input.
         prefill_chunk overrides the engine's chunk size for this request (0: the whole prompt)."""
         submit_ns = self._now_ns()
-        check_messages(messages)
+        check_messages(messages, self.config.limits.max_message_chars)
         return self.new_request_from_ids(render_prompt(self.tokenizer, messages), sampling, prefill_chunk,
                                          messages=messages, submit_ns=submit_ns)
 
@@ -204,9 +208,14 @@ class Engine:
         submit_ns = self._now_ns() if submit_ns is None else submit_ns
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        limits = self.config.limits
         if len(prompt_ids) >= self.context_window:
             raise PromptTooLong(len(prompt_ids), self.context_window)
+        if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
+            raise PromptTooLong(len(prompt_ids), limits.max_prompt_tokens)
         sampling = sampling or SamplingParams()
+        if sampling.max_new_tokens > limits.max_new_tokens:
+            raise ValueError(f"{sampling.max_new_tokens:,} new tokens asked for; the limit is {limits.max_new_tokens:,}")
         # n new tokens need n - 1 positions after the prompt (the last one is never fed back)
         max_new = min(sampling.max_new_tokens, self.context_window - len(prompt_ids) + 1)
         chunk = self.config.prefill_chunk if prefill_chunk is None else prefill_chunk
@@ -228,6 +237,9 @@ class Engine:
 
     def submit(self, request: Request, hooks: Iterable[Hook] = ()) -> Request:
         """Queue a request (from any thread); its events go to the engine's hooks, then to these."""
+        waiting = self.scheduler.counts()[1]
+        if waiting >= self.config.limits.max_waiting:
+            raise QueueFull(f"busy: {waiting} requests are already waiting; try again shortly")
         request.subscribers = [*self._hooks, *hooks]
         self.scheduler.add(request)
         self._wakeup.set()
@@ -481,9 +493,10 @@ class Engine:
 
     def _step_unlocked(self) -> bool:
         _set_switches(self.runner, self.config)  # engines sharing one forward (variant()) each bring theirs
+        self._enforce_time_limit()
         plan = self.scheduler.schedule()
         for r in plan.cancelled:
-            self._finish(r, "cancelled")
+            self._finish_cancelled(r)
         for r in plan.admitted:
             r.started_ns = self._now_ns()
             kv = r.kv_cache
@@ -541,7 +554,7 @@ class Engine:
                 r.kv_cache.truncate(r.kv_cache.num_tokens - len(draft))  # the drafts' rows: kept as accepted
             self._name_blocks(r)
             if r.is_cancelled:
-                self._finish(r, "cancelled")
+                self._finish_cancelled(r)
             else:
                 self._take_tokens(r, logits[rows], tops[rows], draft, len(logits), forward_ms, comm_ms)
 
@@ -652,6 +665,23 @@ class Engine:
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
                           picked.prob, top, batch_size, forward_ms, attention, stage_ms, flops, draft, comm_ms)
+
+    def _enforce_time_limit(self) -> None:
+        limit = self.config.limits.request_timeout_s
+        if limit is None:
+            return
+        deadline = time.perf_counter_ns() - int(limit * 1e9)
+        for r in self.scheduler.active():
+            # a request held step by step (explain mode) is paced by its user, and let go when abandoned
+            if r.submit_ns < deadline and not r.is_cancelled and r.decode_allowance is None:
+                r.cancel(f"the request ran past the time limit of {limit:g} s")
+
+    def _finish_cancelled(self, r: Request) -> None:
+        """A user's cancel ends a request as cancelled; a limit's, as failed with the limit's message."""
+        if r.cancel_error is not None:
+            self._finish(r, "error", r.cancel_error)
+        else:
+            self._finish(r, "cancelled")
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         end_ns = self._now_ns()

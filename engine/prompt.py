@@ -11,12 +11,15 @@ class PromptTooLong(ValueError):
         self.num_tokens, self.limit = num_tokens, limit
 
 
-def check_messages(messages: list[dict]) -> None:
+def check_messages(messages: list[dict], max_chars: int | None = None) -> None:
     if not messages:
         raise ValueError("the conversation is empty")
     for message in messages:
-        if message.get("role") not in ROLES or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict) or message.get("role") not in ROLES \
+                or not isinstance(message.get("content"), str):
             raise ValueError(f"each message needs a role ({', '.join(ROLES)}) and text content")
+        if max_chars is not None and len(message["content"]) > max_chars:
+            raise ValueError(f"a message holds {len(message['content']):,} characters; the limit is {max_chars:,}")
     if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
         raise ValueError("the message is empty")
 

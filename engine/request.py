@@ -56,6 +56,7 @@ class Request:
     num_decode_forwards: int = 0  # decode forwards this request took part in
     num_decode_tokens: int = 0  # tokens those forwards gave it
     kv_limit: int | None = None  # a sliding window's cache size in tokens (the cache stops growing there)
+    cancel_error: str | None = None  # why the engine itself ended it (a limit), else None: a user's cancel
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def take_stage_ms(self) -> dict | None:
@@ -63,8 +64,11 @@ class Request:
         stage_ms, self.stage_ms = self.stage_ms, None
         return stage_ms
 
-    def cancel(self) -> None:
-        """Ask the engine to stop; safe from any thread, takes effect within one step."""
+    def cancel(self, error: str | None = None) -> None:
+        """Ask the engine to stop; safe from any thread, takes effect within one step. With an error (a
+        limit reached) the request ends as failed, with that message, its text so far kept."""
+        if error is not None and not self._cancelled.is_set():
+            self.cancel_error = error
         self._cancelled.set()
 
     @property

@@ -50,6 +50,11 @@ class Scheduler:
             queue = [*self.waiting, *self._inbox]
         return queue.index(request) if request in queue else None
 
+    def active(self) -> list[Request]:
+        """Every request not yet finished: running, waiting, just added."""
+        with self._lock:
+            return [*self.running, *self.waiting, *self._inbox]
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         with self._lock:

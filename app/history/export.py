@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -119,7 +120,22 @@ def to_trace(store: Store, session_id: int | None = None) -> dict:
             "otherData": {"source": "PhaseScope", "origin": "first exported message"}}
 
 
+def max_export_steps() -> int:
+    """The most steps one export may hold (each ~100-200 bytes written): PHASESCOPE_MAX_EXPORT_STEPS."""
+    return int(os.environ.get("PHASESCOPE_MAX_EXPORT_STEPS", 2_000_000))
+
+
+def check_size(store: Store, session_id: int | None = None) -> None:
+    """Refuse an export larger than the limit before building it in memory."""
+    count = store.count_steps(session_id)
+    limit = max_export_steps()
+    if count > limit:
+        raise ValueError(f"the export would hold {count:,} steps, over the limit of {limit:,} "
+                         "(PHASESCOPE_MAX_EXPORT_STEPS): export one session at a time")
+
+
 def render(store: Store, fmt: str, session_id: int | None = None) -> str:
+    check_size(store, session_id)
     if fmt == "csv":
         return to_csv(store, session_id)
     data = to_json(store, session_id) if fmt == "json" else to_trace(store, session_id)

@@ -12,7 +12,8 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,6 +33,21 @@ def default_db_path() -> Path:
         return Path(os.environ["PHASESCOPE_DB"]).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(base) / "phasescope" / "history.db"
+
+
+def clean(text: str | None) -> str | None:
+    """Text SQLite can hold: a lone surrogate (which JSON and some clients can carry) becomes U+FFFD."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace") if _has_surrogate(text) else text
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def now_iso() -> str:
@@ -115,6 +131,20 @@ class Store:
             raise StoreError(f"cannot create the history database {path}: {exc.strerror or exc}") from exc
         return store
 
+    @contextmanager
+    def _write(self) -> Iterator[None]:
+        """One write transaction, its lock taken up front (BEGIN IMMEDIATE): with a deferred BEGIN, a
+        transaction that reads and then writes fails at once ("database is locked") when another process
+        wrote in between, instead of waiting its turn."""
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self.db.conn.rollback()
+                raise
+            self.db.execute("COMMIT")
+
     @classmethod
     def memory(cls) -> Store:
         store = cls(Database(sqlite3.connect(":memory:", check_same_thread=False)))
@@ -132,11 +162,10 @@ class Store:
 
     def migrate(self) -> None:
         self._refuse_newer()
-        with self._lock:
+        with self._write():  # a second process opening the file waits, then finds it migrated
             for version in range(self.version, LATEST_VERSION):
-                with self.db.atomic():
-                    MIGRATIONS[version](self.db)
-                    self.db.execute(f"PRAGMA user_version = {version + 1}")
+                MIGRATIONS[version](self.db)
+                self.db.execute(f"PRAGMA user_version = {version + 1}")
 
     def repair(self) -> int:
         """Replies left in progress by a killed process become `stopped`, keeping their steps."""
@@ -150,36 +179,39 @@ class Store:
     def create_session(self, title: str, model: str, device: str, dtype: str, settings: dict) -> int:
         stamp = now_iso()
         with self._lock:
-            return self.db["sessions"].insert(dict(title=title[:80], created_at=stamp, updated_at=stamp,
+            return self.db["sessions"].insert(dict(title=clean(title[:80]), created_at=stamp, updated_at=stamp,
                                                    model=model, device=device, dtype=dtype,
                                                    settings=json.dumps(settings))).last_pk
 
     def add_message(self, session_id: int, turn: int, role: str, content: str, status: str = "complete") -> int:
         stamp = now_iso()
-        with self._lock, self.db.atomic():
+        with self._write():
             self.db["sessions"].update(session_id, {"updated_at": stamp})
-            return self.db["messages"].insert(dict(session_id=session_id, turn=turn, role=role, content=content,
+            return self.db["messages"].insert(dict(session_id=session_id, turn=turn, role=role, content=clean(content),
                                                    status=status, created_at=stamp)).last_pk
 
     def update_message(self, message_id: int, **fields) -> None:
+        fields = {k: clean(v) if isinstance(v, str) else v for k, v in fields.items()}
         with self._lock:
             self.db["messages"].update(message_id, fields)
 
     def add_steps(self, message_id: int, rows: Iterable[dict], **message_fields) -> None:
         """Append steps (and update the message) in one transaction."""
-        with self._lock, self.db.atomic():
-            self.db["steps"].insert_all([{"message_id": message_id, **row} for row in rows])
+        message_fields = {k: clean(v) if isinstance(v, str) else v for k, v in message_fields.items()}
+        with self._write():
+            self.db["steps"].insert_all([{"message_id": message_id, **row, "token_text": clean(row.get("token_text"))}
+                                         for row in rows])
             if message_fields:
                 self.db["messages"].update(message_id, message_fields)
 
     def rename_session(self, session_id: int, title: str) -> None:
         self.session(session_id)
         with self._lock:
-            self.db["sessions"].update(session_id, {"title": title.strip()[:80] or "Untitled"})
+            self.db["sessions"].update(session_id, {"title": clean(title.strip()[:80]) or "Untitled"})
 
     def delete_session(self, session_id: int) -> None:
         self.session(session_id)
-        with self._lock, self.db.atomic():
+        with self._write():
             self.db.execute("DELETE FROM steps WHERE message_id IN (SELECT id FROM messages WHERE session_id = ?)",
                             [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
@@ -199,7 +231,7 @@ class Store:
 
     def sessions(self, search: str = "") -> list[dict]:
         """Newest first, with turns and mean TTFT/TPOT; search matches titles and message text."""
-        like = f"%{search.strip()}%"
+        like = f"%{clean(search.strip())}%"
         return self._query(
             "SELECT s.*, COUNT(m.id) AS turns, AVG(m.ttft_ms) AS mean_ttft_ms, AVG(m.tpot_ms) AS mean_tpot_ms "
             "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id AND m.role = 'assistant' "
@@ -221,6 +253,13 @@ class Store:
     def steps(self, message_id: int) -> list[dict]:
         return self._query("SELECT * FROM steps WHERE message_id = ? ORDER BY CASE phase WHEN 'prefill' THEN 0 "
                            "ELSE 1 END, idx", [message_id])
+
+    def count_steps(self, session_id: int | None = None) -> int:
+        """Steps stored for one session, or for all."""
+        if session_id is None:
+            return self._query("SELECT COUNT(*) AS n FROM steps")[0]["n"]
+        return self._query("SELECT COUNT(*) AS n FROM steps s JOIN messages m ON m.id = s.message_id "
+                           "WHERE m.session_id = ?", [session_id])[0]["n"]
 
     def lab_runs(self, limit: int = 50) -> list[dict]:
         """The newest lab runs first: id, created_at, experiment (not their results)."""

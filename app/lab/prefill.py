@@ -26,7 +26,8 @@ def chunked_prefill(lab: Lab, prompt: str) -> LabResult:
         name = f"chunks of {chunk}" if chunk else "whole prompt"
         lab.step(f"{name}: {num_long} prompt tokens beside a decoding chat")
         e = lab.engine.variant(prefix_caching=False)
-        chat = e.submit(lab.request(e, chat_ids, e.context_window - len(chat_ids)))
+        longest = min(e.context_window - len(chat_ids), e.config.limits.max_new_tokens)  # ends when cancelled
+        chat = e.submit(lab.request(e, chat_ids, longest))
         while chat.num_generated < 4:
             e.step()
         long = e.submit(lab.request(e, long_ids, 1, prefill_chunk=chunk))

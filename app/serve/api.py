@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine import DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PromptTooLong
+from engine import DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PromptTooLong, QueueFull
 from engine import Request as EngineRequest
 
 from .metrics import ServerMetrics
@@ -36,7 +36,8 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
 
     @api.exception_handler(APIError)
     async def api_error(_, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @api.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
@@ -65,13 +66,16 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
 
     def submit(new_request, sampling_body, max_tokens) -> tuple[EngineRequest, asyncio.Queue]:
         try:
-            request = new_request(sampling_body.sampling(max_tokens))
+            request = new_request(sampling_body.sampling(max_tokens, engine.config.limits.max_new_tokens))
         except PromptTooLong as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
         except (KVPoolTooSmall, ValueError) as exc:
             raise APIError(400, str(exc)) from None
         loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
-        engine.submit(request, [lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event)])
+        try:
+            engine.submit(request, [lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event)])
+        except QueueFull as exc:
+            raise APIError(429, str(exc), "rate_limit_error", code="server_busy") from None
         return request, inbox
 
     @api.get("/health")

@@ -65,11 +65,15 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: exactly max_tokens (load tests)
 
-    def sampling(self, max_tokens: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, limit: int) -> SamplingParams:
+        """The engine's sampling parameters; no max_tokens: up to the limit (the context caps it too)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop) or len(stop) > 16:
             raise APIError(400, "stop takes up to 16 non-empty strings", param="stop")
-        return SamplingParams(max_new_tokens=max_tokens or 10_000_000, temperature=self.temperature,
+        if max_tokens is not None and max_tokens > limit:
+            raise APIError(400, f"max_tokens {max_tokens:,} is over this server's limit of {limit:,}",
+                           param="max_tokens")
+        return SamplingParams(max_new_tokens=max_tokens or limit, temperature=self.temperature,
                               top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
                               repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from engine import Engine, EngineBusy, Event, Request, SamplingParams, Status
+from engine import Engine, EngineBusy, Event, QueueFull, Request, SamplingParams, Status
 
 from ..bench.extras import precision_report
 from ..remote import Endpoint
@@ -109,7 +109,9 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             sampling = _settings(max_new_tokens, temperature, top_p, top_k, seed)
             request = None if session.endpoint else engine.new_request(messages, sampling,
                                                                         prefill_chunk=int(prefill_chunk or 0))
-        except ValueError as exc:
+            if request is not None and engine.load()[1] >= engine.config.limits.max_waiting:
+                raise QueueFull("the queue is full")  # refused before anything is saved
+        except (ValueError, QueueFull) as exc:
             active.finish(session.id)
             session.pending = ""
             session.show_error(user_error(session.lang, exc))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from engine import EngineBusy, PromptTooLong
+from engine import EngineBusy, PromptTooLong, QueueFull
 
 from ..i18n import DEFAULT, LANGUAGES, K, t
 
@@ -63,6 +63,8 @@ def user_error(lang: str, error: Exception) -> str:
     """An error a user caused (or can act on), in their language, one line."""
     if isinstance(error, PromptTooLong):
         return t(lang, "error.too_long", tokens=error.num_tokens, limit=error.limit)
+    if isinstance(error, QueueFull):
+        return t(lang, "error.queue_full")
     if isinstance(error, EngineBusy):
         return t(lang, "error.busy")
     if str(error) in EMPTY_MESSAGES:

@@ -1,0 +1,149 @@
+"""Fuzzing: sampling parameters, message lists, CLI arguments, export options and the history search
+from hypothesis; the HTTP API from its own OpenAPI document with schemathesis. No input may give a
+traceback, a 500, a hang or a damaged database: only a result or a one-line refusal."""
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.history.export import FORMATS, render
+from app.history.store import Store, StoreError
+from engine import Engine, EngineConfig, Limits, PromptTooLong, SamplingParams
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# text as users and models produce it, and worse: control characters, lone surrogates, RTL, emoji, NUL
+TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=300) | st.sampled_from(
+    ["", " ", "\x00", "\ud800", "<script>alert(1)</script>", "A" * 5000, "‮evil", "😀" * 50, "\r\n" * 40])
+NUMBER = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True),
+                   st.text(max_size=5))
+
+
+@given(max_new_tokens=NUMBER, temperature=NUMBER, top_k=NUMBER, top_p=NUMBER, repetition_penalty=NUMBER,
+       seed=NUMBER)
+@FAST
+def test_sampling_parameters_are_accepted_or_refused_with_a_value_error(**values):
+    try:
+        SamplingParams(**{k: v for k, v in values.items() if v is not None})
+    except (ValueError, TypeError) as exc:
+        assert str(exc) and "\n" not in str(exc)
+
+
+MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "", None, 3]),
+                           "content": st.one_of(TEXT, st.none(), st.integers(), st.lists(TEXT, max_size=2))}),
+    st.none(), st.integers(), TEXT)
+
+
+@pytest.fixture(scope="module")
+def fuzz_engine(tokenizer):
+    from tests.conftest import tiny_model
+
+    return Engine(tiny_model(tokenizer, max_positions=512), EngineConfig(limits=Limits(max_message_chars=2000)))
+
+
+@given(messages=st.lists(MESSAGE, max_size=4))
+@FAST
+def test_any_message_list_is_answered_or_refused_in_one_line(fuzz_engine, messages):
+    try:
+        request = fuzz_engine.new_request(messages, SamplingParams(max_new_tokens=2, temperature=0))
+    except (ValueError, PromptTooLong) as exc:
+        assert str(exc) and "\n" not in str(exc)
+        return
+    *_, finished = fuzz_engine.run(request)
+    assert finished.reason in ("eos", "length", "stop")
+
+
+@given(args=st.lists(st.sampled_from(["--temperature", "--max-new-tokens", "--top-p", "--top-k", "--seed",
+                                      "--limit-new-tokens", "--precision", "--kv-dtype", "-1", "0", "nan", "2.5",
+                                      "1e9", "fp8", "int8", "abc", ""]), max_size=6))
+@settings(max_examples=40, deadline=None)
+def test_cli_arguments_never_end_in_a_traceback(args):
+    from app.cli import build_parser, engine_config, _sampling
+
+    try:
+        parsed = build_parser().parse_args(["generate", "--prompt", "hi", *args])
+        engine_config(parsed)
+        _sampling(parsed)
+    except SystemExit as exit_:  # argparse's own one-line usage error
+        assert exit_.code == 2
+    except (ValueError, TypeError) as exc:
+        assert "\n" not in str(exc)
+
+
+@pytest.fixture(scope="module")
+def filled_store(tmp_path_factory, tokenizer):
+    from tests.conftest import record, tiny_model
+
+    store = Store.open(tmp_path_factory.mktemp("fuzz") / "h.db")
+    engine = Engine(tiny_model(tokenizer), EngineConfig())
+    for text in ("Hi", "<b>bold</b> 'quote\" %_ \\\\", "北京"):
+        record(engine, store, text)
+    return store
+
+
+@given(search=TEXT)
+@FAST
+def test_the_history_search_takes_any_text(filled_store, search):
+    try:
+        rows = filled_store.sessions(search)
+    except StoreError as exc:  # e.g. a NUL byte SQLite cannot bind
+        assert "\n" not in str(exc)
+        return
+    assert isinstance(rows, list)
+
+
+@given(fmt=st.sampled_from([*FORMATS, "xml", ""]), session_id=st.one_of(st.none(), st.integers(-5, 10**12)))
+@FAST
+def test_export_options_give_a_file_or_a_refusal(filled_store, fmt, session_id):
+    try:
+        text = render(filled_store, fmt, session_id) if fmt in FORMATS else None
+    except (StoreError, ValueError) as exc:
+        assert "\n" not in str(exc)
+        return
+    if fmt not in FORMATS:
+        return
+    assert text
+    with sqlite3.connect(filled_store.path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+# --- the HTTP API from its OpenAPI document ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def api_app(tokenizer):
+    from app.serve import create_api
+    from app.ui.session import EngineThread
+    from tests.conftest import tiny_model
+
+    thread = EngineThread().start()
+    engine = thread.call(lambda: Engine(tiny_model(tokenizer, max_positions=512), EngineConfig(
+        limits=Limits(max_new_tokens=64, request_timeout_s=20))))
+    thread.serve(engine)
+    yield create_api(engine)
+    thread.stop()
+
+
+def test_the_api_never_answers_500_to_any_schema_generated_request(api_app):
+    import schemathesis
+    from schemathesis.checks import not_a_server_error
+
+    schema = schemathesis.openapi.from_asgi("/openapi.json", api_app)
+    failures = []
+    for operation in schema.get_all_operations():
+        strategy = operation.ok().as_strategy()
+
+        @given(case=strategy)
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        def run(case):
+            answer = case.call(timeout=30)
+            if answer.status_code >= 500:
+                failures.append((case.path, case.body, answer.status_code, answer.text[:200]))
+            case.validate_response(answer, checks=[not_a_server_error])
+
+        run()
+    assert not failures, failures[:3]
+    assert threading.active_count() < 200  # no request left hanging on a thread
