@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
@@ -307,20 +307,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}). "
           "Type /clear for a new chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
     messages = _conversation(args.system)
-    while True:
-        try:
-            text = input("\n>>> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if text in ("/bye", "/exit", "/quit"):
-            return 0
-        if text == "/clear":
-            messages = _conversation(args.system)
-            print("(new chat)")
-            continue
-        if not text:
-            continue
+
+    def clear() -> None:
+        nonlocal messages
+        messages = _conversation(args.system)
+
+    for text in _user_lines(clear):
         try:
             request = engine.new_request(messages + [{"role": "user", "content": text}], sampling)
         except ValueError as exc:
@@ -340,6 +332,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"\033[2m{summary_line(finished.metrics)}{note}\033[0m")
             if finished.speculation:
                 print(f"\033[2m{speculation_line(finished.speculation)}\033[0m")
+    return 0
+
+
+def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
+    """What the user types at the >>> prompt, line by line; /clear starts a new chat, /bye or Ctrl-D ends."""
+    while True:
+        try:
+            text = input("\n>>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if text in ("/bye", "/exit", "/quit"):
+            return
+        if text == "/clear":
+            clear()
+            print("(new chat)")
+        elif text:
+            yield text
 
 
 def _chat_with_endpoint(args: argparse.Namespace, sampling) -> int:
@@ -355,20 +365,12 @@ def _chat_with_endpoint(args: argparse.Namespace, sampling) -> int:
     session = ChatSession()
     print(f"{endpoint.model} at {endpoint.url} (client-side timings; history: {store.path}). Type /clear for a new "
           "chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
-    while True:
-        try:
-            text = input("\n>>> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if text in ("/bye", "/exit", "/quit"):
-            return 0
-        if text == "/clear":
-            session = ChatSession()
-            print("(new chat)")
-            continue
-        if not text:
-            continue
+
+    def clear() -> None:
+        nonlocal session
+        session = ChatSession()
+
+    for text in _user_lines(clear):
         messages = _conversation(args.system) + session.messages + [{"role": "user", "content": text}]
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
@@ -384,7 +386,8 @@ def _chat_with_endpoint(args: argparse.Namespace, sampling) -> int:
         if finished is not None:
             if finished.error:
                 print(f"error: {finished.error}")
-            print(f"\033[2m{summary_line(finished.metrics)} (client-side){_server_note(finished.server)}\033[0m")
+            print(f"\033[2m{_remote_line(finished.metrics)}{_server_note(finished.server)}\033[0m")
+    return 0
 
 
 def _through(events, hooks):
@@ -396,6 +399,14 @@ def _through(events, hooks):
             yield event
     finally:
         events.close()
+
+
+def _remote_line(m) -> str:
+    """A remote reply's timing line: what was measured here (the server's cache is not visible)."""
+    chunks = m.num_generated_tokens  # one per streamed chunk with text
+    return (f"prompt {m.num_prompt_tokens} tok (cached {m.num_cached_tokens}) · TTFT {_num(m.ttft_ms, 0)} ms · "
+            f"TPOT {_num(m.tpot_ms, 2)} ms · decode {_num(m.decode_tokens_per_s)} tok/s ({chunks} chunks) · "
+            f"E2E {_num(m.e2e_ms, 0)} ms (client-side)")
 
 
 def _server_note(server: dict | None) -> str:

@@ -3,6 +3,7 @@ event stream of a real reply, and the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -100,3 +101,15 @@ def test_cli_errors_are_one_line(args, message):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_cli_chat_keeps_the_conversation_until_clear():
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6"],
+                         input="My name is Ada.\nWhat is my name?\n/clear\nHello\n/bye\n", capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
+    assert len(lines) == 3 and "(new chat)" in out.stdout
+    (first, _), (second, cached), (third, _) = [(int(p), int(c)) for p, c in lines]
+    assert second > first and cached > 0  # the second turn carries the first, from the cache
+    assert third < second  # after /clear the conversation starts again

@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 
 from app.bench.browser import open_history, send, set_setting, wait_phase
+from tests.test_browser import app_db, app_url, browser, page
+
+FIXTURES = (app_db, app_url, browser, page)  # the browser tests' app, Chromium and page, found by name
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
 
@@ -27,37 +30,6 @@ def nothing_ran_and_nothing_overflows(page) -> None:
     assert page.locator("#ps-chatbot img[src=x], svg[onload], iframe[srcdoc]").count() == 0
     width = page.evaluate("() => window.innerWidth")
     assert page.evaluate("() => document.documentElement.scrollWidth") <= width + 2  # no sideways scrolling
-
-
-@pytest.fixture
-def page(browser, app_url):
-    from app.bench.browser import open_chat
-
-    page = open_chat(browser, app_url)
-    yield page
-    page.close()
-
-
-@pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    from app.bench.browser import start_app
-
-    process, url = start_app("--db", str(tmp_path_factory.mktemp("db") / "h.db"))
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    from app.bench.browser import launch_browser
-
-    with sync_playwright() as playwright:
-        browser = launch_browser(playwright)
-        yield browser
-        browser.close()
 
 
 def test_payloads_are_text_in_chat_history_explain_and_lab(page):

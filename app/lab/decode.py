@@ -110,8 +110,8 @@ def kv_compression(lab: Lab, prompt: str) -> LabResult:
                    f"{int8['KV MB at the end']:.1f} MB (top-1 agreement {int8['top-1 agreement with fp32']:.1%}), "
                    f"and the window {windowed['KV MB at the end']:.1f} MB, flat once full, at an agreement of "
                    f"{windowed['top-1 agreement with fp32']:.1%}: "
-                   + ("what it forgot seldom changed the next token on this text. " if windowed["top-1 agreement with fp32"]
-                      >= 0.98 else "what it forgot mattered. ") +
+                   + ("what it forgot seldom changed the next token on this text. "
+                      if windowed["top-1 agreement with fp32"] >= 0.98 else "what it forgot mattered. ") +
                    f"Fewer bytes also mean "
                    f"less to read per decode step ({full['decode ms (last quarter)']:.2f} ms fp32, "
                    f"{int8['decode ms (last quarter)']:.2f} int8, {windowed['decode ms (last quarter)']:.2f} window).")
@@ -134,13 +134,15 @@ def batching(lab: Lab, prompt: str) -> LabResult:
         finished = e.run_all(requests)
         # decode throughput over the span every request was decoding (after the step that admitted them all)
         span_ns = max(q.token_ns[-1] for q in requests) - max(q.token_ns[0] for q in requests)
-        rows.append({"requests": batch, "aggregate tok/s": r(sum(len(q.token_ns) - 1 for q in requests) * 1e9 / span_ns),
+        tokens = sum(len(q.token_ns) - 1 for q in requests)
+        rows.append({"requests": batch, "aggregate tok/s": r(tokens * 1e9 / span_ns),
                      "TPOT per request (ms)": r(median(f.metrics.tpot_ms for f in finished), 2)})
     series = [Series("batching · aggregate decode", [row["TPOT per request (ms)"] for row in rows],
                      [row["aggregate tok/s"] for row in rows], text=[f"B={row['requests']}" for row in rows])]
     one, most = rows[0], rows[-1]
     explanation = (f"One request decoded at {one['aggregate tok/s']:.0f} tok/s; {most['requests']} together at "
-                   f"{most['aggregate tok/s']:.0f} tok/s in all ({most['aggregate tok/s'] / one['aggregate tok/s']:.1f}x), "
+                   f"{most['aggregate tok/s']:.0f} tok/s in all "
+                   f"({most['aggregate tok/s'] / one['aggregate tok/s']:.1f}x), "
                    f"each waiting {most['TPOT per request (ms)']:.1f} ms per token instead of "
                    f"{one['TPOT per request (ms)']:.1f}. Decode reads every weight once per step whatever the batch, "
                    f"so more sequences per step buy throughput at a small cost in each one's latency.")
@@ -169,11 +171,13 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
         series.append(Series(f"{name} · attention", contexts, [r(a, 2) for a in attention]))
     half = len(rows) // 2
     unsplit, split = rows[half - 1], rows[-1]
-    explanation = (f"At {unsplit['context']} tokens of context attention took {unsplit['attention ms per step']:.2f} ms "
+    explanation = (f"At {unsplit['context']} tokens of context attention took "
+                   f"{unsplit['attention ms per step']:.2f} ms "
                    f"per step unsplit and {split['attention ms per step']:.2f} ms split across the threads; at "
                    f"{rows[0]['context']}, {rows[0]['attention ms per step']:.2f} ms. Splitting the cache lets every "
                    f"core read part of one long sequence; it pays where one sequence cannot keep the cores busy (a "
-                   f"GPU's many units). Here the cache read is bound by memory bandwidth, which the split does not add.")
+                   f"GPU's many units). Here the cache read is bound by memory bandwidth, which the split does "
+                   f"not add.")
     if not available:
         explanation = "The native decode step is not built here, so there is no split to switch on. " + explanation
     effects = {"attention time grows with the context (unsplit)":
@@ -209,13 +213,15 @@ def precision(lab: Lab, prompt: str) -> LabResult:
     top = max(row["MB read per token"] for row in rows)
     series = [Series(row["weights"] + " · decode", [row["MB read per token"]], [r(1000 / row["decode tok/s"], 2)],
                      kind="markers+text", text=[row["weights"]]) for row in rows]
-    series.append(Series(f"{bandwidth:.1f} GB/s · all time spent reading weights", [0, top], [0, r(top / bandwidth, 2)],
+    series.append(Series(f"{bandwidth:.1f} GB/s · all time spent reading weights", [0, top],
+                         [0, r(top / bandwidth, 2)],
                          kind="lines", dash="dash"))
     fp32, fp16, int8 = rows
     explanation = (f"fp32 reads {fp32['MB read per token']:.0f} MB of weights per token and decodes at "
                    f"{fp32['decode tok/s']:.0f} tok/s; int8 reads {int8['MB read per token']:.0f} MB and decodes at "
                    f"{int8['decode tok/s']:.0f} tok/s; fp16 {fp16['MB read per token']:.0f} MB at "
-                   f"{fp16['decode tok/s']:.0f} tok/s. A memory-bound step takes bytes / bandwidth: the points lie on a "
+                   f"{fp16['decode tok/s']:.0f} tok/s. A memory-bound step takes bytes / bandwidth: the points lie "
+                   f"on a "
                    f"line through the origin (dashed: {bandwidth:.1f} GB/s, the best achieved), and fewer bytes per "
                    f"token buy speed in proportion. A point above the line spends time on something besides reading "
                    f"weights (converting a format the CPU cannot multiply natively, or per-step overhead).")
@@ -229,5 +235,6 @@ def precision(lab: Lab, prompt: str) -> LabResult:
 DEFAULT_PROMPTS = {"kv-cache": "Explain what a KV cache is and why a language model needs one.",
                    "speculative": PARAGRAPH,
                    # a story that does not repeat itself: what a window forgets is gone for good
-                   "kv-compression": " ".join(LONG_TEXT.read_text(encoding="utf-8").split()[:900]), "batching": "Write a short poem about the sea.",
+                   "kv-compression": " ".join(LONG_TEXT.read_text(encoding="utf-8").split()[:900]),
+                   "batching": "Write a short poem about the sea.",
                    "flash-decoding": PARAGRAPH, "precision": "Write a short poem about the sea."}

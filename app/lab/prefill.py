@@ -50,8 +50,9 @@ def chunked_prefill(lab: Lab, prompt: str) -> LabResult:
     small, mid, whole = rows
     explanation = (f"Prefilled whole, the {num_long}-token prompt got its first token after "
                    f"{whole['long prompt TTFT (ms)']:.0f} ms, and the running chat waited "
-                   f"{whole['chat longest pause (ms)']:.0f} ms for its next token. In chunks of 64 the chat never waited "
-                   f"more than {small['chat longest pause (ms)']:.0f} ms, since every step decodes it beside one chunk, "
+                   f"{whole['chat longest pause (ms)']:.0f} ms for its next token. In chunks of 64 the chat never "
+                   f"waited more than {small['chat longest pause (ms)']:.0f} ms, since every step decodes it beside "
+                   f"one chunk, "
                    f"while the prompt's TTFT grew to {small['long prompt TTFT (ms)']:.0f} ms. This is why vLLM chunks "
                    f"prefill: one long prompt no longer freezes everyone else's stream.")
     effects = {"smaller chunks: shorter pauses in the running chat":
@@ -88,9 +89,12 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
     last = rows[-1]
     explanation = (f"On turn {last['turn']} the prompt held {last['prompt tokens']} tokens; with the prefix cache "
                    f"{last['cached tokens']} of them came from the KV of earlier turns and TTFT was "
-                   f"{last['TTFT prefix cache (ms)']:.0f} ms, against {last['TTFT no reuse (ms)']:.0f} ms reading the whole "
+                   f"{last['TTFT prefix cache (ms)']:.0f} ms, against {last['TTFT no reuse (ms)']:.0f} ms reading "
+                   f"the whole "
                    f"conversation again. Each turn then costs only its new tokens.")
-    effects = {"the prefix cache lowers the second turn's TTFT": rows[1]["TTFT prefix cache (ms)"] < rows[1]["TTFT no reuse (ms)"],
+    second = rows[1]
+    effects = {"the prefix cache lowers the second turn's TTFT":
+               second["TTFT prefix cache (ms)"] < second["TTFT no reuse (ms)"],
                "later turns take tokens from the cache": all(row["cached tokens"] > 0 for row in rows[1:])}
     return LabResult("prefix-cache", "Prefix cache: TTFT of each turn of one chat", prompt,
                      {"turns": turns, "new_tokens": num_gen}, "turn", "TTFT (ms)", series, rows, explanation,
@@ -119,9 +123,11 @@ def attention(lab: Lab, prompt: str) -> LabResult:
                          [row["score matrix per layer (MB)"] for row in rows], kind="lines", axis="y2", dash="dot"))
     last, first_row = rows[-1], rows[0]
     eager, sdpa = last["eager (score matrix) (ms)"], last["sdpa (fused) (ms)"]
-    explanation = (f"At {last['prompt tokens']} tokens eager attention took {eager:.0f} ms and the fused kernel {sdpa:.0f} "
+    explanation = (f"At {last['prompt tokens']} tokens eager attention took {eager:.0f} ms and the fused kernel "
+                   f"{sdpa:.0f} "
                    f"ms ({eager / sdpa:.1f}x); the score matrix eager attention writes and reads back holds "
-                   f"{last['score matrix per layer (MB)']:.0f} MB per layer, against {first_row['score matrix per layer (MB)']:.1f} "
+                   f"{last['score matrix per layer (MB)']:.0f} MB per layer, against "
+                   f"{first_row['score matrix per layer (MB)']:.1f} "
                    f"MB at {first_row['prompt tokens']}: it grows with the square of the prompt. A fused kernel "
                    f"(FlashAttention's idea) computes it in tiles that stay in cache, never the whole matrix.")
     effects = {"eager is slower than fused at the longest prompt": eager > sdpa,
@@ -163,7 +169,8 @@ def tensor_parallel(lab: Lab, prompt: str) -> LabResult:
     explanation = (f"Prefill of {num_prompt} tokens took {one['prefill_ms']:.0f} ms on one rank with one thread and "
                    f"{split['prefill_ms']:.0f} ms on two ranks ({one['prefill_ms'] / split['prefill_ms']:.2f}x), "
                    f"{split['prefill_all_reduce_share']:.0%} of it in all-reduce; a decode step spent "
-                   f"{split['decode_all_reduce_share']:.0%} of its {split['decode_step_ms']:.1f} ms there. Two threads in "
+                   f"{split['decode_all_reduce_share']:.0%} of its {split['decode_step_ms']:.1f} ms there. Two "
+                   f"threads in "
                    f"one rank on the same cores: {threads['prefill_ms']:.0f} ms. Splitting a layer across devices pays "
                    f"when each slice's compute outweighs the synchronization, as in prefill; a decode step has too "
                    f"little compute per all-reduce.")

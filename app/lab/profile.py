@@ -39,13 +39,14 @@ def stages(lab: Lab, prompt: str) -> LabResult:
     series = [Series(row["stage"], labels, [row["prefill %"], row["decode %"]], kind="bar",
                      text=[f"{row['prefill (ms)']} ms", f"{row['decode step (ms)']} ms"]) for row in rows[:-1]]
     by_stage = {row["stage"]: row for row in rows}
-    explanation = (f"Prefill of {num_prompt} tokens took {prefill_total:.0f} ms: the MLP {by_stage['ffn']['prefill %']:.0f} % "
-                   f"and attention {by_stage['attention']['prefill %']:.0f} %, big matrix products over many tokens at once. "
-                   f"A decode step took {decode_total:.2f} ms, of which the MLP took {by_stage['ffn']['decode %']:.0f} %, the "
-                   f"LM head {by_stage['lm_head']['decode %']:.0f} % (in prefill {by_stage['lm_head']['prefill %']:.1f} %: it "
-                   f"runs for the last token only, the layers for all {num_prompt}) and sampling "
-                   f"{by_stage['sample']['decode %']:.0f} %. The stages add up to {prefill_sum:.0%} of the prefill's measured time and "
-                   f"{decode_sum:.0%} of the decode step's.")
+    ffn, attention, head, sample = (by_stage[k] for k in ("ffn", "attention", "lm_head", "sample"))
+    explanation = (f"Prefill of {num_prompt} tokens took {prefill_total:.0f} ms: the MLP {ffn['prefill %']:.0f} % "
+                   f"and attention {attention['prefill %']:.0f} %, big matrix products over many tokens at once. "
+                   f"A decode step took {decode_total:.2f} ms, of which the MLP took {ffn['decode %']:.0f} %, the "
+                   f"LM head {head['decode %']:.0f} % (in prefill {head['prefill %']:.1f} %: it runs for the last "
+                   f"token only, the layers for all {num_prompt}) and sampling {sample['decode %']:.0f} %. The "
+                   f"stages add up to {prefill_sum:.0%} of the prefill's measured time and {decode_sum:.0%} of the "
+                   f"decode step's.")
     effects = {"the stages sum to within 10 % of the prefill's time": abs(prefill_sum - 1) <= 0.1,
                "the stages sum to within 10 % of the decode step's time": abs(decode_sum - 1) <= 0.1}
     return LabResult("stages", "Where the time goes: one prefill and one decode step by stage", prompt,
@@ -108,12 +109,13 @@ def roofline(lab: Lab, prompt: str) -> LabResult:
         series.append(Series(f"{point['step']} · achieved", [point["FLOP per byte"]], [point["GFLOP/s"]],
                              kind="markers+text", text=[point["step"]]))
     pre, d1, dn = points[0], points[1], points[-1]
-    explanation = (f"This machine peaks at {peak:.0f} GFLOP/s (fp32) and reads memory at {bandwidth:.1f} GB/s: a step "
-                   f"needs about {ridge:.0f} FLOPs per byte it reads to be compute-bound. Prefill of {num_prompt} tokens "
-                   f"does {pre['FLOP per byte']:.0f} FLOPs per byte and reached {pre['GFLOP/s']:.0f} GFLOP/s, "
-                   f"{pre['GFLOP/s'] / peak:.0%} of the compute roof; a decode step of one sequence does {d1['FLOP per byte']:.1f} and reached "
-                   f"{d1['GFLOP/s']:.1f} GFLOP/s, on the bandwidth slope. Batching {dn['batch']} sequences reads the "
-                   f"weights once for all of them: {dn['FLOP per byte']:.1f} FLOPs per byte, {dn['GFLOP/s']:.1f} GFLOP/s.")
+    explanation = (f"This machine peaks at {peak:.0f} GFLOP/s (fp32) and reads memory at {bandwidth:.1f} GB/s: "
+                   f"a step needs about {ridge:.0f} FLOPs per byte it reads to be compute-bound. Prefill of "
+                   f"{num_prompt} tokens does {pre['FLOP per byte']:.0f} FLOPs per byte and reached "
+                   f"{pre['GFLOP/s']:.0f} GFLOP/s, {pre['GFLOP/s'] / peak:.0%} of the compute roof; a decode step of "
+                   f"one sequence does {d1['FLOP per byte']:.1f} and reached {d1['GFLOP/s']:.1f} GFLOP/s, on the "
+                   f"bandwidth slope. Batching {dn['batch']} sequences reads the weights once for all of them: "
+                   f"{dn['FLOP per byte']:.1f} FLOPs per byte, {dn['GFLOP/s']:.1f} GFLOP/s.")
     effects = {"the probe measured positive peaks": peak > 0 and bandwidth > 0,
                "prefill's arithmetic intensity is above decode's": pre["FLOP per byte"] > 10 * d1["FLOP per byte"],
                "batching walks decode up the slope": dn["GFLOP/s"] > d1["GFLOP/s"]}

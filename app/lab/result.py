@@ -94,7 +94,8 @@ def processor_name(device: torch.device) -> str:
 def machine(engine) -> dict:
     """The machine and the engine a run measured: enough to tell two runs' conditions apart."""
     info = engine.info
-    return {"device": info.device, "processor": processor_name(engine.loaded.device), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"device": info.device, "processor": processor_name(engine.loaded.device), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
             "model": info.name, "precision": info.precision, "decode": info.decode_path, "torch": torch.__version__}
 
 
