@@ -1,7 +1,10 @@
 """Composes the app's tabs and starts the Gradio server."""
 from __future__ import annotations
 
+import ctypes
 import sys
+import threading
+import time
 import webbrowser
 from pathlib import Path
 
@@ -66,6 +69,28 @@ def launch_options() -> dict:
                    "go(); }")
 
 
+def _return_memory_when_idle(engine: Engine, every_s: float = 5.0) -> None:
+    """After a busy spell, once the engine is idle, hand freed heap back to the OS (glibc's malloc_trim):
+    otherwise the process keeps the peak of a load as its resident size. No-op where there is no glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+
+    def loop() -> None:
+        busy = False
+        while True:
+            time.sleep(every_s)
+            running, waiting = engine.load()
+            if running or waiting:
+                busy = True
+            elif busy:
+                trim(0)
+                busy = False
+
+    threading.Thread(target=loop, name="trim-memory", daemon=True).start()
+
+
 def start_engine(config: EngineConfig) -> Engine:
     """Load the model and serve it: the engine thread loads it, then runs the scheduler loop, so that one
     OpenMP team does all the work (see EngineThread)."""
@@ -74,6 +99,7 @@ def start_engine(config: EngineConfig) -> Engine:
     engine = runner.call(lambda: Engine.from_config(config))
     runner.call(engine.warm_up)  # the first chat's TTFT is then a prefill's, not a cold start's
     runner.serve(engine)
+    _return_memory_when_idle(engine)
     info = engine.info
     print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})",
           file=sys.stderr, flush=True)
