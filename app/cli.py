@@ -517,7 +517,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     if args.experiment == "list":
         for experiment in lab.EXPERIMENTS.values():
-            print(f"{experiment.name:<16} {experiment.title}")
+            print(f"{experiment.name:<16} {experiment.title()}")
         return 0
     names = list(lab.EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     unknown = [name for name in names if name not in lab.EXPERIMENTS]

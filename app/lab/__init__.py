@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from engine import Engine
 
+from ..i18n import DEFAULT, t
+
 from . import decode, prefill, profile
 from .figure import figure, write_image
 from .lab import Lab, LabStopped
@@ -22,25 +24,28 @@ from .result import LabResult, Series, machine
 @dataclass(frozen=True)
 class Experiment:
     name: str
-    title: str
+    title_key: str  # its title in the UI's catalogues (app/i18n)
     run: Callable[[Lab, str], LabResult]
     default_prompt: str
+
+    def title(self, lang: str = DEFAULT) -> str:
+        return t(lang, self.title_key)
 
 
 _DEFAULTS = {**prefill.DEFAULT_PROMPTS, **decode.DEFAULT_PROMPTS, **profile.DEFAULT_PROMPTS}
 EXPERIMENTS = {e.name: e for e in [
-    Experiment("kv-cache", "KV cache on/off", decode.kv_cache, _DEFAULTS["kv-cache"]),
-    Experiment("chunked-prefill", "Chunked prefill", prefill.chunked_prefill, _DEFAULTS["chunked-prefill"]),
-    Experiment("prefix-cache", "Prefix cache", prefill.prefix_cache, _DEFAULTS["prefix-cache"]),
-    Experiment("attention", "Attention: eager vs fused", prefill.attention, _DEFAULTS["attention"]),
-    Experiment("tensor-parallel", "Tensor parallel", prefill.tensor_parallel, _DEFAULTS["tensor-parallel"]),
-    Experiment("speculative", "Speculative decoding", decode.speculative, _DEFAULTS["speculative"]),
-    Experiment("kv-compression", "KV compression", decode.kv_compression, _DEFAULTS["kv-compression"]),
-    Experiment("batching", "Batching", decode.batching, _DEFAULTS["batching"]),
-    Experiment("flash-decoding", "Flash Decoding", decode.flash_decoding, _DEFAULTS["flash-decoding"]),
-    Experiment("precision", "Weight precision", decode.precision, _DEFAULTS["precision"]),
-    Experiment("stages", "Where the time goes", profile.stages, _DEFAULTS["stages"]),
-    Experiment("roofline", "Roofline", profile.roofline, _DEFAULTS["roofline"]),
+    Experiment("kv-cache", "lab.exp.kv_cache", decode.kv_cache, _DEFAULTS["kv-cache"]),
+    Experiment("chunked-prefill", "lab.exp.chunked_prefill", prefill.chunked_prefill, _DEFAULTS["chunked-prefill"]),
+    Experiment("prefix-cache", "lab.exp.prefix_cache", prefill.prefix_cache, _DEFAULTS["prefix-cache"]),
+    Experiment("attention", "lab.exp.attention", prefill.attention, _DEFAULTS["attention"]),
+    Experiment("tensor-parallel", "lab.exp.tensor_parallel", prefill.tensor_parallel, _DEFAULTS["tensor-parallel"]),
+    Experiment("speculative", "lab.exp.speculative", decode.speculative, _DEFAULTS["speculative"]),
+    Experiment("kv-compression", "lab.exp.kv_compression", decode.kv_compression, _DEFAULTS["kv-compression"]),
+    Experiment("batching", "lab.exp.batching", decode.batching, _DEFAULTS["batching"]),
+    Experiment("flash-decoding", "lab.exp.flash_decoding", decode.flash_decoding, _DEFAULTS["flash-decoding"]),
+    Experiment("precision", "lab.exp.precision", decode.precision, _DEFAULTS["precision"]),
+    Experiment("stages", "lab.exp.stages", profile.stages, _DEFAULTS["stages"]),
+    Experiment("roofline", "lab.exp.roofline", profile.roofline, _DEFAULTS["roofline"]),
 ]}
 
 

@@ -81,6 +81,10 @@ def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams
                           top_k=int(top_k), seed=seed)
 
 
+def _backend_choices(lang: str) -> list[tuple[str, str]]:
+    return [(t(lang, "chat.backend_local"), "local"), (t(lang, "chat.backend_endpoint"), "endpoint")]
+
+
 def make_accept(active: ActiveRequests):
     """The fast first step of sending: show the message and the queue position, clear the box."""
     def accept(message, session, lang):
@@ -221,9 +225,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
                 precision_note = gr.HTML(panels.precision_html(None), elem_id="ps-precision-note")
             model_line = gr.HTML(panels.model_html(engine.info), elem_id="ps-model-line")
             with texts(gr.Accordion, label=K("chat.backend"), open=False, elem_id="ps-backend"):
-                backend = texts(gr.Radio, choices=[(t(DEFAULT, "chat.backend_local"), "local"),
-                                                   (t(DEFAULT, "chat.backend_endpoint"), "endpoint")],
-                                value="local", show_label=False, elem_id="ps-backend-kind")
+                backend = gr.Radio(_backend_choices(DEFAULT), value="local", show_label=False,
+                                   elem_id="ps-backend-kind")
                 endpoint_url = texts(gr.Textbox, label=K("chat.endpoint_url"), placeholder="http://127.0.0.1:8000/v1",
                                      elem_id="ps-endpoint-url")
                 with gr.Row():
@@ -289,4 +292,6 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
                 panels.precision_html(measured["report"], lang_choice))
 
     texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note])
+    texts.on_switch(lambda lang_choice, kind: gr.Radio(_backend_choices(lang_choice), value=kind), [backend],
+                    [backend])
     return tab

@@ -26,12 +26,16 @@ FIRST = "kv-cache"
 EXPORTS = Path(tempfile.gettempdir()) / "phasescope-lab"
 
 
-def _run_choices(store: Store) -> list[tuple[str, int]]:
+def _experiment_choices(lang: str) -> list[tuple[str, str]]:
+    return [(e.title(lang), e.name) for e in lab.EXPERIMENTS.values()]
+
+
+def _run_choices(store: Store, lang: str = DEFAULT) -> list[tuple[str, int]]:
     try:
         runs = store.lab_runs()
     except StoreError:
         return []
-    titles = {name: e.title for name, e in lab.EXPERIMENTS.items()}
+    titles = {name: e.title(lang) for name, e in lab.EXPERIMENTS.items()}
     return [(f"#{row['id']} · {titles.get(row['experiment'], row['experiment'])} · "
              f"{row['created_at'][:19].replace('T', ' ')}", row["id"]) for row in runs]
 
@@ -57,14 +61,14 @@ def _show(result: lab.LabResult, run_id: int | None, lang: str) -> list:
 def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     stop_event = gr.State(None)  # the running experiment's: Stop sets it
     with gr.Row(equal_height=True):
-        experiment = texts(gr.Dropdown, choices=[(e.title, e.name) for e in lab.EXPERIMENTS.values()], value=FIRST,
-                           label=K("lab.experiment"), scale=3, elem_id="ps-lab-experiment")
+        experiment = texts(gr.Dropdown, choices=_experiment_choices(DEFAULT), value=FIRST, label=K("lab.experiment"),
+                           scale=3, elem_id="ps-lab-experiment")
         quick = texts(gr.Checkbox, value=False, label=K("lab.quick"), scale=1, elem_id="ps-lab-quick")
         run = texts(gr.Button, value=K("lab.run"), variant="primary", scale=1, elem_id="ps-lab-run")
         stop = texts(gr.Button, value=K("lab.stop"), variant="stop", scale=1, elem_id="ps-lab-stop")
     prompt = texts(gr.Textbox, value=lab.EXPERIMENTS[FIRST].default_prompt, label=K("lab.prompt"), lines=2,
                    max_lines=6, elem_id="ps-lab-prompt")
-    status = gr.Markdown(t(DEFAULT, "lab.intro"), elem_id="ps-lab-status")
+    status = texts(gr.Markdown, value=K("lab.intro"), elem_id="ps-lab-status")  # the intro again on a switch
     plot = gr.Plot(visible=False, show_label=False, elem_id="ps-lab-plot")
     report = gr.Markdown(elem_id="ps-lab-report")
     with gr.Row(equal_height=True):
@@ -109,7 +113,8 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                                        result.machine, result.to_dict())
         except Exception as exc:  # a full disk or a broken database: the result is still shown
             gr.Warning(t(lang_choice, "lab.save_failed", detail=str(exc)))
-        yield [None, *_show(result, run_id, lang_choice), gr.Dropdown(choices=_run_choices(store), value=run_id)]
+        yield [None, *_show(result, run_id, lang_choice),
+               gr.Dropdown(choices=_run_choices(store, lang_choice), value=run_id)]
 
     def on_open(run_id, lang_choice):
         if run_id is None:
@@ -121,8 +126,12 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
             return [gr.skip()] * 5
         return _show(lab.LabResult.from_dict(row["results"]), row["id"], lang_choice)
 
-    experiment.change(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
+    # input, not change: a language switch relabels the list without resetting an edited prompt
+    experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
     run.click(on_run, [experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
               concurrency_id="lab")
     stop.click(lambda event: event.set() if event else None, [stop_event], None, queue=False)
     reopen.click(on_open, [runs, lang], shown)
+    texts.on_switch(lambda lang_choice, current, run: (
+        gr.Dropdown(choices=_experiment_choices(lang_choice), value=current),
+        gr.Dropdown(choices=_run_choices(store, lang_choice), value=run)), [experiment, runs], [experiment, runs])
