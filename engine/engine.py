@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -314,7 +315,14 @@ class Engine:
         try:
             while not self._stopped.is_set():
                 self._run_jobs()
-                if not self.step():
+                try:
+                    worked = self.step()
+                except Exception as exc:  # a bug must not stop serving everyone: fail what ran, say it, go on
+                    traceback.print_exc()
+                    for r in self.scheduler.active():
+                        r.cancel(f"internal error: {type(exc).__name__}: {exc}")
+                    worked = True
+                if not worked:
                     self._wakeup.wait(0.1)
                     self._wakeup.clear()
         finally:
@@ -530,7 +538,10 @@ class Engine:
             r.status = Status.DECODING
             r.text_stream = TextStream(self.tokenizer, r.sampling.stop)
             r.generator = make_generator(r.sampling.seed)
-            self._take_token(r, logits, batch_size=1)
+            try:
+                self._take_token(r, logits, batch_size=1)
+            except Exception as exc:  # sampling failed: this request ends, the engine goes on
+                self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _run_decodes(self, requests: list[Request]) -> None:
         begin_ns, comm_before = self._now_ns(), self._comm_ms()
@@ -555,8 +566,12 @@ class Engine:
             self._name_blocks(r)
             if r.is_cancelled:
                 self._finish_cancelled(r)
-            else:
+                continue
+            try:
                 self._take_tokens(r, logits[rows], tops[rows], draft, len(logits), forward_ms, comm_ms)
+            except Exception as exc:  # sampling failed: this request ends, the others and the engine go on
+                if not r.is_finished:
+                    self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _take_tokens(self, r: Request, logits: torch.Tensor, tops: list, draft: list[int], batch_size: int,
                      forward_ms: float, comm_ms: float) -> None:

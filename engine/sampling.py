@@ -73,8 +73,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         token_id = top_ids[0] if scores is logits else int(scores.argmax())
         sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]
     else:
-        distribution = _filter_top_k_top_p(scores / params.temperature, params.top_k, params.top_p).softmax(-1)
-        token_id = int(torch.multinomial(distribution, 1, generator=generator))
+        # float64: a tiny temperature (or penalty) would overflow float32 to inf, and softmax to NaN
+        scaled = _filter_top_k_top_p(scores.double() / params.temperature, params.top_k, params.top_p)
+        distribution = scaled.nan_to_num(nan=float("-inf")).softmax(-1)
+        if torch.isfinite(distribution).all() and distribution.sum() > 0:
+            token_id = int(torch.multinomial(distribution, 1, generator=generator))
+        else:  # nothing left to sample from (every score overflowed): the most likely token, as greedy would
+            token_id = int(scores.argmax())
+            distribution = torch.zeros_like(distribution)
+            distribution[token_id] = 1.0
         sample_probs = distribution[top_ids].tolist()
     prob = math.exp(float(logits[token_id]) - lse)
     return Sample(token_id, prob, top_ids, [math.exp(v - lse) for v in top_values], sample_probs)
