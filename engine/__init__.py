@@ -5,7 +5,7 @@ charts or the store.
 """
 from .config import EngineConfig, Limits, SamplingParams
 from .engine import Engine, EngineBusy, ModelInfo, QueueFull
-from .prompt import PromptTooLong, check_messages, render_prompt
+from .prompt import PromptTooLong, check_messages, render_prompt, valid_text
 from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started,
                      TopToken)
 from .kv_pool import KVPool, KVPoolTooSmall, PoolUsage, SequenceKV, kv_bytes_formula
@@ -18,5 +18,5 @@ __all__ = [
     "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong",
     "QueueFull", "Request", "SequenceKV",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
-    "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary",
+    "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary", "valid_text",
 ]

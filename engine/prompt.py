@@ -24,8 +24,18 @@ def check_messages(messages: list[dict], max_chars: int | None = None) -> None:
         raise ValueError("the message is empty")
 
 
+def valid_text(text: str) -> str:
+    """Text a tokenizer can encode: a lone surrogate (valid JSON, invalid Unicode) becomes U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """The whole conversation through the tokenizer's chat template, as token ids."""
+    messages = [{**m, "content": valid_text(m["content"])} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]

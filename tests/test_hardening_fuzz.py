@@ -188,3 +188,15 @@ def test_a_request_whose_sampling_fails_ends_alone(tiny, monkeypatch):
     finished = {f.request_id: f for f in engine.run_all([good, bad])}
     assert finished[bad.request_id].reason == "error" and "probability tensor" in finished[bad.request_id].error
     assert finished[good.request_id].reason == "length"
+
+
+def test_lone_surrogates_are_answered_not_500(api_app):
+    """Valid JSON, invalid Unicode: a random run found the tokenizer raising TypeError on it (a 500)."""
+    from starlette.testclient import TestClient
+
+    with TestClient(api_app) as client:
+        for path, body in (("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}], '
+                                                    b'"max_tokens": 2}'),
+                           ("/v1/completions", b'{"prompt": "x\\udcff", "max_tokens": 2}')):
+            answer = client.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert answer.status_code == 200, answer.text

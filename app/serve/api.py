@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine import DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PromptTooLong, QueueFull
+from engine import DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PromptTooLong, QueueFull, valid_text
 from engine import Request as EngineRequest
 
 from .metrics import ServerMetrics
@@ -116,7 +116,8 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request here (n = 1)", param="prompt")
             prompt = prompt[0]
-        ids = prompt if isinstance(prompt, list) else engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = prompt if isinstance(prompt, list) else engine.tokenizer(valid_text(prompt),
+                                                                        add_special_tokens=False)["input_ids"]
         if any(not 0 <= i < len(engine.tokenizer) for i in ids):
             raise APIError(400, "prompt token ids must be within the vocabulary", param="prompt")
         job, inbox = submit(lambda sampling: engine.new_request_from_ids(ids, sampling), body, body.max_tokens)
