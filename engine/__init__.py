@@ -15,8 +15,8 @@ from .request import Request, Status
 
 __all__ = [
     "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook",
-    "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk", "PromptTooLong",
-    "QueueFull", "Request", "SequenceKV",
+    "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk",
+    "PromptTooLong", "QueueFull", "Request", "SequenceKV",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary", "valid_text",
 ]

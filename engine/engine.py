@@ -216,7 +216,8 @@ class Engine:
             raise PromptTooLong(len(prompt_ids), limits.max_prompt_tokens)
         sampling = sampling or SamplingParams()
         if sampling.max_new_tokens > limits.max_new_tokens:
-            raise ValueError(f"{sampling.max_new_tokens:,} new tokens asked for; the limit is {limits.max_new_tokens:,}")
+            raise ValueError(f"{sampling.max_new_tokens:,} new tokens asked for; the limit is "
+                             f"{limits.max_new_tokens:,}")
         # n new tokens need n - 1 positions after the prompt (the last one is never fed back)
         max_new = min(sampling.max_new_tokens, self.context_window - len(prompt_ids) + 1)
         chunk = self.config.prefill_chunk if prefill_chunk is None else prefill_chunk
@@ -236,11 +237,16 @@ class Engine:
         list(self.run(self.new_request_from_ids(prompt, SamplingParams(max_new_tokens=4, temperature=0,
                                                                        ignore_eos=True))))
 
-    def submit(self, request: Request, hooks: Iterable[Hook] = ()) -> Request:
-        """Queue a request (from any thread); its events go to the engine's hooks, then to these."""
+    def check_room(self) -> None:
+        """QueueFull when as many requests wait as the limits allow (submit checks it; a caller may ask
+        first, before it records anything)."""
         waiting = self.scheduler.counts()[1]
         if waiting >= self.config.limits.max_waiting:
             raise QueueFull(f"busy: {waiting} requests are already waiting; try again shortly")
+
+    def submit(self, request: Request, hooks: Iterable[Hook] = ()) -> Request:
+        """Queue a request (from any thread); its events go to the engine's hooks, then to these."""
+        self.check_room()
         request.subscribers = [*self._hooks, *hooks]
         self.scheduler.add(request)
         self._wakeup.set()
@@ -361,11 +367,8 @@ class Engine:
         if running or waiting:
             raise EngineBusy(f"{running + waiting} replies are running or waiting: stop them or let them "
                              f"finish, then switch to {precision}")
-        model = self.loaded.model
-        if config.load_dtype in ("float16", "bfloat16"):
-            model = in_dtype(model, getattr(torch, config.load_dtype))
         self.close()  # a tensor-parallel runner's workers: the new one starts its own
-        runner = make_runner(model, precision, cache_dir=config.cache_dir, tensor_parallel=config.tensor_parallel)
+        runner = self._runner_for(config)
         self.runner, self.config = runner, config
         _set_switches(runner, config)
         self.pool = _new_pool(runner, config, self.pool_budget)
@@ -378,14 +381,17 @@ class Engine:
         is converted again; its own KV pool and scheduler. Step it on the thread that steps this engine, not
         while this one serves, and close() it when it brought its own forward."""
         config = dataclasses.replace(self.config, **changes)
-        if config.precision in ("auto", self.runner.precision) and config.tensor_parallel == self.config.tensor_parallel:
-            return Engine(self.loaded, config, runner=self.runner)
+        same_forward = config.precision in ("auto", self.runner.precision) \
+            and config.tensor_parallel == self.config.tensor_parallel
+        return Engine(self.loaded, config, runner=self.runner if same_forward else self._runner_for(config))
+
+    def _runner_for(self, config: EngineConfig):
+        """A new forward over the loaded weights in the config's precision (a half-precision copy where
+        it asks for one) and tensor parallelism."""
         model = self.loaded.model
         if config.load_dtype in ("float16", "bfloat16"):
             model = in_dtype(model, getattr(torch, config.load_dtype))
-        runner = make_runner(model, config.precision, cache_dir=config.cache_dir,
-                             tensor_parallel=config.tensor_parallel)
-        return Engine(self.loaded, config, runner=runner)
+        return make_runner(model, config.precision, cache_dir=config.cache_dir, tensor_parallel=config.tensor_parallel)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -36,7 +36,9 @@ def default_db_path() -> Path:
 
 
 def clean(text: str | None) -> str | None:
-    """Text SQLite can hold: a lone surrogate (which JSON and some clients can carry) becomes U+FFFD."""
+    """Text SQLite can hold: a lone surrogate (which JSON and some clients can carry) becomes U+FFFD.
+    (engine.valid_text does the same for the tokenizer; importing it here would load torch for
+    `phasescope sessions`.)"""
     if text is None:
         return None
     return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace") if _has_surrogate(text) else text

@@ -24,9 +24,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
 
         store = Store.open(db_path)  # first: a bad --db fails before the model loads
     engine = start_engine(config)
-    api = create_api(engine, api_key)
-    engine_hooks = engine.hooks(api.state.metrics.observe)  # every request counts, the UI's too
-    engine_hooks.__enter__()
+    api = metrics_api = create_api(engine, api_key)
     if with_ui:
         import gradio as gr
 
@@ -37,5 +35,6 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     url = f"http://{host}:{port}"
     print(f"PhaseScope API at {url}/v1 (metrics at {url}/metrics{', UI at ' + url + '/ui' if with_ui else ''})  "
           "(Ctrl-C to stop)", flush=True)
-    uvicorn.run(api, host=host, port=port, log_level="warning")
+    with engine.hooks(metrics_api.state.metrics.observe):  # every request counts, the UI's too
+        uvicorn.run(api, host=host, port=port, log_level="warning")
     print("stopped", file=sys.stderr)

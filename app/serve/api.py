@@ -96,9 +96,7 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     async def chat_completions(body: ChatRequest, request: Request):
         check_key(request)
         check_model(body.model)
-        messages = body.chat()
-        if not any(m["content"].strip() for m in messages if m["role"] == "user"):
-            raise APIError(400, "the conversation has no user message with text", param="messages")
+        messages = body.chat()  # the engine refuses an empty or ill-formed conversation (400 below)
         top = (body.top_logprobs or 0) if body.logprobs else None
         job, inbox = submit(lambda sampling: engine.new_request(messages, sampling), body,
                             body.max_completion_tokens or body.max_tokens)

@@ -113,8 +113,8 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             sampling = _settings(max_new_tokens, temperature, top_p, top_k, seed)
             request = None if session.endpoint else engine.new_request(messages, sampling,
                                                                         prefill_chunk=int(prefill_chunk or 0))
-            if request is not None and engine.load()[1] >= engine.config.limits.max_waiting:
-                raise QueueFull("the queue is full")  # refused before anything is saved
+            if request is not None:
+                engine.check_room()  # QueueFull: refused before anything is saved
         except (ValueError, QueueFull) as exc:
             active.finish(session.id)
             session.pending = ""

@@ -93,8 +93,8 @@ inline float sum_lanes(Vec v) {
 }
 
 // --- the KV cache's number formats: fp32; fp16 (half the bytes to read at long context, as llama.cpp's
-// default f16 cache); or int8 with a scale per row (below). Keys and values are stored rounded to the format and read back as fp32; everything
-// else stays fp32. fp16 needs the F16C instructions (x86-64-v3).
+// default f16 cache); or int8 with a scale per row (below). Keys and values are stored rounded to the
+// format and read back as fp32; everything else stays fp32. fp16 needs the F16C instructions (x86-64-v3).
 enum KvFormat { kF32 = 0, kF16 = 1, kQ8 = 2 };  // dims' kv_format
 typedef uint16_t half;
 #if defined(__F16C__)
@@ -956,9 +956,6 @@ extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64
     return 0;
 }
 
-// What sampling and the events need from a step's logits: the k largest (ids and values, largest first;
-// ties go to the lower id, as argmax does) and log(sum(exp(logits))), so that any token's probability
-// is exp(logit - lse). Two passes over [n], on one thread: about 10 µs for n = 49,152.
 // y [n][out] = x [n][in] W^T * scale (+ bias) for a prefill's n rows, W int8 output-major with a scale
 // per row, x quantized per block of 64 as the decode step quantizes it: the decode step's int8 rows,
 // without a second copy of the weights in another library's layout.
@@ -970,6 +967,9 @@ extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t ou
     linear(d, Linear{w, scale, bias}, x, n, in, out, y, /*tiled=*/true);
 }
 
+// What sampling and the events need from a step's logits: the k largest (ids and values, largest first;
+// ties go to the lower id, as argmax does) and log(sum(exp(logits))), so that any token's probability
+// is exp(logit - lse). Two passes over [n], on one thread: about 10 µs for n = 49,152.
 extern "C" float ps_top_logits(const float *logits, int64_t n, int64_t k, int64_t *ids, float *values) {
     for (int64_t j = 0; j < k; j++) ids[j] = -1, values[j] = -INFINITY;
     constexpr int64_t kStretch = 64;  // a stretch's maximum (vectorized) decides whether to look closer
