@@ -361,7 +361,7 @@ def _chat_with_endpoint(args: argparse.Namespace, sampling) -> int:
 
     store = Store.open(args.db)
     endpoint = _endpoint(args)
-    record = make_recorder(store, endpoint.info())
+    record = make_recorder(store, endpoint.info)
     session = ChatSession()
     print(f"{endpoint.model} at {endpoint.url} (client-side timings; history: {store.path}). Type /clear for a new "
           "chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
@@ -480,7 +480,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from app import bench
+    from app.bench import tables as bench
 
     if args.endpoint:
         return _load_sweep(args)

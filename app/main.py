@@ -7,10 +7,11 @@ import threading
 import time
 import webbrowser
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import Engine, EngineConfig
+from engine import EngineConfig
 
 from .i18n import DEFAULT, K, t
 from .ui import chat_tab, explain, history_tab, lab_tab, language
@@ -18,6 +19,9 @@ from .ui.language import Texts
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
 from .history.store import Store
+
+if TYPE_CHECKING:
+    from engine import Engine
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 TITLE = "PhaseScope"
@@ -29,7 +33,9 @@ def header_html(lang: str) -> str:
             f'<span class="ps-tagline">{t(lang, "header.tagline")}</span></div>')
 
 
-def build_app(engine: Engine, store: Store) -> gr.Blocks:
+def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
+    """The page. It reads nothing but the engine's config while it is built: what shows the loaded model
+    (model line, precision list, pool gauge, the Explain tab's panels) is drawn when a page loads."""
     active, texts = ActiveRequests(), Texts()
     with gr.Blocks(title=TITLE) as app:
         with gr.Row(equal_height=True):
@@ -37,7 +43,7 @@ def build_app(engine: Engine, store: Store) -> gr.Blocks:
             lang, remembered = language.switch(texts)
         with gr.Tabs() as tabs:
             with texts(gr.Tab, label=K("tab.chat"), id="chat"):
-                chat = chat_tab.build(engine, active, texts, lang, make_recorder(store, engine.info))
+                chat = chat_tab.build(engine, active, texts, lang, make_recorder(store, lambda: engine.info))
             with texts(gr.Tab, label=K("tab.explain"), id="explain", elem_id="ps-explain-tab"):
                 explain.build(engine, texts, lang)
             with texts(gr.Tab, label=K("tab.history"), id="history", elem_id="ps-history-tab"):
@@ -95,6 +101,8 @@ def start_engine(config: EngineConfig) -> Engine:
     """Load the model and serve it: the engine thread loads it, then runs the scheduler loop, so that one
     OpenMP team does all the work (see EngineThread)."""
     print("Loading the model…", file=sys.stderr, flush=True)
+    from engine import Engine  # here: torch loads with it
+
     runner = EngineThread().start()
     engine = runner.call(lambda: Engine.from_config(config))
     runner.call(engine.warm_up)  # the first chat's TTFT is then a prefill's, not a cold start's
@@ -106,15 +114,61 @@ def start_engine(config: EngineConfig) -> Engine:
     return engine
 
 
+class LoadingEngine:
+    """The engine behind a page that is served before it has loaded (importing torch and loading the model
+    take about a second): its config is known at once; reading anything else waits until the engine
+    serves, so a message sent meanwhile waits for it and then runs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config, self._engine, self._error = config, None, None
+        self._started, self._done = False, threading.Event()
+
+    def start(self) -> LoadingEngine:
+        def load() -> None:
+            try:
+                self._engine = start_engine(self._config)
+            except BaseException as exc:  # noqa: BLE001 - raised again by wait()
+                self._error = exc
+            finally:
+                self._done.set()
+
+        self._started = True
+        threading.Thread(target=load, name="load-model", daemon=True).start()
+        return self
+
+    def wait(self) -> Engine:
+        """The serving engine, once loaded; the load's error if it failed."""
+        if not self._started:
+            raise RuntimeError("the engine is read before it started loading (build the page from its config)")
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._engine
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config if self._engine is not None else self._config
+
+    def __getattr__(self, name: str):
+        return getattr(self.wait(), name)
+
+
 def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,
            open_browser: bool = False, auth: tuple[str, str] | None = None) -> None:
     store = Store.open(db_path)  # first: a bad --db fails before the model loads
     print(f"History: {store.path}", file=sys.stderr, flush=True)
-    engine = start_engine(config)
+    engine = LoadingEngine(config)
     app = build_app(engine, store)
     url = f"http://{host}:{port}"
+    # the page first, then the model behind it: the page is up in about two seconds, the model a second later
+    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[], auth=auth,
+               prevent_thread_lock=True, **launch_options())
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:
         webbrowser.open(url)
-    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[], auth=auth,
-               **launch_options())
+    try:
+        engine.start().wait()
+    except BaseException:
+        app.close()  # a model that cannot load ends the app with its one-line message, as before the page
+        raise
+    app.block_thread()

@@ -2,21 +2,40 @@
 
 The app reaches the engine only through the names below. The engine never imports the UI, the
 charts or the store.
+
+What the app reads and sends (configuration, requests, events, errors, model and pool info) is plain
+data that imports no torch; the machinery behind Engine does, and is imported on first use of its names
+(PEP 562), so that the app can serve its page while torch and the model load.
 """
+from __future__ import annotations
+
+import importlib
+
 from .config import EngineConfig, Limits, SamplingParams
-from .engine import Engine, EngineBusy, ModelInfo, QueueFull
-from .prompt import PromptTooLong, check_messages, render_prompt, valid_text
-from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started,
-                     TopToken)
-from .kv_pool import KVPool, KVPoolTooSmall, PoolUsage, SequenceKV, kv_bytes_formula
-from .loader import LoadedModel, ModelError, default_model_path, load_model
+from .errors import EngineBusy, KVPoolTooSmall, ModelError, QueueFull
+from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Speculation,
+                     Started, TopToken)
+from .info import ModelInfo, PoolUsage
 from .metrics import RequestMetrics, percentiles, session_summary
+from .prompt import PromptTooLong, check_messages, render_prompt, valid_text
 from .request import Request, Status
+
+_WITH_TORCH = {  # name: its module, imported when the name is first used
+    "Engine": ".engine", "KVPool": ".kv_pool", "SequenceKV": ".kv_pool", "kv_bytes_formula": ".kv_pool",
+    "LoadedModel": ".loader", "default_model_path": ".loader", "load_model": ".loader",
+}
+
+
+def __getattr__(name: str):
+    if name in _WITH_TORCH:
+        return getattr(importlib.import_module(_WITH_TORCH[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook",
     "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk",
-    "PromptTooLong", "QueueFull", "Request", "SequenceKV",
+    "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary", "valid_text",
 ]

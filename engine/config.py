@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .speculative import check_method
-
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16", "int8")
@@ -12,6 +10,17 @@ PRECISION_DTYPES = {"fp32": "float32", "int8": "float32", "fp16": "float16", "bf
 KV_DTYPES = ("auto", "fp32", "fp16", "int8")
 ATTENTIONS = ("auto", "sdpa", "eager")
 DEFAULT_BLOCK_TOKENS = 16  # tokens per KV block
+
+
+PROMPT_LOOKUP = "prompt-lookup"
+DRAFT_PREFIX = "draft:"  # "draft:PATH": a smaller model with the same tokenizer drafts
+METHODS = (PROMPT_LOOKUP, DRAFT_PREFIX + "PATH")
+
+
+def check_method(method: str | None) -> None:
+    if method is not None and method != PROMPT_LOOKUP and not (method.startswith(DRAFT_PREFIX) and
+                                                                 len(method) > len(DRAFT_PREFIX)):
+        raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {method!r}")
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:

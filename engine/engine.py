@@ -20,50 +20,27 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TypeVar
 
 import torch
 
-from .config import EngineConfig, SamplingParams
-from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Started, TopToken
+from .config import DRAFT_PREFIX, EngineConfig, SamplingParams
+from .errors import EngineBusy, QueueFull
+from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Speculation, Started, TopToken
 from .hf_runner import in_dtype, make_runner
-from .kv_pool import PoolUsage, blocks_for, kv_bytes_formula
+from .info import ModelInfo, PoolUsage
+from .kv_pool import blocks_for, kv_bytes_formula
 from .loader import LoadedModel, load_model
 from .prompt import PromptTooLong, check_messages, render_prompt
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
 from .scheduler import Scheduler
-from .speculative import DRAFT_PREFIX, DraftLength, DraftModel, Speculation, prompt_lookup
+from .speculative import DraftLength, DraftModel, prompt_lookup
 from .text import TextStream
 
 NUM_TOP = 5  # alternatives reported with each token
 T = TypeVar("T")
-
-
-class EngineBusy(RuntimeError):
-    """A change that needs an idle engine (e.g. another precision) asked for while requests run."""
-
-
-class QueueFull(EngineBusy):
-    """As many requests wait as the limits allow: try again shortly (HTTP 429)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    name: str
-    source: str
-    device: str
-    dtype: str
-    model_path: str  # which forward runs: "lean-llama" or "transformers"
-    decode_path: str  # how a decode step runs: "fused C++" (one native call) or "PyTorch ops"
-    precision: str  # fp32, fp16, bf16 or int8
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    context_window: int
-    kv_bytes_per_token: int  # by the formula
 
 
 def default_kv_budget_bytes(device: torch.device) -> int:

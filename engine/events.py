@@ -11,7 +11,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .metrics import RequestMetrics
-from .speculative import Speculation
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """What speculative decoding did for one request."""
+
+    drafted: int  # draft tokens proposed
+    accepted: int  # of those, kept
+    forwards: int  # decode forwards the request took (with a draft or without)
+    tokens: int  # tokens those forwards produced
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        return self.tokens / self.forwards if self.forwards else None
+
 
 # The stages of one forward pass, in order, as an explained request's events time them (stage_ms); the
 # order of the native step's Stage enum (csrc/decode_step.cpp). "norm" adds up the RMSNorms of every layer,

@@ -11,7 +11,7 @@ import inspect
 import torch
 
 from .config import DEFAULT_BLOCK_TOKENS
-from .kv_pool import PoolUsage
+from .info import PoolUsage
 from .llama import DTYPE_NAMES, LeanLlama
 
 

@@ -17,9 +17,11 @@ import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
+
+from .errors import KVPoolTooSmall
+from .info import PoolUsage
 
 
 def kv_bytes_formula(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int, num_tokens: int) -> int:
@@ -48,34 +50,6 @@ def dequantize_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-class KVPoolTooSmall(ValueError):
-    """A request that could never fit in the pool, however long it waited."""
-
-
-@dataclass(frozen=True, slots=True)
-class PoolUsage:
-    """The pool at one moment, in blocks (like vLLM's kv_cache_usage_perc, with the cached part apart)."""
-
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-    num_used: int  # held by running requests
-    num_cached: int  # held by nobody, kept for prefix reuse until evicted
-
-    @property
-    def num_free(self) -> int:
-        return self.num_blocks - self.num_used - self.num_cached
-
-    @property
-    def usage(self) -> float:
-        """Share of the pool held by running requests, 0-1."""
-        return self.num_used / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:

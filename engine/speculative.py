@@ -23,17 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-PROMPT_LOOKUP = "prompt-lookup"
-DRAFT_PREFIX = "draft:"  # "draft:PATH": a smaller model with the same tokenizer drafts
-METHODS = (PROMPT_LOOKUP, DRAFT_PREFIX + "PATH")
-
-
-def check_method(method: str | None) -> None:
-    if method is not None and method != PROMPT_LOOKUP and not (method.startswith(DRAFT_PREFIX) and
-                                                                 len(method) > len(DRAFT_PREFIX)):
-        raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {method!r}")
-
-
 MAX_NGRAM, MIN_NGRAM = 3, 2  # the n-grams matched, longest first; a single token matches too often
 
 
@@ -124,21 +113,3 @@ class DraftModel:
         cache, _ = self._caches.pop(request.request_id, (None, None))
         if cache is not None:
             self.pool.free(cache)
-
-
-@dataclass(frozen=True, slots=True)
-class Speculation:
-    """What speculative decoding did for one request."""
-
-    drafted: int  # draft tokens proposed
-    accepted: int  # of those, kept
-    forwards: int  # decode forwards the request took (with a draft or without)
-    tokens: int  # tokens those forwards produced
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def tokens_per_forward(self) -> float | None:
-        return self.tokens / self.forwards if self.forwards else None

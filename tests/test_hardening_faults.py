@@ -53,7 +53,7 @@ def test_the_chat_tab_says_not_saving_and_goes_on(tmp_path, tiny_engine):
     from app.ui.trace import ReplyTrace
 
     store = Store.open(tmp_path / "h.db")
-    recorder = make_recorder(store, tiny_engine.info)
+    recorder = make_recorder(store, lambda: tiny_engine.info)
     session = ChatSession()
     trace = ReplyTrace(turn=1)
     hook = recorder(session, [{"role": "user", "content": "Hi"}], SAMPLING, trace)

@@ -120,7 +120,7 @@ def test_export_options_give_a_file_or_a_refusal(filled_store, fmt, session_id):
 
 @pytest.fixture(scope="module")
 def api_app(tokenizer):
-    from app.serve import create_api
+    from app.serve.api import create_api
     from app.ui.session import EngineThread
     from tests.conftest import tiny_model
 

@@ -100,6 +100,7 @@ def test_bench_quick_produces_a_well_formed_table():
             "lean-llama int8": "fused C++"} == summary["decode_paths"]
     assert summary["native_decode_vs_pytorch_ops"]["lean-llama int8"]["speedup"] > 0
     assert summary["cold_start_s"]["to_first_token_s"] > 0
+    assert 0 < summary["app_ready_s"]["page_s"] <= summary["app_ready_s"]["model_s"]
     for mode in ("lean-llama fp32", "lean-llama int8"):  # the native modes: batching and prefix caching
         levels = summary["concurrency"][mode]
         assert ["1", "2"] == list(levels) and all(v["same_tokens_as_alone"] for v in levels.values())

@@ -6,22 +6,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from engine import DecodeStep, Engine, SamplingParams
 
-
-LONG_TEXT = Path(__file__).with_name("data") / "long_text.txt"  # a fixed story of ~2,000 words, for quality
-
-# a paragraph the bundled 135M model repeats faithfully when asked (in fp32 and int8)
-PARAGRAPH = ("The quick brown fox jumps over the lazy dog. Prefill reads the whole prompt in one pass and fills the "
-             "KV cache; decode then makes one token per forward pass, reading every weight once for each token. ")
-SPECULATION_PROMPTS = {
-    "repeat": "Repeat the following paragraph exactly, word for word:\n\n" + PARAGRAPH * 2,
-    "no repeats": "Write a short story about a lighthouse keeper who finds a strange map in a bottle.",
-}
+from .texts import LONG_TEXT, SPECULATION_PROMPTS
 
 
 def speculation(engine: Engine, repetitions: int, max_new_tokens: int = 128) -> dict:

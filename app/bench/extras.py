@@ -35,7 +35,7 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
     from ..ui.trace import ReplyTrace
 
     store = Store.open(folder / "bench-history.db")
-    recorder = make_recorder(store, engine.info)
+    recorder = make_recorder(store, lambda: engine.info)
     sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
 
     def ui_hooks():
@@ -235,6 +235,25 @@ def cold_start_s(model: str | None, precision: str) -> dict:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
     imports, load, total = (float(v) for v in out.stdout.split())
     return {"imports_s": imports, "load_s": load, "to_first_token_s": total, "precision": precision}
+
+
+def app_ready_s(model: str | None, precision: str) -> dict:
+    """`phasescope ui` started as a user starts it: seconds until its page answers, and until the model
+    behind the page serves (the page comes first, see app.main.launch)."""
+    from .browser import start_app
+
+    start = time.perf_counter()
+    process, _ = start_app("--precision", precision, *(["--model", model] if model else []))
+    page = time.perf_counter() - start
+    try:
+        for line in process.stdout:  # stderr too; the engine's line once it serves: "<model> on <device> (...)"
+            if "decode: " in line:
+                break
+        served = time.perf_counter() - start
+    finally:
+        process.terminate()
+        process.wait()
+    return {"page_s": round(page, 2), "model_s": round(served, 2), "precision": precision}
 
 
 def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int, log,

@@ -22,8 +22,8 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import in_dtype, make_runner
 
-from .extras import (cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench, native_vs_ops,
-                     quality_vs, random_prompt)
+from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
+                     native_vs_ops, quality_vs, random_prompt)
 from .decode_side import at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation
 from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
@@ -158,6 +158,8 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         log(f"  tensor parallel, fp32: {summary['tensor_parallel']}")
     summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
     log(f"  cold start: {summary['cold_start_s']}")
+    summary["app_ready_s"] = app_ready_s(model, best.runner.precision)
+    log(f"  phasescope ui: {summary['app_ready_s']}")
     results += [Result("llama.cpp", mode, test, samples)
                 for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log,
                                                        depths)]

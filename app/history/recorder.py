@@ -79,14 +79,15 @@ class MessageRecorder:
         self._last_write = time.monotonic()
 
 
-def make_recorder(store: Store, info: ModelInfo):
+def make_recorder(store: Store, model: Callable[[], ModelInfo]):
     """The chat tab's recorder factory: saves the session and the user's message, then returns the
-    hook that records the assistant's reply."""
+    hook that records the assistant's reply. model: what a new session is about, read as it starts (a
+    precision switch changes it)."""
     def recorder(session: ChatSession, messages: list[dict], sampling: SamplingParams, trace: ReplyTrace):
         user_text = messages[-1]["content"]
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
             settings = {name: getattr(sampling, name) for name in sampling.__slots__}
-            about = session.endpoint.info() if session.endpoint is not None else info  # a remote chat: the endpoint
+            about = session.endpoint.info() if session.endpoint is not None else model()  # a remote chat: the endpoint
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
                                                     about.name, about.device, about.dtype, settings)
         store.add_message(session.store_id, trace.turn, "user", user_text)

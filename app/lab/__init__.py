@@ -7,45 +7,64 @@ weights under another setting.
 """
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine import Engine
-
+from ..bench.texts import LONG_TEXT, PARAGRAPH
 from ..i18n import DEFAULT, t
 
-from . import decode, prefill, profile
 from .figure import figure, write_image
 from .lab import Lab, LabStopped
 from .result import LabResult, Series, machine
+
+if TYPE_CHECKING:
+    from engine import Engine
 
 
 @dataclass(frozen=True)
 class Experiment:
     name: str
     title_key: str  # its title in the UI's catalogues (app/i18n)
-    run: Callable[[Lab, str], LabResult]
+    runs: str  # "module.function" in this package, (Lab, prompt) -> LabResult
     default_prompt: str
 
     def title(self, lang: str = DEFAULT) -> str:
         return t(lang, self.title_key)
 
+    def run(self, lab: Lab, prompt: str) -> LabResult:
+        """The experiment's modules import torch: they load when one first runs, not when the app lists them."""
+        module, function = self.runs.split(".")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), function)(lab, prompt)
 
-_DEFAULTS = {**prefill.DEFAULT_PROMPTS, **decode.DEFAULT_PROMPTS, **profile.DEFAULT_PROMPTS}
+
+POEM = "Write a short poem about the sea."
 EXPERIMENTS = {e.name: e for e in [
-    Experiment("kv-cache", "lab.exp.kv_cache", decode.kv_cache, _DEFAULTS["kv-cache"]),
-    Experiment("chunked-prefill", "lab.exp.chunked_prefill", prefill.chunked_prefill, _DEFAULTS["chunked-prefill"]),
-    Experiment("prefix-cache", "lab.exp.prefix_cache", prefill.prefix_cache, _DEFAULTS["prefix-cache"]),
-    Experiment("attention", "lab.exp.attention", prefill.attention, _DEFAULTS["attention"]),
-    Experiment("tensor-parallel", "lab.exp.tensor_parallel", prefill.tensor_parallel, _DEFAULTS["tensor-parallel"]),
-    Experiment("speculative", "lab.exp.speculative", decode.speculative, _DEFAULTS["speculative"]),
-    Experiment("kv-compression", "lab.exp.kv_compression", decode.kv_compression, _DEFAULTS["kv-compression"]),
-    Experiment("batching", "lab.exp.batching", decode.batching, _DEFAULTS["batching"]),
-    Experiment("flash-decoding", "lab.exp.flash_decoding", decode.flash_decoding, _DEFAULTS["flash-decoding"]),
-    Experiment("precision", "lab.exp.precision", decode.precision, _DEFAULTS["precision"]),
-    Experiment("stages", "lab.exp.stages", profile.stages, _DEFAULTS["stages"]),
-    Experiment("roofline", "lab.exp.roofline", profile.roofline, _DEFAULTS["roofline"]),
+    Experiment("kv-cache", "lab.exp.kv_cache", "decode.kv_cache",
+               "Explain what a KV cache is and why a language model needs one."),
+    Experiment("chunked-prefill", "lab.exp.chunked_prefill", "prefill.chunked_prefill",
+               "Summarize the following notes on how language models serve many users at once. " * 4),
+    Experiment("prefix-cache", "lab.exp.prefix_cache", "prefill.prefix_cache",
+               "You are a patient teacher. A language model reads the prompt in one pass (prefill), filling a cache "
+               "of keys and values, then writes one token per step (decode), reading every weight and the cache each "
+               "time. Explain to a student why the second message of a chat can start faster than the first."),
+    Experiment("attention", "lab.exp.attention", "prefill.attention",
+               "Attention lets every token look at every token before it. "),
+    Experiment("tensor-parallel", "lab.exp.tensor_parallel", "prefill.tensor_parallel",
+               "Split every layer across two devices and add the partial results. "),
+    Experiment("speculative", "lab.exp.speculative", "decode.speculative", PARAGRAPH),
+    # a story that does not repeat itself: what a window forgets is gone for good
+    Experiment("kv-compression", "lab.exp.kv_compression", "decode.kv_compression",
+               " ".join(LONG_TEXT.read_text(encoding="utf-8").split()[:900])),
+    Experiment("batching", "lab.exp.batching", "decode.batching", POEM),
+    Experiment("flash-decoding", "lab.exp.flash_decoding", "decode.flash_decoding", PARAGRAPH),
+    Experiment("precision", "lab.exp.precision", "decode.precision", POEM),
+    Experiment("stages", "lab.exp.stages", "profile.stages",
+               "Explain where the time goes when a language model answers a question. "),
+    Experiment("roofline", "lab.exp.roofline", "profile.roofline",
+               "A roofline shows whether a step is limited by compute or by memory bandwidth. "),
 ]}
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ..bench.decode_side import LONG_TEXT, PARAGRAPH, SPECULATION_PROMPTS, teacher_forced
+from ..bench.decode_side import teacher_forced
+from ..bench.texts import SPECULATION_PROMPTS
 from .lab import Lab, decode_steps, median, r
 from .result import LabResult, Series
 
@@ -230,11 +231,3 @@ def precision(lab: Lab, prompt: str) -> LabResult:
     return LabResult("precision", "Weight precision: time per token against bytes read per token", prompt,
                      {"new_tokens": num_gen, "prompt_tokens": 32}, "MB of weights read per token", "ms per token",
                      series, rows, explanation, effects)
-
-
-DEFAULT_PROMPTS = {"kv-cache": "Explain what a KV cache is and why a language model needs one.",
-                   "speculative": PARAGRAPH,
-                   # a story that does not repeat itself: what a window forgets is gone for good
-                   "kv-compression": " ".join(LONG_TEXT.read_text(encoding="utf-8").split()[:900]),
-                   "batching": "Write a short poem about the sea.",
-                   "flash-decoding": PARAGRAPH, "precision": "Write a short poem about the sea."}

@@ -6,8 +6,12 @@ import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine import DecodeStep, Engine, Event, Request, SamplingParams
+from engine import DecodeStep, Event, Request, SamplingParams
+
+if TYPE_CHECKING:
+    from engine import Engine
 
 
 class LabStopped(Exception):

@@ -179,14 +179,3 @@ def tensor_parallel(lab: Lab, prompt: str) -> LabResult:
     return LabResult("tensor-parallel", "Tensor parallelism: compute and all-reduce per step", prompt,
                      {"prompt_tokens": num_prompt, "new_tokens": num_gen, "precision": "fp32"}, "",
                      "ms (decode step x10)", series, rows, explanation, effects)
-
-
-DEFAULT_PROMPTS = {
-    "chunked-prefill": "Summarize the following notes on how language models serve many users at once. " * 4,
-    "prefix-cache": ("You are a patient teacher. A language model reads the prompt in one pass (prefill), filling "
-                     "a cache of keys and values, then writes one token per step (decode), reading every weight "
-                     "and the cache each time. Explain to a student why the second message of a chat can start "
-                     "faster than the first."),
-    "attention": "Attention lets every token look at every token before it. ",
-    "tensor-parallel": "Split every layer across two devices and add the partial results. ",
-}

@@ -149,7 +149,3 @@ def _points(lab: Lab, e: Engine, prompt: str, num_prompt: int, batches: tuple[in
         points.append({"step": f"decode B={batch}", "batch": batch, "ms": r(ms, 2), "GFLOP": r(flops / 1e9, 3),
                        "FLOP per byte": r(flops / moved, 2), "GFLOP/s": r(flops / ms / 1e6, 1)})
     return points
-
-
-DEFAULT_PROMPTS = {"stages": "Explain where the time goes when a language model answers a question. ",
-                   "roofline": "A roofline shows whether a step is limited by compute or by memory bandwidth. "}

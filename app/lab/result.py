@@ -9,7 +9,6 @@ import os
 import platform
 from dataclasses import asdict, dataclass, field
 
-import torch
 
 
 @dataclass
@@ -78,7 +77,9 @@ def _cell(value) -> str:
     return "" if value is None else str(value).replace("|", "\\|")
 
 
-def processor_name(device: torch.device) -> str:
+def processor_name(device) -> str:
+    import torch  # here: the app lists saved runs before torch has loaded
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -93,6 +94,8 @@ def processor_name(device: torch.device) -> str:
 
 def machine(engine) -> dict:
     """The machine and the engine a run measured: enough to tell two runs' conditions apart."""
+    import torch
+
     info = engine.info
     return {"device": info.device, "processor": processor_name(engine.loaded.device), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(),

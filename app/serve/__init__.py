@@ -1,5 +1,6 @@
 """`phasescope serve`: the engine behind an OpenAI-compatible API with Prometheus metrics, the UI
-beside it on request; and the rules for who may reach either (access.py)."""
+beside it on request (api.py, metrics.py, protocol.py: imported when it serves, as they import the
+engine's machinery); and the rules for who may reach either (access.py, which `phasescope ui` uses too)."""
 from __future__ import annotations
 
 import sys
@@ -7,9 +8,8 @@ import sys
 from engine import EngineConfig
 
 from .access import check_exposure, is_loopback, parse_auth
-from .api import create_api
 
-__all__ = ["check_exposure", "create_api", "is_loopback", "parse_auth", "serve"]
+__all__ = ["check_exposure", "is_loopback", "parse_auth", "serve"]
 
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -17,6 +17,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     import uvicorn
 
     from ..main import start_engine
+    from .api import create_api
 
     store = None
     if with_ui:

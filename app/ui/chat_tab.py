@@ -3,18 +3,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import Engine, EngineBusy, Event, QueueFull, Request, SamplingParams, Status
+from engine import EngineBusy, Event, QueueFull, Request, SamplingParams, Status
 
-from ..bench.extras import precision_report
 from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
 from . import live, panels
 from .language import Texts, user_error
 from .session import ActiveRequests, ChatSession, RemoteWorker, ReplyWorker
 from .trace import ReplyTrace
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 # How often the page is sent what is new (text, points, tiles): static/phasescope.js appends it in place.
 # The charts redraw at most every 0.4 s there: each redraw is a Plotly relayout, on the cores decode uses.
@@ -178,6 +181,8 @@ def make_switch(engine: Engine, measured: dict):
         except (EngineBusy, ValueError) as exc:
             gr.Warning(user_error(lang, exc))
             return engine.info.precision, gr.skip(), gr.skip()
+        from ..bench.extras import precision_report  # the bench's modules import torch
+
         measured["report"] = engine.call(lambda: precision_report(engine.loaded, engine.runner))
         return gr.skip(), panels.model_html(engine.info, lang), panels.precision_html(measured["report"], lang)
 
@@ -220,10 +225,11 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
                 prefill_chunk = texts(gr.Slider, 0, 1024, value=0, step=16, label=K("chat.prefill_chunk"),
                                       elem_id="ps-prefill-chunk")
             with gr.Row():
-                precision = texts(gr.Dropdown, precisions(engine), value=engine.info.precision,
-                                  label=K("chat.precision"), scale=1, min_width=110, elem_id="ps-precision")
+                # the precisions, the model line and the pool are drawn when the page loads (redraw)
+                precision = texts(gr.Dropdown, [], value=None, label=K("chat.precision"), scale=1, min_width=110,
+                                  elem_id="ps-precision")
                 precision_note = gr.HTML(panels.precision_html(None), elem_id="ps-precision-note")
-            model_line = gr.HTML(panels.model_html(engine.info), elem_id="ps-model-line")
+            model_line = gr.HTML(panels.loading_html(), elem_id="ps-model-line")
             with texts(gr.Accordion, label=K("chat.backend"), open=False, elem_id="ps-backend"):
                 backend = gr.Radio(_backend_choices(DEFAULT), value="local", show_label=False,
                                    elem_id="ps-backend-kind")
@@ -243,7 +249,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
             gr.HTML(PLOT_DIV, elem_id="ps-kv")
             stream = gr.Textbox(live.reset([], []), visible="hidden", elem_id="ps-stream")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
-            pool = gr.HTML(_pool(engine, DEFAULT), elem_id="ps-pool")
+            pool = gr.HTML("", elem_id="ps-pool")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
@@ -281,17 +287,19 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
                       [session, model_line], queue=False)
 
     def redraw(lang_choice, chat):
-        """The panels in another language; the conversation and a streaming reply's text stay as they are."""
+        """The panels in another language, or on a page's load; the conversation and a streaming reply's text
+        stay as they are."""
         chat = chat or ChatSession()
         chat.lang = lang_choice
         trace = chat.traces[-1] if chat.traces else None
         outputs = render(chat, engine, trace, chatbot=False)
         model = panels.endpoint_html(chat.endpoint, lang_choice) if chat.endpoint else panels.model_html(engine.info,
                                                                                                         lang_choice)
-        return (*outputs[2:-1], model,
-                panels.precision_html(measured["report"], lang_choice))
+        return (*outputs[2:-1], model, panels.precision_html(measured["report"], lang_choice),
+                gr.Dropdown(choices=precisions(engine), value=engine.info.precision))
 
-    texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note])
+    texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note,
+                                        precision])
     texts.on_switch(lambda lang_choice, kind: gr.Radio(_backend_choices(lang_choice), value=kind), [backend],
                     [backend])
     return tab

@@ -4,10 +4,10 @@ from __future__ import annotations
 import tempfile
 from html import escape
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import Engine
 
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
@@ -15,6 +15,9 @@ from .language import Texts
 from ..history.export import FORMATS, export_filename, render as render_export
 from ..history.recorder import load_chat
 from ..history.store import Store, StoreError
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 COLUMNS = ["saved.col_id", "saved.col_title", "saved.col_updated", "saved.col_model", "saved.col_turns",
            "saved.col_ttft", "saved.col_tpot"]

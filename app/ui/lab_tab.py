@@ -12,15 +12,18 @@ import queue
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import Engine
 
 from .. import lab
 from ..history.store import Store, StoreError
 from ..i18n import DEFAULT, K, t
 from .language import Texts, user_error
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 FIRST = "kv-cache"
 EXPORTS = Path(tempfile.gettempdir()) / "phasescope-lab"

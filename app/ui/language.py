@@ -42,10 +42,13 @@ class Texts:
         return [gr.update(**{name: t(lang, key) for name, key in keys.items()}) for _, keys in self.labelled]
 
     def wire(self, choice: gr.Radio, remembered: gr.BrowserState, app: gr.Blocks) -> None:
-        """On load, the remembered choice or else the browser's language; on a change, relabel, redraw
-        and remember."""
-        app.load(lambda stored, browser: stored if stored in LANGUAGES else browser, [remembered, choice], [choice],
-                 queue=False, js=BROWSER_LANGUAGE_JS)
+        """On load, the remembered choice or else the browser's language, and every redraw in it (what shows
+        the loaded model is drawn then: the page is served before the model loads); on a change, relabel,
+        redraw and remember."""
+        loaded = app.load(lambda stored, browser: stored if stored in LANGUAGES else browser, [remembered, choice],
+                          [choice], queue=False, js=BROWSER_LANGUAGE_JS)
+        for redraw, inputs, outputs in self.redraws:
+            loaded.then(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
         choice.change(lambda lang: lang, [choice], [remembered], queue=False)
         choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
         for redraw, inputs, outputs in self.redraws:

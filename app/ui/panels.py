@@ -123,6 +123,11 @@ def endpoint_html(endpoint, lang: str = DEFAULT) -> str:
             f'{t(lang, "model.endpoint")}</div>')
 
 
+def loading_html(lang: str = DEFAULT) -> str:
+    """The model line while the model loads behind the served page."""
+    return f'<div class="ps-model" data-loading="1">{t(lang, "model.loading")}</div>'
+
+
 def model_html(info: ModelInfo, lang: str = DEFAULT) -> str:
     row = info.kv_bytes_per_token // (2 * info.num_layers * info.num_kv_heads)  # bytes of one head's keys
     weights = info.precision if info.precision == "int8" else info.dtype

@@ -8,12 +8,16 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from html import escape
+from typing import TYPE_CHECKING
 
-from engine import Engine, Event, Finished, Request, SamplingParams, Status
+from engine import Event, Finished, Request, SamplingParams, Status
 
 from ..i18n import DEFAULT
 from .panels import stats_line
 from .trace import ReplyTrace
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 
 def as_text(text: str) -> str:

@@ -8,14 +8,18 @@ replies) and a view of them in a language, so that a language switch redraws wit
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from engine import Engine, SamplingParams
+from engine import SamplingParams
 
 from ...i18n import t
 from .. import charts
 from ..trace import ReplyTrace
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 _runs = itertools.count(1)
 LONG_TEXT = ("Prefill reads every token of the prompt in one forward pass; decode then makes one token per "

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import Engine, SamplingParams
+from engine import SamplingParams
 
 from ...i18n import DEFAULT, K, t
 from ..language import Texts, user_error
@@ -24,6 +25,9 @@ from ..trace import ReplyTrace
 from . import views
 from .demos import DEMOS
 from .views import Walkthrough
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 DEFAULT_PROMPT = "我是小"  # the classic walk-through: the model continues a three-character prompt
 MAX_NEW_TOKENS = 64
@@ -45,7 +49,6 @@ def _choices(count: int, lang: str) -> list[tuple[str, str]]:
 
 
 def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
-    shape = views.Shape.of(engine)
     state = gr.State(None, time_to_live=HOLD_S, delete_callback=lambda walk: walk and walk.cancel())
     demo_state = gr.State(None)  # (demo name, its replies): redrawn in another language without running again
     with gr.Row():
@@ -61,9 +64,10 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
                             elem_id="ps-explain-temperature")
         top_k = texts(gr.Slider, 0, 50, value=0, step=1, label=K("chat.top_k"), elem_id="ps-explain-top-k")
         top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"), elem_id="ps-explain-top-p")
-        layer = texts(gr.Dropdown, _choices(shape.layers, DEFAULT), value="mean", label=K("explain.layer_choice"),
+        # the layer and head choices and the panels below are drawn when the page loads (redraw)
+        layer = texts(gr.Dropdown, _choices(0, DEFAULT), value="mean", label=K("explain.layer_choice"),
                       scale=1, elem_id="ps-explain-layer")
-        head = texts(gr.Dropdown, _choices(shape.heads, DEFAULT), value="mean", label=K("explain.head_choice"),
+        head = texts(gr.Dropdown, _choices(0, DEFAULT), value="mean", label=K("explain.head_choice"),
                      scale=1, elem_id="ps-explain-head")
         presenter = texts(gr.Checkbox, value=False, label=K("explain.presenter"), elem_id="ps-presenter")
     with gr.Row(elem_id="ps-demos"):
@@ -72,13 +76,12 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         demo_buttons = {name: texts(gr.Button, value=K(key), size="sm", elem_id=f"ps-demo-{name.replace('_', '-')}")
                         for name, key in (("short_vs_long", "demo.short_vs_long"), ("long_answer", "demo.long_answer"),
                                           ("second_turn", "demo.second_turn"))}
-    tokens = gr.HTML(views.tokens_html(engine.tokenizer, DEFAULT_PROMPT, DEFAULT), elem_id="ps-explain-tokens")
-    panel = gr.HTML(views.steps_html(engine, None, "mean", "mean", DEFAULT), elem_id="ps-explain-steps")
-    pipeline = gr.HTML(views.pipeline_html(engine, None, DEFAULT), elem_id="ps-explain-pipeline")
+    tokens = gr.HTML("", elem_id="ps-explain-tokens")
+    panel = gr.HTML("", elem_id="ps-explain-steps")
+    pipeline = gr.HTML("", elem_id="ps-explain-pipeline")
     with gr.Row(elem_id="ps-explain-charts"):
-        candidates = gr.Plot(views.candidates_figure(engine.tokenizer, None, None, DEFAULT), show_label=False,
-                             elem_id="ps-explain-candidates")
-        grid = gr.Plot(views.kv_grid_figure(engine, None, DEFAULT), show_label=False, elem_id="ps-explain-kv")
+        candidates = gr.Plot(show_label=False, elem_id="ps-explain-candidates")
+        grid = gr.Plot(show_label=False, elem_id="ps-explain-kv")
     demo_text = gr.HTML("", elem_id="ps-demo-result")
     demo_plot = gr.Plot(visible=False, show_label=False, elem_id="ps-demo-plot")
     with texts(gr.Accordion, label=K("explain.glossary_title"), open=False, elem_id="ps-glossary"):
@@ -179,10 +182,15 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         button.click(functools.partial(run_demo, name), [lang], [demo_state, demo_text, demo_plot],
                      concurrency_id="engine")
 
-    def redraw(lang_choice, walk, layer_choice, head_choice, demo):
-        return (*render(walk, layer_choice, head_choice, lang_choice)[1:], *show_demo(demo, lang_choice),
+    def redraw(lang_choice, walk, layer_choice, head_choice, demo, text):
+        """Every panel in another language, or on a page's load; before a walk-through, the prompt's tokens."""
+        shape = views.Shape.of(engine)
+        panels = render(walk, layer_choice, head_choice, lang_choice)[1:]
+        if walk is None:
+            panels = (views.tokens_html(engine.tokenizer, text or "", lang_choice), *panels[1:])
+        return (*panels, *show_demo(demo, lang_choice),
                 gr.Dropdown(choices=_choices(shape.layers, lang_choice)),
                 gr.Dropdown(choices=_choices(shape.heads, lang_choice)))
 
-    texts.on_switch(redraw, [state, layer, head, demo_state],
+    texts.on_switch(redraw, [state, layer, head, demo_state, prompt],
                     [tokens, panel, pipeline, candidates, grid, demo_text, demo_plot, layer, head])

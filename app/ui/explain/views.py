@@ -9,14 +9,18 @@ from dataclasses import dataclass
 from functools import cache
 from html import escape
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from engine import DecodeStep, Engine, Request, SamplingParams
+from engine import DecodeStep, Request, SamplingParams
 
 from ...i18n import t
 from .. import charts
 from ..trace import ReplyTrace
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 PIPELINE_SVG = Path(__file__).resolve().parents[3] / "static" / "pipeline.svg"
 SHOWN_PROMPT_TOKENS = 48  # the prompt's last tokens shown (the chat template's system prompt is long)

@@ -1,0 +1,17 @@
+"""The errors a caller of the engine handles: each message is one line for the user."""
+
+
+class ModelError(Exception):
+    """A model that cannot be found or loaded; the message is one line for the user."""
+
+
+class KVPoolTooSmall(ValueError):
+    """A request that could never fit in the pool, however long it waited."""
+
+
+class EngineBusy(RuntimeError):
+    """A change that needs an idle engine (e.g. another precision) asked for while requests run."""
+
+
+class QueueFull(EngineBusy):
+    """As many requests wait as the limits allow: try again shortly (HTTP 429)."""
