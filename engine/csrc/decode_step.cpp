@@ -229,6 +229,7 @@ struct QuantizedBatch {
     // block k of sequence b, from its inputs xk [64]
     void quantize(int64_t k, int64_t b, const float *xk) {
         float top = 0.0f;
+#pragma omp simd reduction(max : top)  // without it the compiler keeps this loop scalar
         for (int64_t i = 0; i < kBlock; i++) top = std::max(top, std::fabs(xk[i]));
         const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
         scale[k * n + b] = top / 127.0f;
