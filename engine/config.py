@@ -11,7 +11,7 @@ KV_DTYPES = ("auto", "fp32", "fp16", "int8")
 ATTENTIONS = ("auto", "sdpa", "eager")
 DEFAULT_BLOCK_TOKENS = 16  # tokens per KV block
 
-
+# speculative decoding's methods (engine/speculative.py)
 PROMPT_LOOKUP = "prompt-lookup"
 DRAFT_PREFIX = "draft:"  # "draft:PATH": a smaller model with the same tokenizer drafts
 METHODS = (PROMPT_LOOKUP, DRAFT_PREFIX + "PATH")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .metrics import RequestMetrics
 
+
 @dataclass(frozen=True, slots=True)
 class Speculation:
     """What speculative decoding did for one request."""
@@ -35,6 +36,7 @@ class Speculation:
 # "attention" the QKV projection, rotary embedding, cache write, attention and output projection of every
 # layer, "ffn" the gate/up projection, SiLU and down projection of every layer.
 FORWARD_STAGES = ("embedding", "norm", "attention", "ffn", "final_norm", "lm_head")
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
