@@ -217,14 +217,24 @@ constexpr bool kKeepsSign = false;  // x + 128 carries the sign
 constexpr bool kKeepsSign = true;
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kGroups = true;
+#else
+constexpr bool kGroups = false;
+#endif
+constexpr int64_t kGroup = 4;  // sequences per group (AVX-512): a 16-byte quarter of each in one vector
+
 struct QuantizedBatch {
-    int64_t n = 0;
+    int64_t n = 0, groups = 0;   // groups: whole groups of kGroup sequences, the first groups * 4 (AVX-512)
     std::vector<uint8_t> bytes;  // [block][n][64]: x + 128 (VNNI), or |x| (AVX2, scalar)
     std::vector<int8_t> sign;    // [block][n][64]: the sign of x (AVX2, scalar)
     std::vector<float> scale;    // [block][n]
+    std::vector<uint8_t> grouped;       // [block][group][quarter][4 sequences][16]: the same bytes, interleaved
+    std::vector<float> grouped_scale;   // [block][group][4 sequences][4]: each one's scale, once per lane
 
     QuantizedBatch(int64_t n, int64_t in)
-        : n(n), bytes(n * in), sign(kKeepsSign ? n * in : 0), scale(n * (in / kBlock)) {}
+        : n(n), groups(kGroups ? n / kGroup : 0), bytes(n * in), sign(kKeepsSign ? n * in : 0),
+          scale(n * (in / kBlock)), grouped(groups * kGroup * in), grouped_scale(groups * kGroup * 4 * (in / kBlock)) {}
 
     // block k of sequence b, from its inputs xk [64]
     void quantize(int64_t k, int64_t b, const float *xk) {
@@ -238,6 +248,12 @@ struct QuantizedBatch {
 #pragma omp simd
         for (int64_t i = 0; i < kBlock; i++)
             out[i] = uint8_t(int((xk[i] * inverse + 12582912.0f) - 12582912.0f) + 128);  // round to nearest even
+        if (b < groups * kGroup) {
+            const int64_t g = b / kGroup, j = b % kGroup, at = k * groups + g;
+            for (int64_t quarter = 0; quarter < 4; quarter++)
+                std::memcpy(grouped.data() + (at * 4 + quarter) * 64 + j * 16, out + quarter * 16, 16);
+            for (int64_t lane = 0; lane < 4; lane++) grouped_scale[at * 16 + j * 4 + lane] = scale[k * n + b];
+        }
 #else
         int8_t *signs = sign.data() + (k * n + b) * kBlock;
 #pragma omp simd
@@ -250,30 +266,84 @@ struct QuantizedBatch {
     }
 };
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// With AVX-512 each (row, sequence) sum keeps one block's integer dot product in four lanes, lane i the
+// products of inputs 16q + 4i .. 16q + 4i + 3 over the four quarters q, and accumulates those four
+// lanes' scaled floats; at the end of the row, (lane 0 + lane 2) + (lane 1 + lane 3). A sequence alone
+// folds its 16 lanes into those four (fold_lanes); a group of four sequences lays their quarters side by
+// side (QuantizedBatch::grouped), so that one vector holds all four's lanes and one conversion and one
+// multiply-add per block serve them all. The integers are exact, the float steps the same: a sequence's
+// results do not depend on the path, hence not on its neighbours in the batch.
+inline __m128i fold_lanes(__m512i v) {
+    const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+// -128 * sum(w) over one block of a row, per lane: (x + 128) . w minus this is x . w
+inline __m512i minus_bias(__m512i weights) {
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(char(128)), weights));
+}
+
+inline float sum_four(__m128 lanes) {  // (lane 0 + lane 2) + (lane 1 + lane 3)
+    const __m128 pairs = _mm_add_ps(lanes, _mm_movehl_ps(lanes, lanes));
+    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for sequences b0 .. b0 + B, one by one
+template <int B>
+void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64_t in, float *out) {
+    const int64_t blocks = in / kBlock, n = q.n;
+    __m128 acc[B];
+    for (int b = 0; b < B; b++) acc[b] = _mm_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
+        const __m512i weights = _mm512_loadu_si512(row + k * kBlock), start = minus_bias(weights);
+        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
+        const float *scale = q.scale.data() + k * n + b0;
+        for (int b = 0; b < B; b++) {
+            const __m128i dot = fold_lanes(_mm512_dpbusd_epi32(start, _mm512_loadu_si512(x + b * kBlock), weights));
+            acc[b] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(scale[b]), acc[b]);
+        }
+    }
+    for (int b = 0; b < B; b++) out[b] = sum_four(acc[b]);
+}
+
+// The same sums for R rows and the four sequences of group g: out[r][j]
+template <int R>
+void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_t in, float out[R][kGroup]) {
+    const int64_t blocks = in / kBlock;
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        const int8_t *block = w + k * kBlock;
+        __m512i dot[R];
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(block + r * in + kPrefetchBytes);
+            dot[r] = _mm512_broadcast_i32x4(fold_lanes(minus_bias(_mm512_loadu_si512(block + r * in))));
+        }
+        const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;
+        for (int quarter = 0; quarter < 4; quarter++) {
+            const __m512i xs = _mm512_loadu_si512(x + quarter * 64);
+            for (int r = 0; r < R; r++)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], xs, _mm512_broadcast_i32x4(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + r * in + quarter * 16))));
+        }
+        const __m512 scale = _mm512_loadu_ps(q.grouped_scale.data() + (k * q.groups + g) * 16);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
+    }
+    for (int r = 0; r < R; r++) {  // sum_four of each sequence's lanes, all four at once
+        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0x4E));  // lanes 0 + 2, 1 + 3
+        const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));
+        _mm_storeu_ps(out[r], _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, sums)));
+    }
+}
+#else
 // out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for sequences b0 .. b0 + B
 template <int B>
 void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64_t in, float *out) {
     const int64_t blocks = in / kBlock, n = q.n;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512 acc[B];
-    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
-    const __m512i bias = _mm512_set1_epi8(char(128));
-    for (int64_t k = 0; k < blocks; k++) {
-        __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
-        const __m512i weights = _mm512_loadu_si512(row + k * kBlock);
-        // (x + 128) . w - 128 * sum(w): the second term once per block for the whole batch, as the start
-        // of each sequence's sum
-        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, weights));
-        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
-        const float *scale = q.scale.data() + k * n + b0;
-        for (int b = 0; b < B; b++) {
-            const __m512i dot = _mm512_dpbusd_epi32(start, _mm512_loadu_si512(x + b * kBlock), weights);
-            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale[b]), acc[b]);
-        }
-    }
-    for (int b = 0; b < B; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
     __m256 acc[B];
     for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
@@ -324,85 +394,65 @@ void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64
     }
 #endif
 }
+#endif  // AVX-512
+
+// y[b][r] for the sequences b after the last whole group (all of them without AVX-512), up to four at a
+// time: row r's dot products, times its scale.
+void rest_dots_int8(const QuantizedBatch &q, const int8_t *row, float row_scale, int64_t in, int64_t out, int64_t r,
+                    float *y) {
+    float dots[kMaxBatch];
+    for (int64_t b0 = q.groups * kGroup; b0 < q.n; b0 += kMaxBatch) {
+        const int64_t count = std::min(kMaxBatch, q.n - b0);
+        switch (count) {
+            case 1: row_dots_int8<1>(q, b0, row, in, dots); break;
+            case 2: row_dots_int8<2>(q, b0, row, in, dots); break;
+            case 3: row_dots_int8<3>(q, b0, row, in, dots); break;
+            default: row_dots_int8<4>(q, b0, row, in, dots); break;
+        }
+        for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b] * row_scale;
+    }
+}
 
 // y[b][r0:r1] = (W[r0:r1, :] . x_b) * scale[r] with W int8 output-major [out][in], one scale per row.
-// Each row is read once and used for every sequence while it is in L1.
+// Each row is read once and used for every sequence while it is in L1: with AVX-512 by the whole groups
+// of four sequences, then for the rest.
 void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
                       int64_t r0, int64_t r1, float *y) {
-    float dots[kMaxBatch];
     for (int64_t r = r0; r < r1; r++) {
-        for (int64_t b0 = 0; b0 < q.n; b0 += kMaxBatch) {
-            const int64_t count = std::min(kMaxBatch, q.n - b0);
-            const int8_t *row = w + r * in;
-            switch (count) {
-                case 1: row_dots_int8<1>(q, b0, row, in, dots); break;
-                case 2: row_dots_int8<2>(q, b0, row, in, dots); break;
-                case 3: row_dots_int8<3>(q, b0, row, in, dots); break;
-                default: row_dots_int8<4>(q, b0, row, in, dots); break;
-            }
-            for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b] * scale[r];
-        }
-    }
-}
-
-// The same products for a prefill's many rows of x: R weight rows x B sequences at a time, so that each
-// block of weights and of activations is loaded once for the whole tile (a weight row alone would stream
-// all of x from L2 for each row). Each (row, sequence) sum is made exactly as row_dots_int8 makes it,
-// block by block in the same order: a prefill gives the decode step's numbers.
-template <int R, int B>
-void tile_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *w, int64_t in, float out[R][B]) {
+        const int8_t *row = w + r * in;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const int64_t blocks = in / kBlock, n = q.n;
-    __m512 acc[R][B];
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) acc[r][b] = _mm512_setzero_ps();
-    const __m512i bias = _mm512_set1_epi8(char(128));
-    for (int64_t k = 0; k < blocks; k++) {
-        __m512i weights[R], start[R];
-        for (int r = 0; r < R; r++) {
-            weights[r] = _mm512_loadu_si512(w + r * in + k * kBlock);
-            start[r] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias,
-                                                                                    weights[r]));
+        for (int64_t g = 0; g < q.groups; g++) {
+            float four[1][kGroup];
+            group_dots_int8<1>(q, g, row, in, four);
+            for (int64_t j = 0; j < kGroup; j++) y[(g * kGroup + j) * out + r] = four[0][j] * scale[r];
         }
-        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
-        const float *scale = q.scale.data() + k * n + b0;
-        for (int b = 0; b < B; b++) {
-            const __m512i xb = _mm512_loadu_si512(x + b * kBlock);
-            const __m512 sb = _mm512_set1_ps(scale[b]);
-            for (int r = 0; r < R; r++)
-                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start[r], xb, weights[r])), sb,
-                                            acc[r][b]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) out[r][b] = _mm512_reduce_add_ps(acc[r][b]);
-#else
-    for (int r = 0; r < R; r++) row_dots_int8<B>(q, b0, w + r * in, in, out[r]);
 #endif
+        rest_dots_int8(q, row, scale[r], in, out, r, y);
+    }
 }
 
-// y[b][r0:r1] for all n rows of a prefill: tiles of 4 weight rows x 4 sequences, the edges one by one.
+// The same products for a prefill's many rows of x. With AVX-512: tiles of 4 weight rows x a group of
+// 4 tokens, so that each block of weights and of activations is loaded once for the whole tile (a weight
+// row alone would stream all of x from L2 for each row); the rows and tokens left over as decode makes
+// them. Each (row, token) sum is made exactly as a decode step makes it: a prefill gives its numbers.
 void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
                       int64_t r0, int64_t r1, float *y) {
-    constexpr int R = 4, B = 4;
-    const int64_t whole = q.n / B * B;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    constexpr int R = 4;
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
-        float dots[R][B];
-        for (int64_t b0 = 0; b0 < whole; b0 += B) {
-            tile_dots_int8<R, B>(q, b0, w + r * in, in, dots);
+        float dots[R][kGroup];
+        for (int64_t g = 0; g < q.groups; g++) {
+            group_dots_int8<R>(q, g, w + r * in, in, dots);
             for (int i = 0; i < R; i++)
-                for (int b = 0; b < B; b++) y[(b0 + b) * out + r + i] = dots[i][b] * scale[r + i];
+                for (int64_t j = 0; j < kGroup; j++) y[(g * kGroup + j) * out + r + i] = dots[i][j] * scale[r + i];
         }
+        for (int i = 0; i < R; i++) rest_dots_int8(q, w + (r + i) * in, scale[r + i], in, out, r + i, y);
     }
-    if (whole < q.n || r < r1) {  // the last sequences for the tiled rows, and every sequence for the rest
-        float dots[1];
-        for (int64_t row = r0; row < r1; row++)
-            for (int64_t b = row < r ? whole : 0; b < q.n; b++) {
-                row_dots_int8<1>(q, b, w + row * in, in, dots);
-                y[b * out + row] = dots[0] * scale[row];
-            }
-    }
+    matvec_int8_rows(q, w, scale, in, out, r, r1, y);  // the rows after the last whole tile
+#else
+    matvec_int8_rows(q, w, scale, in, out, r0, r1, y);
+#endif
 }
 
 // y[b] = x[b] W^T (* scale) (+ bias) for every sequence b < n; x [n][in], y [n][out]. Each thread streams
