@@ -309,9 +309,23 @@ void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64
     for (int b = 0; b < B; b++) out[b] = sum_four(acc[b]);
 }
 
-// The same sums for R rows and the four sequences of group g: out[r][j]
+// Row r's -128 * sum(w) of every block, folded into four lanes: starts[r * blocks + block] (computed once
+// for all the groups that use the row)
+void row_starts(const int8_t *w, int64_t rows, int64_t in, __m128i *starts) {
+    const int64_t blocks = in / kBlock;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < blocks; k++) {
+            __builtin_prefetch(w + r * in + k * kBlock + kPrefetchBytes);  // the rows ahead, while these compute
+            starts[r * blocks + k] = fold_lanes(minus_bias(_mm512_loadu_si512(w + r * in + k * kBlock)));
+        }
+}
+
+// The same sums for R rows and the four sequences of group g: out[r][j]. starts: the R rows' row_starts,
+// or null to compute them on the way (a decode step's row serves one or two groups: a separate pass over
+// it measured slower there)
 template <int R>
-void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_t in, float out[R][kGroup]) {
+void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_t in, const __m128i *starts,
+                     float out[R][kGroup]) {
     const int64_t blocks = in / kBlock;
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -319,8 +333,10 @@ void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_
         const int8_t *block = w + k * kBlock;
         __m512i dot[R];
         for (int r = 0; r < R; r++) {
-            __builtin_prefetch(block + r * in + kPrefetchBytes);
-            dot[r] = _mm512_broadcast_i32x4(fold_lanes(minus_bias(_mm512_loadu_si512(block + r * in))));
+            if (starts == nullptr) __builtin_prefetch(block + r * in + kPrefetchBytes);
+            const __m128i start = starts != nullptr ? starts[r * blocks + k]
+                                                    : fold_lanes(minus_bias(_mm512_loadu_si512(block + r * in)));
+            dot[r] = _mm512_broadcast_i32x4(start);
         }
         const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;
         for (int quarter = 0; quarter < 4; quarter++) {
@@ -423,7 +439,7 @@ void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         for (int64_t g = 0; g < q.groups; g++) {
             float four[1][kGroup];
-            group_dots_int8<1>(q, g, row, in, four);
+            group_dots_int8<1>(q, g, row, in, nullptr, four);
             for (int64_t j = 0; j < kGroup; j++) y[(g * kGroup + j) * out + r] = four[0][j] * scale[r];
         }
 #endif
@@ -439,11 +455,13 @@ void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
                       int64_t r0, int64_t r1, float *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     constexpr int R = 4;
+    std::vector<__m128i> starts(R * (in / kBlock));
     int64_t r = r0;
     for (; r + R <= r1; r += R) {
         float dots[R][kGroup];
+        row_starts(w + r * in, R, in, starts.data());
         for (int64_t g = 0; g < q.groups; g++) {
-            group_dots_int8<R>(q, g, w + r * in, in, dots);
+            group_dots_int8<R>(q, g, w + r * in, in, starts.data(), dots);
             for (int i = 0; i < R; i++)
                 for (int64_t j = 0; j < kGroup; j++) y[(g * kGroup + j) * out + r + i] = dots[i][j] * scale[r + i];
         }
