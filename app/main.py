@@ -121,7 +121,7 @@ class LoadingEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self._config, self._engine, self._error = config, None, None
-        self._started, self._done = False, threading.Event()
+        self._done = threading.Event()
 
     def start(self) -> LoadingEngine:
         def load() -> None:
@@ -132,14 +132,12 @@ class LoadingEngine:
             finally:
                 self._done.set()
 
-        self._started = True
         threading.Thread(target=load, name="load-model", daemon=True).start()
         return self
 
     def wait(self) -> Engine:
-        """The serving engine, once loaded; the load's error if it failed."""
-        if not self._started:
-            raise RuntimeError("the engine is read before it started loading (build the page from its config)")
+        """The serving engine, once loaded (a page that asks before start() waits too); the load's error if
+        it failed. Building the page must not read it: it would wait for a load not yet started."""
         self._done.wait()
         if self._error is not None:
             raise self._error

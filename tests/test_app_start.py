@@ -30,8 +30,45 @@ def test_the_loading_engine_waits_for_the_load_and_passes_on_its_error():
 
     engine = LoadingEngine(EngineConfig(model="/nonexistent/model", max_running=3))
     assert engine.config.max_running == 3  # known before the load: the page is built from it
-    with pytest.raises(RuntimeError, match="before it started loading"):
-        engine.info  # noqa: B018 - a read that would wait forever is refused
     engine.start()
     with pytest.raises(ModelError, match="not found"):
         engine.info  # noqa: B018
+
+
+@pytest.mark.browser
+@pytest.mark.model
+def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
+    """In the browser: the page comes up saying the model is loading; a message sent then waits, and is
+    answered once the model serves; the model line and the precision list are drawn when it does."""
+    from pathlib import Path
+
+    from app.bench.browser import CHROMIUM, free_port, launch_browser, open_chat, send, set_setting, wait_phase
+    from app.history.store import Store
+    from app.main import LoadingEngine, build_app, launch_options
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not installed")
+    from playwright.sync_api import sync_playwright
+
+    engine = LoadingEngine(EngineConfig(precision="int8"))
+    app = build_app(engine, Store.open(str(tmp_path / "h.db")))
+    port = free_port()
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
+    try:
+        with sync_playwright() as playwright:
+            browser = launch_browser(playwright)
+            page = open_chat(browser, f"http://127.0.0.1:{port}")
+            assert "Loading the model" in page.inner_text("#ps-model-line")
+            set_setting(page, "ps-max-new", 8)
+            send(page, "Hi")
+            page.wait_for_timeout(1500)
+            assert not page.query_selector("#ps-phase [data-phase=done]")  # waiting for the model
+            engine.start()  # as launch() does, once the page is up
+            wait_phase(page, "done")
+            assert page.locator("#ps-chatbot .message").count() >= 2
+            page.wait_for_function("() => document.querySelector('#ps-model-line').innerText.includes('SmolLM2')")
+            assert "int8" in page.input_value("#ps-precision input")
+            browser.close()
+    finally:
+        app.close()
+        engine.stop()
