@@ -96,6 +96,8 @@ def test_bench_quick_produces_a_well_formed_table():
     assert {"none", "hooks", "hooks+store"} == set(summary["hooks"])
     assert summary["fp32_greedy_equals_transformers"] is True
     assert {"fp16", "int8", "int8 via FBGEMM"} == set(summary["quality_vs_fp32"])
+    assert {"int8"} == set(summary["weights_quality_long_text"])
+    assert 0.5 < summary["weights_quality_long_text"]["int8"]["top1_agreement"] <= 1
     assert {"lean-llama fp32": "fused C++", "lean-llama fp16": "PyTorch ops",
             "lean-llama int8": "fused C++"} == summary["decode_paths"]
     assert summary["native_decode_vs_pytorch_ops"]["lean-llama int8"]["speedup"] > 0

@@ -112,6 +112,19 @@ def kv_quality(engine: Engine, variants: dict[str, Engine], max_tokens: int = 30
     return report
 
 
+def weights_quality(reference: Engine, other: Engine, max_tokens: int = 3000) -> dict:
+    """A precision (int8, fp16...) against fp32 over the fixed long text fed token by token: the ratio of
+    the perplexities, and how often its most likely next token is fp32's. Thousands of positions, where
+    quality_vs's 116 move by points with any change of float summation order (a last-bit difference can
+    flip an int8 rounding in the next layer)."""
+    ids = reference.tokenizer(LONG_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][:max_tokens]
+    reference_ppl, expected, *_ = teacher_forced(reference, ids)
+    ppl, best, *_ = teacher_forced(other, ids)
+    return {"tokens": len(ids), "perplexity": round(ppl, 3), "fp32_perplexity": round(reference_ppl, 3),
+            "vs_fp32": round(ppl / reference_ppl, 4),
+            "top1_agreement": round(sum(a == b for a, b in zip(best, expected)) / len(best), 4)}
+
+
 def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset: int = 1000) -> dict:
     """One decode step at `context` tokens of context with the KV cache and without: the median forward
     time and FLOPs of each, and whether the tokens are the same."""

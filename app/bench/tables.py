@@ -24,7 +24,8 @@ from engine.hf_runner import in_dtype, make_runner
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
                      native_vs_ops, quality_vs, random_prompt)
-from .decode_side import at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation
+from .decode_side import (at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation,
+                          weights_quality)
 from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
 
@@ -210,6 +211,11 @@ def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, re
                                      for name, e in native.items()}
     log(f"  KV formats and a {pp}-token window against an fp32 cache over a long text: "
         f"{summary['kv_formats_quality']}")
+    if "lean-llama fp32" in engines:
+        reference = engines["lean-llama fp32"]
+        summary["weights_quality_long_text"] = {e.info.precision: weights_quality(reference, e, text_tokens)
+                                                for e in native.values() if e is not reference}
+        log(f"  weights against fp32 over the long text: {summary['weights_quality_long_text']}")
 
 
 def _scheduler(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int,
