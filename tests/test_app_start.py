@@ -57,7 +57,7 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
     try:
         with sync_playwright() as playwright:
             browser = launch_browser(playwright)
-            page = open_chat(browser, f"http://127.0.0.1:{port}")
+            page = open_chat(browser, f"http://127.0.0.1:{port}", model_drawn=False)
             assert "Loading the model" in page.inner_text("#ps-model-line")
             set_setting(page, "ps-max-new", 8)
             send(page, "Hi")

@@ -62,10 +62,14 @@ def launch_browser(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
 
 
-def open_chat(browser, url: str):
+def open_chat(browser, url: str, model_drawn: bool = True):
+    """A new page on the app's chat; with model_drawn, once the page has drawn what shows the loaded
+    model (model line, precision list: drawn on load, after the model has loaded behind the page)."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
     page.wait_for_selector("#ps-message textarea")
+    if model_drawn:
+        page.wait_for_selector("#ps-model-line .ps-model:not([data-loading])", timeout=120_000)
     return page
 
 
