@@ -6,8 +6,11 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from app.history.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
     import sys, time
@@ -35,18 +38,23 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_sigkill_mid_reply_keeps_earlier_messages_and_is_repaired(tmp_path):
-    path = tmp_path / "history.db"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+def signal_mid_reply(path: Path, signum: int) -> int:
+    """Run CHILD on the database at path, send it signum 100 decode steps into its second turn; its exit
+    status."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         for line in child.stdout:
             if line.startswith("STEP") and int(line.split()[1]) >= 100:
-                child.send_signal(signal.SIGKILL)
+                child.send_signal(signum)
                 break
-        child.wait(timeout=60)
+        return child.wait(timeout=60)
     finally:
         child.kill()
-    assert -signal.SIGKILL == child.returncode
+
+
+def test_sigkill_mid_reply_keeps_earlier_messages_and_is_repaired(tmp_path):
+    path = tmp_path / "history.db"
+    assert -signal.SIGKILL == signal_mid_reply(path, signal.SIGKILL)
 
     conn = sqlite3.connect(path)
     assert [("ok",)] == conn.execute("PRAGMA integrity_check").fetchall()

@@ -14,7 +14,7 @@ import pytest
 from app.history.store import Store
 from engine import SamplingParams
 from tests.conftest import record
-from tests.test_crash import CHILD
+from tests.test_crash import signal_mid_reply
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
@@ -77,16 +77,7 @@ def test_a_model_that_fails_to_load_is_one_line_and_exit_2(tmp_path):
 
 def test_sigterm_mid_reply_keeps_earlier_messages_and_is_repaired(tmp_path):
     path = tmp_path / "history.db"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        for line in child.stdout:
-            if line.startswith("STEP") and int(line.split()[1]) >= 100:
-                child.send_signal(signal.SIGTERM)
-                break
-        child.wait(timeout=60)
-    finally:
-        child.kill()
-    assert child.returncode == -signal.SIGTERM
+    assert signal_mid_reply(path, signal.SIGTERM) == -signal.SIGTERM
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     store = Store.open(path)  # the next start marks the partial reply
