@@ -523,8 +523,8 @@ class Engine:
             r.generator = make_generator(r.sampling.seed)
             try:
                 self._take_token(r, logits, batch_size=1)
-            except Exception as exc:  # sampling failed: this request ends, the engine goes on
-                self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # sampling failed: this request ends, the others and the engine go on
+                self._fail(r, exc)
 
     def _run_decodes(self, requests: list[Request]) -> None:
         begin_ns, comm_before = self._now_ns(), self._comm_ms()
@@ -553,8 +553,7 @@ class Engine:
             try:
                 self._take_tokens(r, logits[rows], tops[rows], draft, len(logits), forward_ms, comm_ms)
             except Exception as exc:  # sampling failed: this request ends, the others and the engine go on
-                if not r.is_finished:
-                    self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
+                self._fail(r, exc)
 
     def _take_tokens(self, r: Request, logits: torch.Tensor, tops: list, draft: list[int], batch_size: int,
                      forward_ms: float, comm_ms: float) -> None:
@@ -673,6 +672,11 @@ class Engine:
             # a request held step by step (explain mode) is paced by its user, and let go when abandoned
             if r.submit_ns < deadline and not r.is_cancelled and r.decode_allowance is None:
                 r.cancel(f"the request ran past the time limit of {limit:g} s")
+
+    def _fail(self, r: Request, exc: Exception) -> None:
+        """End one request with the error its step raised (unless it had ended already)."""
+        if not r.is_finished:
+            self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _finish_cancelled(self, r: Request) -> None:
         """A user's cancel ends a request as cancelled; a limit's, as failed with the limit's message."""
