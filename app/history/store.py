@@ -19,6 +19,8 @@ from pathlib import Path
 
 from sqlite_utils import Database
 
+from engine import valid_text
+
 SQLITE_HEADER = b"SQLite format 3\x00"
 FINAL_STATUS = {"eos": "complete", "length": "complete", "stop": "complete", "cancelled": "stopped",
                 "error": "error"}
@@ -36,20 +38,9 @@ def default_db_path() -> Path:
 
 
 def clean(text: str | None) -> str | None:
-    """Text SQLite can hold: a lone surrogate (which JSON and some clients can carry) becomes U+FFFD.
-    (engine.valid_text does the same for the tokenizer; importing it here would load torch for
-    `phasescope sessions`.)"""
-    if text is None:
-        return None
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace") if _has_surrogate(text) else text
-
-
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return False
-    except UnicodeEncodeError:
-        return True
+    """Text SQLite can hold: a lone surrogate (which JSON and some clients can carry) becomes U+FFFD, as
+    the engine does for its tokenizer."""
+    return None if text is None else valid_text(text)
 
 
 def now_iso() -> str:
