@@ -95,34 +95,36 @@ def teacher_forced(e: Engine, ids: list[int]) -> tuple[float, list[int], list[fl
     return math.exp(nll / (len(ids) - 1)), best, step_ms, kv_bytes
 
 
-def kv_quality(engine: Engine, variants: dict[str, Engine], max_tokens: int = 3000) -> dict:
-    """Each KV format against fp32's over a fixed long text fed token by token (teacher forcing through
-    decode steps, which read the cache): perplexity, and how often its most likely next token is the
-    one fp32's is."""
-    ids = engine.tokenizer(LONG_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][:max_tokens]
+def long_text_ids(engine: Engine, max_tokens: int = 3000) -> list[int]:
+    """The first max_tokens tokens of the fixed long text."""
+    return engine.tokenizer(LONG_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][:max_tokens]
 
-    reference_ppl, reference, *_ = teacher_forced(variants["KV fp32"], ids)
-    report = {"tokens": len(ids), "KV fp32": {"perplexity": round(reference_ppl, 3)}}
+
+def _against(reference: tuple[float, list[int]], run: tuple[float, list[int]]) -> dict:
+    """A teacher-forced run (perplexity, most likely next tokens) against the reference's."""
+    (reference_ppl, expected), (ppl, best) = reference, run
+    return {"perplexity": round(ppl, 3), "vs_fp32": round(ppl / reference_ppl, 4),
+            "top1_agreement": round(sum(a == b for a, b in zip(best, expected)) / len(best), 4)}
+
+
+def kv_quality(variants: dict[str, Engine], ids: list[int], reference: tuple[float, list[int]]) -> dict:
+    """Each KV format against fp32's over ids (the long text) fed token by token (teacher forcing through
+    decode steps, which read the cache): perplexity, and how often its most likely next token is the one
+    fp32's is. reference: teacher_forced's perplexity and next tokens for variants["KV fp32"]."""
+    report = {"tokens": len(ids), "KV fp32": {"perplexity": round(reference[0], 3)}}
     for name, e in variants.items():
         if name != "KV fp32":
-            ppl, best, *_ = teacher_forced(e, ids)
-            report[name] = {"perplexity": round(ppl, 3), "vs_fp32": round(ppl / reference_ppl, 4),
-                            "top1_agreement": round(sum(a == b for a, b in zip(best, reference)) / len(best), 4),
+            report[name] = {**_against(reference, teacher_forced(e, ids)[:2]),
                             "bytes_per_token": e.info.kv_bytes_per_token}
     return report
 
 
-def weights_quality(reference: Engine, other: Engine, max_tokens: int = 3000) -> dict:
-    """A precision (int8, fp16...) against fp32 over the fixed long text fed token by token: the ratio of
-    the perplexities, and how often its most likely next token is fp32's. Thousands of positions, where
-    quality_vs's 116 move by points with any change of float summation order (a last-bit difference can
-    flip an int8 rounding in the next layer)."""
-    ids = reference.tokenizer(LONG_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"][:max_tokens]
-    reference_ppl, expected, *_ = teacher_forced(reference, ids)
-    ppl, best, *_ = teacher_forced(other, ids)
-    return {"tokens": len(ids), "perplexity": round(ppl, 3), "fp32_perplexity": round(reference_ppl, 3),
-            "vs_fp32": round(ppl / reference_ppl, 4),
-            "top1_agreement": round(sum(a == b for a, b in zip(best, expected)) / len(best), 4)}
+def weights_quality(reference: tuple[float, list[int]], run: tuple[float, list[int]]) -> dict:
+    """A precision (int8, fp16...) against fp32, both teacher-forced over the long text with an fp32 cache:
+    the ratio of the perplexities, and how often its most likely next token is fp32's. Thousands of
+    positions, where quality_vs's 116 move by points with any change of float summation order (a last-bit
+    difference can flip an int8 rounding in the next layer)."""
+    return {"tokens": len(run[1]) + 1, **_against(reference, run), "fp32_perplexity": round(reference[0], 3)}
 
 
 def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset: int = 1000) -> dict:

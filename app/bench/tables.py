@@ -24,8 +24,8 @@ from engine.hf_runner import in_dtype, make_runner
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
                      native_vs_ops, quality_vs, random_prompt)
-from .decode_side import (at_depth, kv_quality, kv_variants, no_cache, prefill_at_depth, speculation,
-                          weights_quality)
+from .decode_side import (at_depth, kv_quality, kv_variants, long_text_ids, no_cache, prefill_at_depth, speculation,
+                          teacher_forced, weights_quality)
 from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
 
@@ -206,15 +206,18 @@ def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, re
     log(f"  speculative decoding (prompt lookup) vs plain: {summary['speculative_prompt_lookup']}")
     summary["no_kv_cache"] = {name: no_cache(e, pp) for name, e in native.items()}
     log(f"  a decode step without the KV cache vs with it: {summary['no_kv_cache']}")
-    text_tokens = min(3000, 6 * pp)  # the whole text in a full run, a taste of it in a --quick one
-    summary["kv_formats_quality"] = {name: kv_quality(e, kv_variants(e, window=pp), text_tokens)
-                                     for name, e in native.items()}
+    ids = long_text_ids(next(iter(native.values())), min(3000, 6 * pp))  # the whole text; a taste with --quick
+    plain, summary["kv_formats_quality"] = {}, {}
+    for name, e in native.items():  # one mode's variants at a time: each brings its own KV pool
+        variants = kv_variants(e, window=pp)
+        plain[name] = teacher_forced(variants["KV fp32"], ids)[:2]  # the mode's weights with an fp32 cache
+        summary["kv_formats_quality"][name] = kv_quality(variants, ids, plain[name])
     log(f"  KV formats and a {pp}-token window against an fp32 cache over a long text: "
         f"{summary['kv_formats_quality']}")
-    if "lean-llama fp32" in engines:
-        reference = engines["lean-llama fp32"]
-        summary["weights_quality_long_text"] = {e.info.precision: weights_quality(reference, e, text_tokens)
-                                                for e in native.values() if e is not reference}
+    if "lean-llama fp32" in plain:
+        reference = plain["lean-llama fp32"]
+        summary["weights_quality_long_text"] = {native[name].info.precision: weights_quality(reference, run)
+                                                for name, run in plain.items() if name != "lean-llama fp32"}
         log(f"  weights against fp32 over the long text: {summary['weights_quality_long_text']}")
 
 
