@@ -173,12 +173,11 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
     half = len(rows) // 2
     unsplit, split = rows[half - 1], rows[-1]
     explanation = (f"At {unsplit['context']} tokens of context attention took "
-                   f"{unsplit['attention ms per step']:.2f} ms "
-                   f"per step unsplit and {split['attention ms per step']:.2f} ms split across the threads; at "
-                   f"{rows[0]['context']}, {rows[0]['attention ms per step']:.2f} ms. Splitting the cache lets every "
-                   f"core read part of one long sequence; it pays where one sequence cannot keep the cores busy (a "
-                   f"GPU's many units). Here the cache read is bound by memory bandwidth, which the split does "
-                   f"not add.")
+                   f"{unsplit['attention ms per step']:.2f} ms per step unsplit and "
+                   f"{split['attention ms per step']:.2f} ms split across the threads; at {rows[0]['context']}, "
+                   f"{rows[0]['attention ms per step']:.2f} ms. Splitting the cache lets every core read part of one "
+                   f"long sequence; it pays where one sequence cannot keep the cores busy (a GPU's many units). Here "
+                   f"the cache read is bound by memory bandwidth, which the split does not add.")
     if not available:
         explanation = "The native decode step is not built here, so there is no split to switch on. " + explanation
     effects = {"attention time grows with the context (unsplit)":
@@ -221,9 +220,8 @@ def precision(lab: Lab, prompt: str) -> LabResult:
     explanation = (f"fp32 reads {fp32['MB read per token']:.0f} MB of weights per token and decodes at "
                    f"{fp32['decode tok/s']:.0f} tok/s; int8 reads {int8['MB read per token']:.0f} MB and decodes at "
                    f"{int8['decode tok/s']:.0f} tok/s; fp16 {fp16['MB read per token']:.0f} MB at "
-                   f"{fp16['decode tok/s']:.0f} tok/s. A memory-bound step takes bytes / bandwidth: the points lie "
-                   f"on a "
-                   f"line through the origin (dashed: {bandwidth:.1f} GB/s, the best achieved), and fewer bytes per "
+                   f"{fp16['decode tok/s']:.0f} tok/s. A memory-bound step takes bytes / bandwidth: the points lie on "
+                   f"a line through the origin (dashed: {bandwidth:.1f} GB/s, the best achieved), and fewer bytes per "
                    f"token buy speed in proportion. A point above the line spends time on something besides reading "
                    f"weights (converting a format the CPU cannot multiply natively, or per-step overhead).")
     effects = {"int8 reads fewer bytes per token than fp32": int8["MB read per token"] < fp32["MB read per token"] / 2,

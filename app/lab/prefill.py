@@ -52,9 +52,8 @@ def chunked_prefill(lab: Lab, prompt: str) -> LabResult:
                    f"{whole['long prompt TTFT (ms)']:.0f} ms, and the running chat waited "
                    f"{whole['chat longest pause (ms)']:.0f} ms for its next token. In chunks of 64 the chat never "
                    f"waited more than {small['chat longest pause (ms)']:.0f} ms, since every step decodes it beside "
-                   f"one chunk, "
-                   f"while the prompt's TTFT grew to {small['long prompt TTFT (ms)']:.0f} ms. This is why vLLM chunks "
-                   f"prefill: one long prompt no longer freezes everyone else's stream.")
+                   f"one chunk, while the prompt's TTFT grew to {small['long prompt TTFT (ms)']:.0f} ms. This is why "
+                   f"vLLM chunks prefill: one long prompt no longer freezes everyone else's stream.")
     effects = {"smaller chunks: shorter pauses in the running chat":
                small["chat longest pause (ms)"] < whole["chat longest pause (ms)"],
                "smaller chunks: a later first token for the long prompt":
@@ -89,9 +88,8 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
     last = rows[-1]
     explanation = (f"On turn {last['turn']} the prompt held {last['prompt tokens']} tokens; with the prefix cache "
                    f"{last['cached tokens']} of them came from the KV of earlier turns and TTFT was "
-                   f"{last['TTFT prefix cache (ms)']:.0f} ms, against {last['TTFT no reuse (ms)']:.0f} ms reading "
-                   f"the whole "
-                   f"conversation again. Each turn then costs only its new tokens.")
+                   f"{last['TTFT prefix cache (ms)']:.0f} ms, against {last['TTFT no reuse (ms)']:.0f} ms reading the "
+                   f"whole conversation again. Each turn then costs only its new tokens.")
     second = rows[1]
     effects = {"the prefix cache lowers the second turn's TTFT":
                second["TTFT prefix cache (ms)"] < second["TTFT no reuse (ms)"],
@@ -124,12 +122,11 @@ def attention(lab: Lab, prompt: str) -> LabResult:
     last, first_row = rows[-1], rows[0]
     eager, sdpa = last["eager (score matrix) (ms)"], last["sdpa (fused) (ms)"]
     explanation = (f"At {last['prompt tokens']} tokens eager attention took {eager:.0f} ms and the fused kernel "
-                   f"{sdpa:.0f} "
-                   f"ms ({eager / sdpa:.1f}x); the score matrix eager attention writes and reads back holds "
+                   f"{sdpa:.0f} ms ({eager / sdpa:.1f}x); the score matrix eager attention writes and reads back holds "
                    f"{last['score matrix per layer (MB)']:.0f} MB per layer, against "
-                   f"{first_row['score matrix per layer (MB)']:.1f} "
-                   f"MB at {first_row['prompt tokens']}: it grows with the square of the prompt. A fused kernel "
-                   f"(FlashAttention's idea) computes it in tiles that stay in cache, never the whole matrix.")
+                   f"{first_row['score matrix per layer (MB)']:.1f} MB at {first_row['prompt tokens']}: it grows with "
+                   f"the square of the prompt. A fused kernel (FlashAttention's idea) computes it in tiles that stay "
+                   f"in cache, never the whole matrix.")
     effects = {"eager is slower than fused at the longest prompt": eager > sdpa,
                "the score matrix grows with the square of the prompt":
                last["score matrix per layer (MB)"] > 3.5 * rows[-2]["score matrix per layer (MB)"],
@@ -169,11 +166,10 @@ def tensor_parallel(lab: Lab, prompt: str) -> LabResult:
     explanation = (f"Prefill of {num_prompt} tokens took {one['prefill_ms']:.0f} ms on one rank with one thread and "
                    f"{split['prefill_ms']:.0f} ms on two ranks ({one['prefill_ms'] / split['prefill_ms']:.2f}x), "
                    f"{split['prefill_all_reduce_share']:.0%} of it in all-reduce; a decode step spent "
-                   f"{split['decode_all_reduce_share']:.0%} of its {split['decode_step_ms']:.1f} ms there. Two "
-                   f"threads in "
-                   f"one rank on the same cores: {threads['prefill_ms']:.0f} ms. Splitting a layer across devices pays "
-                   f"when each slice's compute outweighs the synchronization, as in prefill; a decode step has too "
-                   f"little compute per all-reduce.")
+                   f"{split['decode_all_reduce_share']:.0%} of its {split['decode_step_ms']:.1f} ms there. Two threads "
+                   f"in one rank on the same cores: {threads['prefill_ms']:.0f} ms. Splitting a layer across devices "
+                   f"pays when each slice's compute outweighs the synchronization, as in prefill; a decode step has "
+                   f"too little compute per all-reduce.")
     effects = {"two ranks spend time in all-reduce": split["prefill_all_reduce_share"] > 0,
                "two ranks prefill faster than one rank with one thread": split["prefill_ms"] < one["prefill_ms"]}
     return LabResult("tensor-parallel", "Tensor parallelism: compute and all-reduce per step", prompt,
