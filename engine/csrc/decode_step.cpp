@@ -254,6 +254,21 @@ struct QuantizedBatch {
                 std::memcpy(grouped.data() + (at * 4 + quarter) * 64 + j * 16, out + quarter * 16, 16);
             for (int64_t lane = 0; lane < 4; lane++) grouped_scale[at * 16 + j * 4 + lane] = scale[k * n + b];
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        int8_t *signs = sign.data() + (k * n + b) * kBlock;
+        const __m256 times = _mm256_set1_ps(inverse), magic = _mm256_set1_ps(12582912.0f);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+        for (int64_t i = 0; i < kBlock; i += 32) {
+            __m256i v[4];
+            for (int j = 0; j < 4; j++) {  // round to nearest even, as the scalar path below
+                const __m256 x = _mm256_loadu_ps(xk + i + 8 * j);
+                v[j] = _mm256_cvtps_epi32(_mm256_sub_ps(_mm256_fmadd_ps(x, times, magic), magic));
+            }
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
+            _mm256_storeu_si256((__m256i *)(out + i), _mm256_abs_epi8(bytes));
+            _mm256_storeu_si256((__m256i *)(signs + i), _mm256_sign_epi8(_mm256_set1_epi8(1), bytes));
+        }
 #else
         int8_t *signs = sign.data() + (k * n + b) * kBlock;
 #pragma omp simd
@@ -355,48 +370,87 @@ void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_
     }
 }
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+// One block (64 inputs) of a weight row, ready for dot products with quantized blocks of x
+struct BlockWeights {
+    __m256i w0, w1;
+#if defined(__AVXVNNI__)
+    __m256i start;  // -128 * sum(w), once for the whole batch: (x + 128) . w plus this is x . w
+#endif
+    void load(const int8_t *block) {
+        w0 = _mm256_loadu_si256((const __m256i *)block);
+        w1 = _mm256_loadu_si256((const __m256i *)(block + 32));
+#if defined(__AVXVNNI__)
+        const __m256i bias = _mm256_set1_epi8(char(128));
+        start = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_avx_epi32(
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), bias, w0), bias, w1));
+#endif
+    }
+    // x . w in 8 lanes, for x's bytes and (without VNNI) signs
+    __m256i dot(const uint8_t *x, [[maybe_unused]] const int8_t *signs) const {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 32));
+#if defined(__AVXVNNI__)
+        return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(start, x0, w0), x1, w1);
+#else
+        const __m256i s0 = _mm256_sign_epi8(w0, _mm256_loadu_si256((const __m256i *)signs));
+        const __m256i s1 = _mm256_sign_epi8(w1, _mm256_loadu_si256((const __m256i *)(signs + 32)));
+        const __m256i ones = _mm256_set1_epi16(1);  // maddubs pairs are <= 2 * 127 * 127: no saturation
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(x0, s0), ones),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(x1, s1), ones));
+#endif
+    }
+};
+
+// the signs of block k of sequence b (null with VNNI, which keeps them in the bytes)
+inline const int8_t *signs_of(const QuantizedBatch &q, int64_t k, int64_t b) {
+    return kKeepsSign ? q.sign.data() + (k * q.n + b) * kBlock : nullptr;
+}
+
+inline float sum8(__m256 v) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    sum = _mm_hadd_ps(sum, sum);
+    return _mm_cvtss_f32(_mm_hadd_ps(sum, sum));
+}
+
+// out[r][b] = sum over blocks of scale_b[block] * (x_b . row r)[block], for R rows of w and sequences
+// b0 .. b0 + B: each block of weights and of x is loaded once for the R x B tile. Each sum is made in the
+// same steps whatever R and B are (a decode step's R = 1), so a sequence's results do not depend on its
+// neighbours in the batch, nor on whether a prefill or a decode step made them.
+template <int R, int B>
+void tile_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *w, int64_t in, float out[R][B]) {
+    const int64_t blocks = in / kBlock, n = q.n;
+    __m256 acc[R][B];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) acc[r][b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; k++) {
+        BlockWeights weights[R];
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(w + r * in + kPrefetchBytes + k * kBlock);
+            weights[r].load(w + r * in + k * kBlock);
+        }
+        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
+        const float *scale = q.scale.data() + k * n + b0;
+        for (int b = 0; b < B; b++) {
+            const int8_t *signs = signs_of(q, k, b0 + b);
+            for (int r = 0; r < R; r++)
+                acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(weights[r].dot(x + b * kBlock, signs)),
+                                            _mm256_set1_ps(scale[b]), acc[r][b]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) out[r][b] = sum8(acc[r][b]);
+}
+
+// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for sequences b0 .. b0 + B
+template <int B>
+void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64_t in, float *out) {
+    tile_dots_int8<1, B>(q, b0, row, in, reinterpret_cast<float (*)[B]>(out));
+}
+#else
 // out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for sequences b0 .. b0 + B
 template <int B>
 void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64_t in, float *out) {
     const int64_t blocks = in / kBlock, n = q.n;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[B];
-    for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < blocks; k++) {
-        __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + k * kBlock + 32));
-        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
-        const float *scale = q.scale.data() + k * n + b0;
-#if defined(__AVXVNNI__)
-        // (x + 128) . w - 128 * sum(w): the second term once per block for the whole batch
-        const __m256i bias = _mm256_set1_epi8(char(128));
-        const __m256i start = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_avx_epi32(
-            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), bias, w0), bias, w1));
-        for (int b = 0; b < B; b++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock + 32));
-            const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(start, x0, w0), x1, w1);
-#else
-        const int8_t *signs = q.sign.data() + (k * n + b0) * kBlock;
-        for (int b = 0; b < B; b++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + b * kBlock + 32));
-            const __m256i s0 = _mm256_sign_epi8(w0, _mm256_loadu_si256((const __m256i *)(signs + b * kBlock)));
-            const __m256i s1 = _mm256_sign_epi8(w1, _mm256_loadu_si256((const __m256i *)(signs + b * kBlock + 32)));
-            const __m256i ones = _mm256_set1_epi16(1);  // maddubs pairs are <= 2 * 127 * 127: no saturation
-            const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(x0, s0), ones),
-                                                 _mm256_madd_epi16(_mm256_maddubs_epi16(x1, s1), ones));
-#endif
-            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[b]), acc[b]);
-        }
-    }
-    for (int b = 0; b < B; b++) {
-        __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[b]), _mm256_extractf128_ps(acc[b], 1));
-        sum = _mm_hadd_ps(sum, sum);
-        out[b] = _mm_cvtss_f32(_mm_hadd_ps(sum, sum));
-    }
-#else
     for (int b = 0; b < B; b++) {
         float total = 0.0f;
         for (int64_t k = 0; k < blocks; k++) {
@@ -408,17 +462,16 @@ void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64
         }
         out[b] = total;
     }
-#endif
 }
+#endif
 #endif  // AVX-512
 
-// y[b][r] for the sequences b after the last whole group (all of them without AVX-512), up to four at a
-// time: row r's dot products, times its scale.
-void rest_dots_int8(const QuantizedBatch &q, const int8_t *row, float row_scale, int64_t in, int64_t out, int64_t r,
-                    float *y) {
+// y[b][r] for the sequences b0 <= b < b1, up to four at a time: row r's dot products, times its scale.
+void row_dots_int8_range(const QuantizedBatch &q, int64_t b0, int64_t b1, const int8_t *row, float row_scale,
+                         int64_t in, int64_t out, int64_t r, float *y) {
     float dots[kMaxBatch];
-    for (int64_t b0 = q.groups * kGroup; b0 < q.n; b0 += kMaxBatch) {
-        const int64_t count = std::min(kMaxBatch, q.n - b0);
+    for (; b0 < b1; b0 += kMaxBatch) {
+        const int64_t count = std::min(kMaxBatch, b1 - b0);
         switch (count) {
             case 1: row_dots_int8<1>(q, b0, row, in, dots); break;
             case 2: row_dots_int8<2>(q, b0, row, in, dots); break;
@@ -427,6 +480,12 @@ void rest_dots_int8(const QuantizedBatch &q, const int8_t *row, float row_scale,
         }
         for (int64_t b = 0; b < count; b++) y[(b0 + b) * out + r] = dots[b] * row_scale;
     }
+}
+
+// The sequences after the last whole group (all of them without AVX-512)
+void rest_dots_int8(const QuantizedBatch &q, const int8_t *row, float row_scale, int64_t in, int64_t out, int64_t r,
+                    float *y) {
+    row_dots_int8_range(q, q.groups * kGroup, q.n, row, row_scale, in, out, r, y);
 }
 
 // y[b][r0:r1] = (W[r0:r1, :] . x_b) * scale[r] with W int8 output-major [out][in], one scale per row.
@@ -468,6 +527,27 @@ void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
         for (int i = 0; i < R; i++) rest_dots_int8(q, w + (r + i) * in, scale[r + i], in, out, r + i, y);
     }
     matvec_int8_rows(q, w, scale, in, out, r, r1, y);  // the rows after the last whole tile
+#elif defined(__AVX2__) && defined(__FMA__)
+    // Tiles of R rows x 4 tokens, the tokens a chunk at a time so that their quantized x stays in cache
+    // while every row of the range passes over it (row by row over all of x, x would stream from memory
+    // once per row); the rows and tokens left over as decode makes them.
+    constexpr int R = 3;
+    constexpr int64_t kChunk = 64;
+    for (int64_t t0 = 0; t0 < q.n; t0 += kChunk) {
+        const int64_t t1 = std::min(q.n, t0 + kChunk), whole = t0 + (t1 - t0) / kMaxBatch * kMaxBatch;
+        int64_t r = r0;
+        for (; r + R <= r1; r += R) {
+            for (int64_t b0 = t0; b0 < whole; b0 += kMaxBatch) {
+                float dots[R][kMaxBatch];
+                tile_dots_int8<R, kMaxBatch>(q, b0, w + r * in, in, dots);
+                for (int i = 0; i < R; i++)
+                    for (int64_t j = 0; j < kMaxBatch; j++) y[(b0 + j) * out + r + i] = dots[i][j] * scale[r + i];
+            }
+            for (int i = 0; i < R; i++)
+                row_dots_int8_range(q, whole, t1, w + (r + i) * in, scale[r + i], in, out, r + i, y);
+        }
+        for (; r < r1; r++) row_dots_int8_range(q, t0, t1, w + r * in, scale[r], in, out, r, y);
+    }
 #else
     matvec_int8_rows(q, w, scale, in, out, r0, r1, y);
 #endif
@@ -719,14 +799,28 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
 // sequence's keys and values, read in place through its block table: no copy of the cached prefix into
 // one tensor, which a scattered table (a shared system prompt, then this chat's blocks) would need in
 // PyTorch. Per KV group, the group's query heads times a tile of tokens are the rows of two small matrix
-// products: scores = Q K^T, 32 keys at a time transposed to [D][32] so that a row's 32 scores are lanes
-// of two vectors (no horizontal sums); a softmax per row; out = P V, each value row loaded once for
-// several rows. Every row's sums run over exactly its own keys in one fixed order, so a token's output does
+// products: scores = Q K^T, kKeyTile keys at a time transposed to [D][kKeyTile] so that a row's scores
+// are lanes of two vectors (no horizontal sums); a softmax per row; out = P V, each value row loaded once
+// for several rows. Every row's sums run over exactly its own keys in one fixed order, so a token's output does
 // not depend on how the prompt was cut into chunks: prefix caching stays exact.
 typedef float Vec16 __attribute__((vector_size(64), aligned(4)));  // 16 floats; unaligned loads
-constexpr int64_t kKeyTile = 32;     // keys per score tile: two Vec16 per row
-constexpr int64_t kScoreRows = 6;    // query rows whose scores are computed together (12 accumulators)
-constexpr int64_t kValueRows = 4;    // rows whose outputs are accumulated together (4 x D / 16 accumulators)
+// The tiles are sized to the vector registers, 32 of 16 floats with AVX-512, 16 of 8 floats with AVX2:
+// too many accumulators spill to the stack on every multiply-add (a 64-byte vector is two AVX2 registers,
+// which the compiler kept in memory: 3x slower prefill attention than these 8-float vectors).
+#if defined(__AVX512F__)
+typedef Vec16 Lanes;                  // the vectors of the score and value stages
+constexpr int64_t kKeyTile = 32;      // keys per score tile: two vectors per row
+constexpr int64_t kValueColumns = 0;  // output columns accumulated at once: 0 = the whole head (D)
+constexpr int64_t kValueRows = 4;     // rows whose outputs are accumulated together
+#else
+typedef Vec Lanes;
+constexpr int64_t kKeyTile = 16;
+constexpr int64_t kValueColumns = 16;
+constexpr int64_t kValueRows = 6;
+#endif
+constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
+constexpr int kKeyVecs = kKeyTile / kLanes;
+constexpr int64_t kScoreRows = 6;    // query rows whose scores are computed together (12 registers)
 constexpr int64_t kTileTokens = 16;  // tokens per task
 
 // Scratch memory of this thread, kept between calls (a fresh allocation per call was a page fault per
@@ -742,6 +836,15 @@ inline Vec16 join16(Vec low, Vec high) {
     std::memcpy(&both, &low, sizeof low);
     std::memcpy(reinterpret_cast<char *>(&both) + sizeof low, &high, sizeof high);
     return both;
+}
+
+template <typename KV>
+inline Lanes load_lanes(const RowReader<KV> &row, int64_t i) {
+#if defined(__AVX512F__)
+    return join16(row.load8(i), row.load8(i + 8));
+#else
+    return row.load8(i);
+#endif
 }
 
 inline float sum_lanes16(Vec16 v) {
@@ -772,7 +875,8 @@ inline float softmax_row(float *s, int64_t n) {
 
 // Rows [0, rows) of one (KV group, token tile): row r is token t0 + r / group, query head r % group of the
 // group, at position pos + t0 + r / group. q points at the group's first head of token 0; out likewise.
-// Keys [0, n) of one KV group, 32 at a time transposed: kt [n / 32 rounded up][D][32], zero past n.
+// Keys [0, n) of one KV group, kKeyTile at a time transposed: kt [n / kKeyTile rounded up][D][kKeyTile],
+// zero past n.
 template <typename KV>
 void transpose_keys(const KV *k, const int64_t *table, int64_t bs, int64_t D, int64_t n, int64_t tile,
                     float *kt) {
@@ -795,31 +899,28 @@ template <int D, typename KV>
 void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const float *kt, const KV *v,
                          const int64_t *table, int64_t bs, int64_t pos, int64_t t0, int64_t t1, float scale,
                          float *out, int64_t out_stride) {
-    constexpr int V = D / 16;
     const int64_t rows = (t1 - t0) * group, n = pos + t1;  // the tile's last token sees n keys
     const int64_t width = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
     float *scores = scratch(0, rows * width);  // every entry a row reads is written below
     auto q_row = [&](int64_t r) { return q + (t0 + r / group) * q_stride + (r % group) * D; };
     auto limit = [&](int64_t r) { return pos + t0 + r / group + 1; };  // keys [0, limit) are visible
     for (int64_t start = 0; start < n; start += kKeyTile) {
-        const int64_t count = std::min(kKeyTile, n - start);
         const float *keys = kt + start * D;  // keys [start, start + 32) as [D][32]
         for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
             if (limit(std::min(rows, r0 + kScoreRows) - 1) <= start) continue;  // all these keys are in the future
             const float *qr[kScoreRows];
             for (int64_t i = 0; i < kScoreRows; i++) qr[i] = q_row(std::min(r0 + i, rows - 1));
-            Vec16 acc[kScoreRows][2] = {};
+            Lanes acc[kScoreRows][kKeyVecs] = {};
             for (int d = 0; d < D; d++) {
-                const Vec16 k0 = *reinterpret_cast<const Vec16 *>(keys + d * kKeyTile);
-                const Vec16 k1 = *reinterpret_cast<const Vec16 *>(keys + d * kKeyTile + 16);
-                for (int64_t i = 0; i < kScoreRows; i++) {
-                    acc[i][0] += qr[i][d] * k0;
-                    acc[i][1] += qr[i][d] * k1;
-                }
+                Lanes k[kKeyVecs];
+                for (int j = 0; j < kKeyVecs; j++)
+                    k[j] = *reinterpret_cast<const Lanes *>(keys + d * kKeyTile + j * kLanes);
+                for (int64_t i = 0; i < kScoreRows; i++)
+                    for (int j = 0; j < kKeyVecs; j++) acc[i][j] += qr[i][d] * k[j];
             }
-            for (int64_t i = 0; i < std::min(kScoreRows, rows - r0); i++) {
+            for (int64_t i = 0; i < std::min(kScoreRows, rows - r0); i++) {  // the tile's keys past n: 0
                 float *s = scores + (r0 + i) * width + start;
-                for (int64_t j = 0; j < count; j++) s[j] = (j < 16 ? acc[i][0][j] : acc[i][1][j - 16]) * scale;
+                for (int j = 0; j < kKeyVecs; j++) *reinterpret_cast<Lanes *>(s + j * kLanes) = acc[i][j] * scale;
             }
         }
     }
@@ -829,22 +930,25 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
         inverse[r] = softmax_row(s, limit(r));
         std::fill(s + limit(r), s + width, 0.0f);
     }
+    constexpr int C = (kValueColumns == 0 ? D : kValueColumns) / kLanes;  // accumulators per row
     for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
         const int64_t count = std::min(kValueRows, rows - r0), last = limit(r0 + count - 1);
-        Vec16 acc[kValueRows][V] = {};
-        for (int64_t p = 0; p < last; p++) {
-            const RowReader<KV> row(v + (table[p / bs] * bs + p % bs) * row_size<KV>(D), D);
-            Vec16 value[V];
-            for (int j = 0; j < V; j++) value[j] = join16(row.load8(j * 16), row.load8(j * 16 + 8));
-            for (int64_t i = 0; i < kValueRows; i++) {  // 0 past a row's limit
-                const float weight = i < count ? scores[(r0 + i) * width + p] * row.scale : 0.0f;
-                for (int j = 0; j < V; j++) acc[i][j] += weight * value[j];
+        for (int64_t c0 = 0; c0 < D; c0 += C * kLanes) {  // the head's columns, C vectors at a time
+            Lanes acc[kValueRows][C] = {};
+            for (int64_t p = 0; p < last; p++) {
+                const RowReader<KV> row(v + (table[p / bs] * bs + p % bs) * row_size<KV>(D), D);
+                Lanes value[C];
+                for (int j = 0; j < C; j++) value[j] = load_lanes(row, c0 + j * kLanes);
+                for (int64_t i = 0; i < kValueRows; i++) {  // 0 past a row's limit
+                    const float weight = i < count ? scores[(r0 + i) * width + p] * row.scale : 0.0f;
+                    for (int j = 0; j < C; j++) acc[i][j] += weight * value[j];
+                }
             }
-        }
-        for (int64_t i = 0; i < count; i++) {
-            const int64_t r = r0 + i;
-            float *o = out + (t0 + r / group) * out_stride + (r % group) * D;
-            for (int j = 0; j < V; j++) *reinterpret_cast<Vec16 *>(o + j * 16) = acc[i][j] * inverse[r];
+            for (int64_t i = 0; i < count; i++) {
+                const int64_t r = r0 + i;
+                float *o = out + (t0 + r / group) * out_stride + (r % group) * D + c0;
+                for (int j = 0; j < C; j++) *reinterpret_cast<Lanes *>(o + j * kLanes) = acc[i][j] * inverse[r];
+            }
         }
     }
 }
