@@ -441,7 +441,7 @@ void tile_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *w, int64_
         for (int b = 0; b < B; b++) out[r][b] = sum8(acc[r][b]);
 }
 
-constexpr int kTileRows = 3;  // weight rows per tile (measured: 3 x 4 sequences beat 1, 2 and 4 rows)
+constexpr int kTileRows = 3;  // a prefill's weight rows per tile (3 x 4 tokens measured faster than 1, 2, 4 rows)
 #else
 // out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for sequences b0 .. b0 + B
 template <int B>
