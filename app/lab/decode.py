@@ -36,14 +36,14 @@ def kv_cache(lab: Lab, prompt: str) -> LabResult:
                    f"({recomputed['last step GFLOP']:.1f} GFLOP against {cached['last step GFLOP']:.2f}). Without a "
                    f"cache the cost per token grows with the sequence; with one it stays nearly flat, since only "
                    f"the new token goes through the weights.")
-    effects = {"without a cache, the last steps are slower than the first":
-               recomputed["last steps (ms)"] > recomputed["first steps (ms)"],
-               "without a cache, each step is slower than with one":
-               recomputed["last steps (ms)"] > cached["last steps (ms)"],
-               "the same tokens either way": recomputed["same tokens"]}
+    timed = {"without a cache, the last steps are slower than the first":
+             recomputed["last steps (ms)"] > recomputed["first steps (ms)"],
+             "without a cache, each step is slower than with one":
+             recomputed["last steps (ms)"] > cached["last steps (ms)"]}
+    effects = {**timed, "the same tokens either way": recomputed["same tokens"]}
     return LabResult("kv-cache", "KV cache on/off: time per token against position", prompt,
                      {"prompt_tokens": num_prompt, "new_tokens": num_gen}, "position (tokens)", "ms per token",
-                     series, rows, explanation, effects, y2_label="GFLOP per step")
+                     series, rows, explanation, effects, timed=list(timed), y2_label="GFLOP per step")
 
 
 def speculative(lab: Lab, prompt: str) -> LabResult:
@@ -80,12 +80,12 @@ def speculative(lab: Lab, prompt: str) -> LabResult:
                    f"{free_plain['decode tok/s']:.0f}). Accepted drafts arrive together: the points near zero on the "
                    f"chart are tokens that came in the same forward as the one before them. Greedy output is the same "
                    f"token for token, since every draft is verified.")
-    effects = {"repeat/edit prompt: more than one token per forward": spec["tokens per forward"] > 1.3,
-               "repeat/edit prompt: faster than plain decoding": spec["decode tok/s"] > plain["decode tok/s"],
+    timed = {"repeat/edit prompt: faster than plain decoding": spec["decode tok/s"] > plain["decode tok/s"]}
+    effects = {"repeat/edit prompt: more than one token per forward": spec["tokens per forward"] > 1.3, **timed,
                "outputs identical on both prompts": spec["same output"] and free_spec["same output"]}
     return LabResult("speculative", "Speculative decoding (prompt lookup): latency of each token", prompt,
                      {"new_tokens": num_gen, "draft_tokens": lab.engine.config.draft_tokens},
-                     "token", "ms since the previous token", series, rows, explanation, effects)
+                     "token", "ms since the previous token", series, rows, explanation, effects, timed=list(timed))
 
 
 def kv_compression(lab: Lab, prompt: str) -> LabResult:
@@ -147,11 +147,13 @@ def batching(lab: Lab, prompt: str) -> LabResult:
                    f"each waiting {most['TPOT per request (ms)']:.1f} ms per token instead of "
                    f"{one['TPOT per request (ms)']:.1f}. Decode reads every weight once per step whatever the batch, "
                    f"so more sequences per step buy throughput at a small cost in each one's latency.")
-    effects = {"batching raises aggregate throughput": most["aggregate tok/s"] > 1.5 * one["aggregate tok/s"],
-               "each request's TPOT rises with the batch": most["TPOT per request (ms)"] > one["TPOT per request (ms)"]}
+    effects = timed = {
+        "batching raises aggregate throughput": most["aggregate tok/s"] > 1.5 * one["aggregate tok/s"],
+        "each request's TPOT rises with the batch": most["TPOT per request (ms)"] > one["TPOT per request (ms)"]}
     return LabResult("batching", "Batching: aggregate throughput against each request's TPOT", prompt,
                      {"levels": list(levels), "new_tokens": num_gen, "prompt_tokens": 32},
-                     "TPOT per request (ms)", "aggregate decode tok/s", series, rows, explanation, effects)
+                     "TPOT per request (ms)", "aggregate decode tok/s", series, rows, explanation, effects,
+                     timed=list(timed))
 
 
 def flash_decoding(lab: Lab, prompt: str) -> LabResult:
@@ -180,13 +182,14 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
                    f"the cache read is bound by memory bandwidth, which the split does not add.")
     if not available:
         explanation = "The native decode step is not built here, so there is no split to switch on. " + explanation
-    effects = {"attention time grows with the context (unsplit)":
-               rows[half - 1]["attention ms per step"] > rows[0]["attention ms per step"],
-               "attention time grows with the context (split)":
-               rows[-1]["attention ms per step"] > rows[half]["attention ms per step"]}
+    effects = timed = {"attention time grows with the context (unsplit)":
+                       rows[half - 1]["attention ms per step"] > rows[0]["attention ms per step"],
+                       "attention time grows with the context (split)":
+                       rows[-1]["attention ms per step"] > rows[half]["attention ms per step"]}
     return LabResult("flash-decoding", "Flash Decoding: attention time per decode step against context", prompt,
                      {"contexts": contexts, "new_tokens": num_gen, "native_step": available},
-                     "context (tokens)", "attention ms per decode step", series, rows, explanation, effects)
+                     "context (tokens)", "attention ms per decode step", series, rows, explanation, effects,
+                     timed=list(timed))
 
 
 def precision(lab: Lab, prompt: str) -> LabResult:
@@ -224,8 +227,9 @@ def precision(lab: Lab, prompt: str) -> LabResult:
                    f"a line through the origin (dashed: {bandwidth:.1f} GB/s, the best achieved), and fewer bytes per "
                    f"token buy speed in proportion. A point above the line spends time on something besides reading "
                    f"weights (converting a format the CPU cannot multiply natively, or per-step overhead).")
+    timed = {"int8 decodes faster than fp32": int8["decode tok/s"] > fp32["decode tok/s"]}
     effects = {"int8 reads fewer bytes per token than fp32": int8["MB read per token"] < fp32["MB read per token"] / 2,
-               "int8 decodes faster than fp32": int8["decode tok/s"] > fp32["decode tok/s"]}
+               **timed}
     return LabResult("precision", "Weight precision: time per token against bytes read per token", prompt,
                      {"new_tokens": num_gen, "prompt_tokens": 32}, "MB of weights read per token", "ms per token",
-                     series, rows, explanation, effects)
+                     series, rows, explanation, effects, timed=list(timed))

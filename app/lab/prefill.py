@@ -54,14 +54,14 @@ def chunked_prefill(lab: Lab, prompt: str) -> LabResult:
                    f"waited more than {small['chat longest pause (ms)']:.0f} ms, since every step decodes it beside "
                    f"one chunk, while the prompt's TTFT grew to {small['long prompt TTFT (ms)']:.0f} ms. This is why "
                    f"vLLM chunks prefill: one long prompt no longer freezes everyone else's stream.")
-    effects = {"smaller chunks: shorter pauses in the running chat":
-               small["chat longest pause (ms)"] < whole["chat longest pause (ms)"],
-               "smaller chunks: a later first token for the long prompt":
-               small["long prompt TTFT (ms)"] > whole["long prompt TTFT (ms)"]}
+    effects = timed = {"smaller chunks: shorter pauses in the running chat":
+                       small["chat longest pause (ms)"] < whole["chat longest pause (ms)"],
+                       "smaller chunks: a later first token for the long prompt":
+                       small["long prompt TTFT (ms)"] > whole["long prompt TTFT (ms)"]}
     return LabResult("chunked-prefill", "Chunked prefill: the running chat's gaps while a long prompt is read",
                      prompt, {"long_prompt_tokens": num_long, "chunks": [64, 256, "whole"]},
                      "ms since the long prompt arrived", "running chat: ms between tokens", series, rows,
-                     explanation, effects)
+                     explanation, effects, timed=list(timed))
 
 
 def prefix_cache(lab: Lab, prompt: str) -> LabResult:
@@ -91,12 +91,12 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
                    f"{last['TTFT prefix cache (ms)']:.0f} ms, against {last['TTFT no reuse (ms)']:.0f} ms reading the "
                    f"whole conversation again. Each turn then costs only its new tokens.")
     second = rows[1]
-    effects = {"the prefix cache lowers the second turn's TTFT":
-               second["TTFT prefix cache (ms)"] < second["TTFT no reuse (ms)"],
-               "later turns take tokens from the cache": all(row["cached tokens"] > 0 for row in rows[1:])}
+    timed = {"the prefix cache lowers the second turn's TTFT":
+             second["TTFT prefix cache (ms)"] < second["TTFT no reuse (ms)"]}
+    effects = {**timed, "later turns take tokens from the cache": all(row["cached tokens"] > 0 for row in rows[1:])}
     return LabResult("prefix-cache", "Prefix cache: TTFT of each turn of one chat", prompt,
                      {"turns": turns, "new_tokens": num_gen}, "turn", "TTFT (ms)", series, rows, explanation,
-                     effects, y2_label="prompt tokens from the cache")
+                     effects, timed=list(timed), y2_label="prompt tokens from the cache")
 
 
 def attention(lab: Lab, prompt: str) -> LabResult:
@@ -127,13 +127,14 @@ def attention(lab: Lab, prompt: str) -> LabResult:
                    f"{first_row['score matrix per layer (MB)']:.1f} MB at {first_row['prompt tokens']}: it grows with "
                    f"the square of the prompt. A fused kernel (FlashAttention's idea) computes it in tiles that stay "
                    f"in cache, never the whole matrix.")
-    effects = {"eager is slower than fused at the longest prompt": eager > sdpa,
+    timed = {"eager is slower than fused at the longest prompt": eager > sdpa}
+    effects = {**timed,
                "the score matrix grows with the square of the prompt":
                last["score matrix per layer (MB)"] > 3.5 * rows[-2]["score matrix per layer (MB)"],
                "the same first token from every implementation": all(row["same first token"] for row in rows)}
     return LabResult("attention", "Attention: eager against fused, prefill time against prompt length", prompt,
                      {"lengths": list(lengths)}, "prompt tokens", "prefill ms", series, rows, explanation, effects,
-                     y2_label="score matrix per layer (MB)")
+                     timed=list(timed), y2_label="score matrix per layer (MB)")
 
 
 def tensor_parallel(lab: Lab, prompt: str) -> LabResult:
@@ -170,8 +171,8 @@ def tensor_parallel(lab: Lab, prompt: str) -> LabResult:
                    f"in one rank on the same cores: {threads['prefill_ms']:.0f} ms. Splitting a layer across devices "
                    f"pays when each slice's compute outweighs the synchronization, as in prefill; a decode step has "
                    f"too little compute per all-reduce.")
-    effects = {"two ranks spend time in all-reduce": split["prefill_all_reduce_share"] > 0,
-               "two ranks prefill faster than one rank with one thread": split["prefill_ms"] < one["prefill_ms"]}
+    timed = {"two ranks prefill faster than one rank with one thread": split["prefill_ms"] < one["prefill_ms"]}
+    effects = {"two ranks spend time in all-reduce": split["prefill_all_reduce_share"] > 0, **timed}
     return LabResult("tensor-parallel", "Tensor parallelism: compute and all-reduce per step", prompt,
                      {"prompt_tokens": num_prompt, "new_tokens": num_gen, "precision": "fp32"}, "",
-                     "ms (decode step x10)", series, rows, explanation, effects)
+                     "ms (decode step x10)", series, rows, explanation, effects, timed=list(timed))

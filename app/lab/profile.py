@@ -47,12 +47,12 @@ def stages(lab: Lab, prompt: str) -> LabResult:
                    f"token only, the layers for all {num_prompt}) and sampling {sample['decode %']:.0f} %. The "
                    f"stages add up to {prefill_sum:.0%} of the prefill's measured time and {decode_sum:.0%} of the "
                    f"decode step's.")
-    effects = {"the stages sum to within 10 % of the prefill's time": abs(prefill_sum - 1) <= 0.1,
-               "the stages sum to within 10 % of the decode step's time": abs(decode_sum - 1) <= 0.1}
+    effects = timed = {"the stages sum to within 10 % of the prefill's time": abs(prefill_sum - 1) <= 0.1,
+                       "the stages sum to within 10 % of the decode step's time": abs(decode_sum - 1) <= 0.1}
     return LabResult("stages", "Where the time goes: one prefill and one decode step by stage", prompt,
                      {"prompt_tokens": num_prompt, "decode_steps": len(steps), "stages_over_prefill": r(prefill_sum, 3),
                       "stages_over_decode": r(decode_sum, 3)}, "", "% of the step", series, rows, explanation,
-                     effects)
+                     effects, timed=list(timed))
 
 
 def probe(device: torch.device, refresh: bool = False) -> dict:
@@ -116,13 +116,14 @@ def roofline(lab: Lab, prompt: str) -> LabResult:
                    f"one sequence does {d1['FLOP per byte']:.1f} and reached {d1['GFLOP/s']:.1f} GFLOP/s, on the "
                    f"bandwidth slope. Batching {dn['batch']} sequences reads the weights once for all of them: "
                    f"{dn['FLOP per byte']:.1f} FLOPs per byte, {dn['GFLOP/s']:.1f} GFLOP/s.")
+    timed = {"batching walks decode up the slope": dn["GFLOP/s"] > d1["GFLOP/s"]}
     effects = {"the probe measured positive peaks": peak > 0 and bandwidth > 0,
                "prefill's arithmetic intensity is above decode's": pre["FLOP per byte"] > 10 * d1["FLOP per byte"],
-               "batching walks decode up the slope": dn["GFLOP/s"] > d1["GFLOP/s"]}
+               **timed}
     return LabResult("roofline", "Roofline: prefill and decode on this machine's limits", prompt,
                      {"prompt_tokens": num_prompt, "batches": list(batches), "precision": "fp32", **peaks},
                      "arithmetic intensity (FLOP per byte read)", "achieved GFLOP/s", series, points, explanation,
-                     effects, log_x=True, log_y=True)
+                     effects, timed=list(timed), log_x=True, log_y=True)
 
 
 def _points(lab: Lab, e: Engine, prompt: str, num_prompt: int, batches: tuple[int, ...], num_gen: int) -> list[dict]:

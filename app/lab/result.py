@@ -10,7 +10,6 @@ import platform
 from dataclasses import asdict, dataclass, field
 
 
-
 @dataclass
 class Series:
     """One trace of the figure. kind: lines, markers, lines+markers or bar (bars at the same x stack);
@@ -38,6 +37,7 @@ class LabResult:
     table: list[dict]  # rows of measured numbers, one column per key
     explanation: str  # two or three sentences tied to the numbers above
     effects: dict[str, bool]  # each effect the experiment is about: did it show, in this run's numbers
+    timed: list[str] = field(default_factory=list)  # the effects read off a clock: a busy machine can hide them
     y2_label: str | None = None
     log_x: bool = False
     log_y: bool = False
@@ -56,6 +56,11 @@ class LabResult:
     def shows_its_effect(self) -> bool:
         return all(self.effects.values())
 
+    @property
+    def counted_effects(self) -> dict[str, bool]:
+        """The effects read off counts (tokens, bytes, FLOPs), which no load on the machine changes."""
+        return {effect: ok for effect, ok in self.effects.items() if effect not in self.timed}
+
     def markdown(self) -> str:
         """The run as Markdown: title, table, explanation, effects, settings and machine."""
         lines = [f"## {self.title}", ""]
@@ -65,7 +70,8 @@ class LabResult:
             lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in self.table]
             lines.append("")
         lines += [self.explanation, ""]
-        lines += [f"- {'shown' if ok else 'NOT shown'}: {effect}" for effect, ok in self.effects.items()]
+        lines += [f"- {'shown' if ok else 'NOT shown'}: {effect}{' (timed)' if effect in self.timed else ''}"
+                  for effect, ok in self.effects.items()]
         settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
         lines += ["", f"Settings: {settings}. Machine: {machine_line(self.machine)}. Took {self.seconds:.1f} s."]
         return "\n".join(lines)
