@@ -501,7 +501,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
                        baseline=not args.no_baseline, llama_bench_path=args.llama_bench,
                        log=lambda line: print(line, file=sys.stderr, flush=True), concurrency_levels=levels,
-                       depths=depths, tensor_parallel=args.tensor_parallel)
+                       depths=depths, tensor_parallel=args.tensor_parallel, quick=args.quick)
     if args.browser:
         report["summary"]["browser"] = _browser_bench(modes, args.quick)
     print(bench.render(report, args.output))

@@ -79,7 +79,8 @@ def test_bundled_int8_quality_and_kv_cache(bundled):
 
 @pytest.mark.model
 def test_bench_quick_produces_a_well_formed_table():
-    result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json", "-d", "0,64"],
+    result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json", "-d", "0,64",
+                             "--tensor-parallel", "1"],
                             capture_output=True, text=True, timeout=600)
     assert 0 == result.returncode, result.stderr
     report = json.loads(result.stdout)
@@ -118,12 +119,13 @@ def test_bench_quick_produces_a_well_formed_table():
         assert spec["repeat"]["same_text"] and spec["no repeats"]["same_text"]
         assert summary["no_kv_cache"][mode]["no_cache_step_gflop"] > summary["no_kv_cache"][mode]["cached_step_gflop"]
         quality = summary["kv_formats_quality"][mode]
-        assert quality["tokens"] == 6 * 32 and quality["KV fp16"]["bytes_per_token"] == 46080 // 2
+        assert quality["tokens"] == 96 and quality["KV fp16"]["bytes_per_token"] == 46080 // 2
         assert quality["KV int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
         assert quality["KV window 32 + 4 sinks"]["perplexity"] > 0
         attention = summary["prefill_attention"][mode]  # native, sdpa and eager prefill at 16 and 32 tokens
         assert ["16", "32"] == list(attention) and attention["32"]["eager"]["prefill_ms"] > 0
-    markdown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--no-baseline", "--modes", "int8"],
+    markdown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--no-baseline", "--modes", "int8",
+                               "--tensor-parallel", "1"],
                               capture_output=True, text=True, timeout=600).stdout
     assert markdown.startswith("| engine | mode | test | tokens/s |")
     assert "| phasescope | lean-llama int8 | tg8 |" in markdown

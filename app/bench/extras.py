@@ -181,26 +181,26 @@ def precision_report(loaded, runner) -> dict:
 
 
 @torch.inference_mode()
-def prefill_quality(reference, other, tokenizer) -> dict:
-    """quality_vs through prefill: every prefix of each text prefilled in one pass (T > 1, prefill's
-    kernels), its last logits against the reference's."""
+def prefill_quality(reference, other, tokenizer, stride: int = 1) -> dict:
+    """quality_vs through prefill: every prefix of each text (every stride-th: each costs a prefill)
+    prefilled in one pass (T > 1, prefill's kernels), its last logits against the reference's."""
     def pairs():
         for text in QUALITY_TEXTS:
             ids = torch.tensor(tokenizer(text)["input_ids"])
-            for end in range(2, len(ids) + 1):
+            for end in range(2, len(ids) + 1, stride):
                 yield (reference.forward(ids[:end], 0, reference.new_cache(end)),
                        other.forward(ids[:end], 0, other.new_cache(end)))
 
     return _agreement(pairs())
 
 
-def int8_prefill_report(reference, int8_runner, tokenizer) -> dict:
+def int8_prefill_report(reference, int8_runner, tokenizer, stride: int = 1) -> dict:
     """int8 prefill's quality through the native kernels and through FBGEMM (whose one activation scale
     per tensor spans every token of the prompt), and the weights int8 keeps: one copy, since FBGEMM's
     packed copy is only made where the native library is not built."""
-    native = prefill_quality(reference, int8_runner, tokenizer)
+    native = prefill_quality(reference, int8_runner, tokenizer, stride)
     with int8_runner.pytorch_decode():
-        fbgemm = prefill_quality(reference, int8_runner, tokenizer)
+        fbgemm = prefill_quality(reference, int8_runner, tokenizer, stride)
     return {"native": native, "FBGEMM": fbgemm, "weights_mb": round(int8_runner.weight_bytes / 1e6, 1),
             "fbgemm_copies_held": sum(linear._packed is not None for linear in int8_runner._linears())}
 

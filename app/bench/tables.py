@@ -105,7 +105,9 @@ def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
 def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] = ("fp32", "int8"), pp: int = 512,
         tg: int = 128, repetitions: int = 3, baseline: bool = True, llama_bench_path: str | None = None,
         log=print, concurrency_levels: tuple[int, ...] = (1, 2, 4, 8), depths: tuple[int, ...] = (),
-        tensor_parallel: int = 2) -> dict:
+        tensor_parallel: int = 2, quick: bool = False) -> dict:
+    """quick: a smoke run's shortcuts where a measurement's cost grows with its text (every 4th prefix
+    for int8 prefill's quality, 96 tokens of the long text)."""
     loaded = load_model(model, device=device, dtype="float32")
     engines = mode_engines(loaded, list(modes))
     vocab, bos = loaded.model.config.vocab_size, loaded.tokenizer.bos_token_id
@@ -145,12 +147,12 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         log(f"  quality vs fp32: {summary['quality_vs_fp32']}")
         if "lean-llama int8" in engines and engines["lean-llama int8"].runner.fused is not None:
             summary["int8_prefill_quality"] = int8_prefill_report(reference, engines["lean-llama int8"].runner,
-                                                                  loaded.tokenizer)
+                                                                  loaded.tokenizer, stride=4 if quick else 1)
             log(f"  int8 prefill (each prefix in one pass) vs fp32: {summary['int8_prefill_quality']}")
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
-    _decode_side(summary, engines, pp, tg, repetitions, log)
+    _decode_side(summary, engines, pp, tg, repetitions, log, long_text_tokens=96 if quick else 3000)
     lengths = (pp // 2, pp) if pp < 256 else (256, 1024, 2048, 4096)  # --quick: a taste
     summary["prefill_attention"] = {name: attention_impls(e, lengths, vocab) for name, e in _native(engines).items()}
     log(f"  prefill attention, native vs sdpa vs eager: {summary['prefill_attention']}")
@@ -199,14 +201,16 @@ def _depths(engines: dict[str, Engine], depths: tuple[int, ...], pp: int, tg: in
     return results
 
 
-def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int, log) -> None:
-    """Speculative decoding, decode without a KV cache and the KV formats, for the native modes."""
+def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int, log,
+                 long_text_tokens: int) -> None:
+    """Speculative decoding, decode without a KV cache and the KV formats (over the first long_text_tokens
+    of the long text), for the native modes."""
     native = _native(engines)
     summary["speculative_prompt_lookup"] = {name: speculation(e, repetitions, tg) for name, e in native.items()}
     log(f"  speculative decoding (prompt lookup) vs plain: {summary['speculative_prompt_lookup']}")
     summary["no_kv_cache"] = {name: no_cache(e, pp) for name, e in native.items()}
     log(f"  a decode step without the KV cache vs with it: {summary['no_kv_cache']}")
-    ids = long_text_ids(next(iter(native.values())), min(3000, 6 * pp))  # the whole text; a taste with --quick
+    ids = long_text_ids(next(iter(native.values())), long_text_tokens)
     plain, summary["kv_formats_quality"] = {}, {}
     for name, e in native.items():  # one mode's variants at a time: each brings its own KV pool
         variants = kv_variants(e, window=pp)
