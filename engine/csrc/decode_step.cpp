@@ -830,12 +830,14 @@ float *scratch(int which, int64_t size) {
     return buffers[which].data();
 }
 
+#if defined(__AVX512F__)
+// Two 8-float halves as one register. (Joined through memory, two 32-byte stores then a 64-byte load,
+// every value load of prefill attention waited on a failed store forwarding: 2x slower there.)
 inline Vec16 join16(Vec low, Vec high) {
-    Vec16 both;
-    std::memcpy(&both, &low, sizeof low);
-    std::memcpy(reinterpret_cast<char *>(&both) + sizeof low, &high, sizeof high);
-    return both;
+    const __m512d both = _mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)low), (__m256d)high, 1);
+    return (Vec16)both;
 }
+#endif
 
 template <typename KV>
 inline Lanes load_lanes(const RowReader<KV> &row, int64_t i) {
