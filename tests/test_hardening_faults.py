@@ -3,6 +3,7 @@ generation, two processes writing one database file. The chat goes on, saying it
 saved before is lost; the file stays sound."""
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import subprocess
@@ -105,7 +106,8 @@ for i in range(15):
 def test_two_processes_on_one_database_file(tmp_path):
     path = tmp_path / "h.db"
     Store.open(path)  # created and migrated once
-    writers = [subprocess.Popen([sys.executable, "-c", TWO_WRITERS, str(path), name], cwd=ROOT)
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # two processes on two cores: no OpenMP teams spinning
+    writers = [subprocess.Popen([sys.executable, "-c", TWO_WRITERS, str(path), name], cwd=ROOT, env=one_thread)
                for name in ("left", "right")]
     assert [w.wait(timeout=180) for w in writers] == [0, 0]
     store = Store.open(path)
