@@ -83,5 +83,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
             distribution = torch.zeros_like(distribution)
             distribution[token_id] = 1.0
         sample_probs = distribution[top_ids].tolist()
-    prob = math.exp(float(logits[token_id]) - lse)
+    logit = top_values[top_ids.index(token_id)] if token_id in top_ids else float(logits[token_id])
+    prob = math.exp(logit - lse)
     return Sample(token_id, prob, top_ids, [math.exp(v - lse) for v in top_values], sample_probs)
