@@ -1143,7 +1143,7 @@ extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t ou
 
 // What sampling and the events need from a step's logits: the k largest (ids and values, largest first;
 // ties go to the lower id, as argmax does) and log(sum(exp(logits))), so that any token's probability
-// is exp(logit - lse). Two passes over [n], on one thread: about 10 µs for n = 49,152.
+// is exp(logit - lse). Two passes over [n], on one thread: 27 µs for n = 49,152 (AVX-512, 2 cores).
 extern "C" float ps_top_logits(const float *logits, int64_t n, int64_t k, int64_t *ids, float *values) {
     for (int64_t j = 0; j < k; j++) ids[j] = -1, values[j] = -INFINITY;
     constexpr int64_t kStretch = 64;  // a stretch's maximum (vectorized) decides whether to look closer
