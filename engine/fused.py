@@ -183,7 +183,7 @@ class FusedDecode:
         logits = logits.float().contiguous()
         rows, vocab = logits.shape
         k = min(k, vocab)
-        # ctypes arrays: a few torch ops here (empty tensors, a check on a slice) had cost ~5x the search
+        # ctypes arrays, not torch tensors: each torch op pays microseconds of dispatch, and this runs every step
         ids, values, lse = (ctypes.c_int64 * (rows * k))(), (ctypes.c_float * (rows * k))(), (ctypes.c_float * rows)()
         self._top_batch(logits.data_ptr(), rows, vocab, k, torch.get_num_threads(), ids, values, lse)
         ids, values = list(ids), list(values)
