@@ -29,7 +29,8 @@ MAX_NGRAM, MIN_NGRAM = 3, 2  # the n-grams matched, longest first; a single toke
 def prompt_lookup(tokens: Sequence[int], max_draft: int, max_ngram: int = MAX_NGRAM,
                   min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to max_draft tokens that followed the latest earlier occurrence of the sequence's last n tokens
-    (n from max_ngram down to min_ngram); [] when nothing matches."""
+    (n from max_ngram down to min_ngram), else of the max_ngram tokens before the last one (which then
+    replaced a token of the earlier text); [] when nothing matches."""
     if max_draft < 1 or len(tokens) <= min_ngram:
         return []
     ids = np.asarray(tokens, dtype=np.int64)
@@ -38,6 +39,17 @@ def prompt_lookup(tokens: Sequence[int], max_draft: int, max_ngram: int = MAX_NG
         starts = np.flatnonzero((windows == ids[-n:]).all(axis=1))
         if starts.size:
             follow = starts[-1] + n  # the most recent occurrence: the closest context
+            return ids[follow:follow + max_draft].tolist()
+    # The last token may have replaced one of the earlier text's, as a paraphrase does ("the entire" where
+    # the prompt had "the whole"): when the max_ngram tokens before it match, what followed the replaced
+    # token is likely to follow again. (A shorter context than max_ngram matches too often to be worth a
+    # draft.)
+    n = max_ngram
+    if len(ids) > n + 2:
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-2], n)
+        starts = np.flatnonzero((windows == ids[-n - 1:-1]).all(axis=1))
+        if starts.size:
+            follow = starts[-1] + n + 1  # past the replaced token
             return ids[follow:follow + max_draft].tolist()
     return []
 

@@ -33,6 +33,10 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match():
     assert [] == prompt_lookup([1, 2, 3, 4, 5], 4)  # nothing repeats
     assert [5, 1, 7, 8] == prompt_lookup([7, 8, 5, 1, 7, 8], 4)  # a bigram; what followed runs to the end
     assert [] == prompt_lookup(tokens, 0)
+    # the last token replaced the earlier text's 5 (a paraphrase): the three before it match, so what
+    # followed the 5 is drafted; with only two tokens of matching context, nothing is
+    assert [6, 7] == prompt_lookup([1, 2, 3, 4, 5, 6, 7, 9, 2, 3, 4, 8], 2)
+    assert [] == prompt_lookup([1, 2, 5, 6, 9, 2, 8], 2)
 
 
 def test_the_draft_length_grows_on_success_and_drafting_pauses_after_misses():
