@@ -35,10 +35,9 @@ def prompt_lookup(tokens: Sequence[int], max_draft: int, max_ngram: int = MAX_NG
         return []
     ids = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every earlier n-gram but the last
-        starts = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if starts.size:
-            follow = starts[-1] + n  # the most recent occurrence: the closest context
+        start = _latest(ids[:-1], ids[-n:])  # every earlier n-gram but the last
+        if start is not None:
+            follow = start + n
             return ids[follow:follow + max_draft].tolist()
     # The last token may have replaced one of the earlier text's, as a paraphrase does ("the entire" where
     # the prompt had "the whole"): when the max_ngram tokens before it match, what followed the replaced
@@ -46,12 +45,18 @@ def prompt_lookup(tokens: Sequence[int], max_draft: int, max_ngram: int = MAX_NG
     # draft.)
     n = max_ngram
     if len(ids) > n + 2:
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-2], n)
-        starts = np.flatnonzero((windows == ids[-n - 1:-1]).all(axis=1))
-        if starts.size:
-            follow = starts[-1] + n + 1  # past the replaced token
+        start = _latest(ids[:-2], ids[-n - 1:-1])
+        if start is not None:
+            follow = start + n + 1  # past the replaced token
             return ids[follow:follow + max_draft].tolist()
     return []
+
+
+def _latest(ids: np.ndarray, gram: np.ndarray) -> int | None:
+    """Where the most recent occurrence of gram in ids starts (the closest context), or None."""
+    windows = np.lib.stride_tricks.sliding_window_view(ids, len(gram))
+    starts = np.flatnonzero((windows == gram).all(axis=1))
+    return int(starts[-1]) if starts.size else None
 
 
 MAX_PAUSE = 16  # decode steps without drafting, at most, after drafts that were rejected whole
