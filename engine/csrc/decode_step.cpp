@@ -602,6 +602,15 @@ void rotary(float *heads, int64_t num_heads, int64_t head_dim, const float *cos,
     }
 }
 
+// Rows of the KV cache a decode step's attention fetches ahead of the one it computes on.
+constexpr int64_t kAheadRows = 8;  // (4: 5 % slower at four sequences; 12 and 16 no faster)
+
+template <typename KV, int64_t S>
+inline void prefetch_row(const KV *row) {
+    for (int64_t byte = 0; byte < S * int64_t(sizeof(KV)); byte += 64)
+        __builtin_prefetch(reinterpret_cast<const char *>(row) + byte);
+}
+
 // The query heads of one KV group of one sequence (GQA: they share keys and values) over positions
 // [t0, t1) of the sequence's blocks: for each head g, its scores' maximum m[g], the sum l[g] of
 // exp(score - m[g]), and out_g = sum of exp(score - m[g]) v, not yet divided by l[g]. s: scratch
@@ -617,7 +626,15 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
     for (int64_t start = t0; start < t1;) {  // block by block: no division per position
         const int64_t end = std::min(t1, (start / bs + 1) * bs);
         const KV *kb = k + (table[start / bs] * bs - (start / bs) * bs) * S;  // position t's row at kb + t * S
+        const KV *vb = v + (table[start / bs] * bs - (start / bs) * bs) * S;
+        const KV *next = end < t1 ? k + (table[end / bs] * bs - end) * S : kb;  // the next block's, alike
         for (int64_t t = start; t < end; t++) {
+            // the key kAheadRows ahead (in this block or the next) and this position's value, which the
+            // value pass reads next: a sequence's blocks lie anywhere in the pool, and the hardware
+            // prefetcher, starting afresh on each 4 KB block, left the loads waiting on memory (measured)
+            const int64_t ahead = t + kAheadRows;
+            if (ahead < t1 && ahead < end + bs) prefetch_row<KV, S>(ahead < end ? kb + ahead * S : next + ahead * S);
+            prefetch_row<KV, S>(vb + t * S);
             const RowReader<KV> key(kb + t * S, D);
             Vec kt[V];
             for (int j = 0; j < V; j++) kt[j] = key.load8(j * kVec);
