@@ -435,14 +435,20 @@ class Engine:
         """Floating-point operations of a forward over num_tokens new tokens after num_past cached ones:
         2 per multiply-add of every projection and MLP weight, of lm_head for num_logits rows, and of
         attention (scores and the weighted sum over each token's context)."""
-        config = self.loaded.model.config
-        info = self.info
+        layers, layer, query_width, lm_head = self._flop_shape
+        contexts = num_tokens * num_past + num_tokens * (num_tokens + 1) // 2  # keys each new token attends to
+        attention = 2 * query_width * contexts  # q·k and weights·v
+        return 2 * (layers * (num_tokens * layer + attention) + num_logits * lm_head)
+
+    @cached_property
+    def _flop_shape(self) -> tuple[int, int, int, int]:
+        """forward_flops' constants, read from the config once (it runs for every token): layers, one
+        layer's multiply-adds per token, the query width (heads x head_dim), lm_head's multiply-adds."""
+        config, info = self.loaded.model.config, self.info
         hidden, heads = config.hidden_size, config.num_attention_heads
         layer = hidden * (heads + 2 * info.num_kv_heads) * info.head_dim + heads * info.head_dim * hidden \
             + 3 * hidden * config.intermediate_size
-        contexts = num_tokens * num_past + num_tokens * (num_tokens + 1) // 2  # keys each new token attends to
-        attention = 2 * heads * info.head_dim * contexts  # q·k and weights·v
-        return 2 * (info.num_layers * (num_tokens * layer + attention) + num_logits * hidden * config.vocab_size)
+        return info.num_layers, layer, heads * info.head_dim, hidden * config.vocab_size
 
     def _drafter(self, draft: LoadedModel | None) -> DraftModel | None:
         """The draft model of "draft:PATH" speculative decoding, in the target's precision, with a KV pool

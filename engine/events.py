@@ -54,9 +54,16 @@ class Event:
         return data
 
 
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
 def _plain(value):
-    if hasattr(value, "__dataclass_fields__"):
-        return {name: _plain(getattr(value, name)) for name in value.__dataclass_fields__}
+    kind = type(value)
+    if kind in _SCALARS:  # most fields: checked first, since this runs for every field of every token
+        return value
+    fields = getattr(kind, "__dataclass_fields__", None)
+    if fields is not None:
+        return {name: _plain(getattr(value, name)) for name in fields}
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     if isinstance(value, dict):

@@ -71,6 +71,10 @@ def build_library(cache_dir: Path) -> Path:
     return target
 
 
+def _int64s(values: list[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
 def _address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -203,24 +207,23 @@ class FusedDecode:
         assert pool.kv.is_contiguous()
         assert all(seq.pool is pool for seq in sequences), "one batch, one pool"
         width = max(len(seq.block_ids) for seq in sequences)
-        tables = torch.tensor([seq.block_ids + [0] * (width - len(seq.block_ids)) for seq in sequences],
-                              dtype=torch.int64)  # [B, width], padded with a valid block never read
-        dims = torch.tensor(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8),
-                                          torch.get_num_threads(), int(self.split_kv), _kv_format(pool)],
-                            dtype=torch.int64)
-        token_ids, where = torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+        # int64 arrays as ctypes arrays, not torch tensors: each torch.tensor costs microseconds, every step
+        tables = _int64s([block for seq in sequences  # [B, width], padded with a valid block never read
+                          for block in seq.block_ids + [0] * (width - len(seq.block_ids))])
+        dims = _int64s(self._dims + [pool.kv.shape[3], pool.block_size, int(self.is_int8), torch.get_num_threads(),
+                                     int(self.split_kv), _kv_format(pool)])
+        token_ids, where = _int64s(tokens), _int64s(positions)
         rope = None
         if any(seq.num_dropped for seq in sequences):
-            rope = torch.tensor([p + seq.num_dropped for p, seq in zip(positions, sequences)], dtype=torch.int64)
+            rope = _int64s([p + seq.num_dropped for p, seq in zip(positions, sequences)])
         logits = torch.empty((len(tokens), self._dims[-1]), dtype=torch.float32)
         weights = stage_ms = None
         if capture is not None:  # [layers, heads, positions + 1]
             weights = torch.empty((self._dims[0], self._dims[1], positions[capture] + 1), dtype=torch.float32)
             stage_ms = torch.zeros(len(STAGES), dtype=torch.float64)
-        status = self._fn(dims.data_ptr(), self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
-                          pool.kv.data_ptr(), len(tokens), token_ids.data_ptr(), where.data_ptr(), tables.data_ptr(),
-                          width, logits.data_ptr(), _address(weights), -1 if capture is None else capture,
-                          _address(stage_ms), _address(rope))
+        status = self._fn(dims, self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
+                          pool.kv.data_ptr(), len(tokens), token_ids, where, tables, width, logits.data_ptr(),
+                          _address(weights), -1 if capture is None else capture, _address(stage_ms), rope)
         if status != 0:
             raise ValueError(f"decode step refused tokens {tokens} at positions {positions}")
         for seq, end in zip(sequences, ends):
