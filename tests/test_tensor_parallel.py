@@ -30,23 +30,28 @@ def test_the_split_is_as_even_as_whole_heads_allow():
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a bias on q, k and v
 def test_two_ranks_give_one_ranks_logits(tokenizer, kind):
-    loaded = tiny_model(tokenizer, kind, num_heads=6, num_kv_heads=3, hidden=192)  # 3 KV heads: one on both ranks
+    # 3 KV heads: one on both ranks
+    loaded = tiny_model(tokenizer, kind, num_heads=6, num_kv_heads=3, hidden=192, max_positions=512)
     reference = LeanLlama(loaded.model, "fp32")
-    ids = torch.arange(30) % 700 + 11
+    ids = torch.arange(300) % 700 + 11
     runner = start(loaded.model, "fp32", 2, threads=1)
+    halves = []  # the prefills rank 0 ran as two halves (their all-reduces overlapping the other's compute)
+    runner._forward_halves = lambda *args, run=runner._forward_halves: halves.append(args[1][1:]) or run(*args)
     try:
         for attention in ("sdpa", "eager"):
             reference.attention = runner.attention = attention
-            expected_cache, cache = reference.new_cache(40), runner.new_cache(40)
-            for start_at, end in ((0, 12), (12, 30)):  # two prefill chunks
+            expected_cache, cache = reference.new_cache(310), runner.new_cache(310)
+            for start_at, end in ((0, 12), (12, 30), (30, 300)):  # three prefill chunks, the last in halves
                 expected = reference.forward(ids[start_at:end], start_at, expected_cache)
                 got = runner.forward(ids[start_at:end], start_at, cache)
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
             with reference.pytorch_decode():
-                expected = reference.decode([5, 6], [30, 31], [expected_cache, expected_cache])  # two rows
+                expected = reference.decode([5, 6], [300, 301], [expected_cache, expected_cache])  # two rows
             comm_before = runner.comm_ms
-            torch.testing.assert_close(runner.decode([5, 6], [30, 31], [cache, cache]), expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(runner.decode([5, 6], [300, 301], [cache, cache]), expected,
+                                       rtol=1e-4, atol=1e-4)
             assert runner.comm_ms > comm_before  # the decode step's all-reduces were timed
+        assert halves == [(30, 270), (30, 270)]
     finally:
         runner.close()
     assert not any(worker.is_alive() for worker in multiprocessing.active_children())
