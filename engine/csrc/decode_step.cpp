@@ -369,6 +369,37 @@ void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_
         _mm_storeu_ps(out[r], _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, sums)));
     }
 }
+// group_dots_int8<1> for two groups at once, g and g + 1 (a decode step of eight sequences): the row's
+// -128 * sum(w) and each broadcast quarter are made once for both, since with eight sequences a decode
+// step is bound by this arithmetic, not by memory (10 % faster there). Each group's sums take exactly
+// the steps they take alone. (group_dots_int8 itself made generic over the groups compiled a prefill's
+// tiles 12 % slower, with the same instructions in another register allocation.)
+void two_group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *row, int64_t in, float out[2 * kGroup]) {
+    const int64_t blocks = in / kBlock;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < blocks; k++) {
+        const int8_t *block = row + k * kBlock;
+        __builtin_prefetch(block + kPrefetchBytes);
+        const __m512i start = _mm512_broadcast_i32x4(fold_lanes(minus_bias(_mm512_loadu_si512(block))));
+        __m512i dot[2] = {start, start};
+        const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;  // group g + 1's at x + 256
+        for (int quarter = 0; quarter < 4; quarter++) {
+            const __m512i weights = _mm512_broadcast_i32x4(
+                _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + quarter * 16)));
+            for (int i = 0; i < 2; i++)
+                dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_loadu_si512(x + (i * 4 + quarter) * 64), weights);
+        }
+        for (int i = 0; i < 2; i++) {
+            const __m512 scale = _mm512_loadu_ps(q.grouped_scale.data() + (k * q.groups + g + i) * 16);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), scale, acc[i]);
+        }
+    }
+    for (int i = 0; i < 2; i++) {  // as group_dots_int8
+        const __m512 pairs = _mm512_add_ps(acc[i], _mm512_permute_ps(acc[i], 0x4E));
+        const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));
+        _mm_storeu_ps(out + i * kGroup, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, sums)));
+    }
+}
 #else
 #if defined(__AVX2__) && defined(__FMA__)
 // One block (64 inputs) of a weight row, ready for dot products with quantized blocks of x
@@ -507,7 +538,13 @@ void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
                       int64_t r0, int64_t r1, float *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     for (int64_t r = r0; r < r1; r++) {
-        for (int64_t g = 0; g < q.groups; g++) {
+        int64_t g = 0;
+        for (; g + 2 <= q.groups; g += 2) {
+            float eight[2 * kGroup];
+            two_group_dots_int8(q, g, w + r * in, in, eight);
+            for (int64_t j = 0; j < 2 * kGroup; j++) y[(g * kGroup + j) * out + r] = eight[j] * scale[r];
+        }
+        for (; g < q.groups; g++) {
             float four[1][kGroup];
             group_dots_int8<1>(q, g, w + r * in, in, nullptr, four);
             for (int64_t j = 0; j < kGroup; j++) y[(g * kGroup + j) * out + r] = four[0][j] * scale[r];
