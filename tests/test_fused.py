@@ -86,6 +86,33 @@ def test_int8_native_decode_is_close_to_fp32(tokenizer, kind):
     assert (int8.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.8
 
 
+def test_int8_native_logits_of_a_sequence_are_the_same_in_any_batch(tokenizer):
+    """Bit for bit, for batches of 1 to 9 sequences: whole groups of four, a last group padded with empty
+    sequences (2 or 3 left over), pairs of groups sharing their arithmetic, and one left on its own."""
+    loaded = tiny_model(tokenizer, hidden=128)  # two blocks of 64 per row
+    runner = make_runner(loaded.model, "int8")
+    assert runner.decode_path == "fused C++"
+    pool = runner.new_pool(8 << 20, prefix_caching=False)
+    prompts = [torch.tensor(tokenizer(f"{PROMPT} Sequence {i}.")["input_ids"]) for i in range(9)]
+    caches = []
+    for ids in prompts:
+        caches.append(pool.allocate([], len(ids) + 2))
+        runner.forward(ids, 0, caches[-1])
+
+    def step(indices: list[int]) -> torch.Tensor:  # one decode step; every cache rolled back after it
+        logits = runner.decode([11 + i for i in indices], [len(prompts[i]) for i in indices],
+                               [caches[i] for i in indices])
+        for i in indices:
+            caches[i].truncate(len(prompts[i]))
+        return logits
+
+    alone = [step([i])[0] for i in range(9)]
+    for size in range(2, 10):
+        batch = step(list(range(9 - size, 9)))  # different neighbours for each size
+        for row, i in enumerate(range(9 - size, 9)):
+            assert torch.equal(batch[row], alone[i]), (size, i)
+
+
 @pytest.mark.parametrize("arch", ["-march=x86-64-v3", "-march=x86-64-v3 -mavxvnni", "-march=x86-64"])
 def test_every_instruction_set_path_gives_the_same_logits(tokenizer, tmp_path, monkeypatch, arch):
     """The kernel's AVX2, AVX-VNNI and plain-C++ paths against the one built for this CPU (on a CPU
