@@ -224,13 +224,12 @@ constexpr bool kGroups = false;
 #endif
 constexpr int64_t kGroup = 4;  // sequences per group (AVX-512): a 16-byte quarter of each in one vector
 
-// A last group of two or three sequences is filled up with empty ones (zero bytes, scale 0), whose sums
-// are 0 and never written out: a group shares the arithmetic that each sequence's own path repeats, so
-// three sequences' forward took 5.3 ms on their own paths and takes 4.3 as a group, seven 8.0 -> 6.7 ms,
-// six 7.5 -> 6.9, two the same (AVX-512, alternating runs). A sequence's sums are the same in a group
-// as alone (see below), so this changes no result.
-constexpr int64_t kPadFrom = 2;
-
+// Sequences are taken four at a time (AVX-512), a last group of fewer filled up with empty ones (zero
+// bytes, scale 0) whose sums are 0 and never written out: a group shares the arithmetic that each
+// sequence's own path repeats, so three sequences' forward took 5.3 ms on their own paths and takes 4.3
+// as a group, seven 8.0 -> 6.7 ms, nine 7.6 -> 6.9; two and five the same (alternating runs). A sequence
+// alone keeps its own path (a group of one would cost it 30 %). A sequence's sums are the same in a
+// group as alone (see below), so this changes no result.
 struct QuantizedBatch {
     int64_t n = 0, groups = 0;   // groups of kGroup sequences in `grouped` (AVX-512), the last maybe padded
     std::vector<uint8_t> bytes;  // [block][n][64]: x + 128 (VNNI), or |x| (AVX2, scalar)
@@ -240,7 +239,7 @@ struct QuantizedBatch {
     std::vector<float> grouped_scale;   // [block][group][4 sequences][4]: each one's scale, once per lane
 
     QuantizedBatch(int64_t n, int64_t in)
-        : n(n), groups(kGroups ? n / kGroup + (n % kGroup >= kPadFrom) : 0), bytes(n * in), sign(kKeepsSign ? n * in : 0),
+        : n(n), groups(kGroups && n > 1 ? (n + kGroup - 1) / kGroup : 0), bytes(n * in), sign(kKeepsSign ? n * in : 0),
           scale(n * (in / kBlock)), grouped(groups * kGroup * in), grouped_scale(groups * kGroup * 4 * (in / kBlock)) {}
 
     // block k of sequence b, from its inputs xk [64]
@@ -538,9 +537,9 @@ void rows_int8(const QuantizedBatch &q, int64_t b0, int64_t b1, const int8_t *w,
 }
 
 // y[b][r0:r1] = (W[r0:r1, :] . x_b) * scale[r] with W int8 output-major [out][in], one scale per row.
-// Each row is read once and used for every sequence while it is in L1: with AVX-512 by the whole groups
-// of four sequences, then for the rest. (Tiles of three rows, as a prefill runs them, measured slower
-// here: 0.75x alone, no gain at four sequences on a Zen 3.)
+// Each row is read once and used for every sequence while it is in L1: with AVX-512 by the groups of
+// four sequences, two groups at a time, or by a sequence alone on its own path. (Tiles of three rows,
+// as a prefill runs them, measured slower here: 0.75x alone, no gain at four sequences on a Zen 3.)
 void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
                       int64_t r0, int64_t r1, float *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -558,7 +557,7 @@ void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
             for (int64_t j = 0; j < std::min(kGroup, q.n - g * kGroup); j++)
                 y[(g * kGroup + j) * out + r] = four[0][j] * scale[r];
         }
-        rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r, r + 1, y);  // none where the last group is padded
+        rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r, r + 1, y);  // a sequence alone (no groups)
     }
 #else
     for (int64_t r = r0; r < r1; r++) tile_range_int8<1>(q, 0, q.n, w, scale, in, out, r, y);
@@ -567,8 +566,8 @@ void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
 
 // The same products for a prefill's many rows of x. With AVX-512: tiles of 4 weight rows x a group of
 // 4 tokens, so that each block of weights and of activations is loaded once for the whole tile (a weight
-// row alone would stream all of x from L2 for each row); the rows and tokens left over as decode makes
-// them. Each (row, token) sum is made exactly as a decode step makes it: a prefill gives its numbers.
+// row alone would stream all of x from L2 for each row); the rows left over as decode makes them. Each
+// (row, token) sum is made exactly as a decode step makes it: a prefill gives its numbers.
 void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
                       int64_t r0, int64_t r1, float *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -584,7 +583,7 @@ void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
                 for (int64_t j = 0; j < std::min(kGroup, q.n - g * kGroup); j++)
                     y[(g * kGroup + j) * out + r + i] = dots[i][j] * scale[r + i];
         }
-        rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r, r + R, y);  // the sequences after the groups
+        rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r, r + R, y);  // a token alone (no groups)
     }
     matvec_int8_rows(q, w, scale, in, out, r, r1, y);  // the rows after the last whole tile
 #elif defined(__AVX2__) && defined(__FMA__)
