@@ -84,6 +84,10 @@ def _v4(db: Database) -> None:
 
 
 MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
+# a step's columns, in the order add_steps writes them (token_text, token_prob and batch_size last)
+STEP_FIELDS = ("message_id", "phase", "idx", "start_ns", "latency_ns", "num_tokens", "kv_tokens", "kv_bytes",
+               "token_id", "token_text", "token_prob", "batch_size")
+_INSERT_STEPS = f"INSERT INTO steps ({', '.join(STEP_FIELDS)}) VALUES ({', '.join('?' * len(STEP_FIELDS))})"
 LATEST_VERSION = len(MIGRATIONS)
 
 
@@ -191,11 +195,17 @@ class Store:
     def add_steps(self, message_id: int, rows: Iterable[dict], **message_fields) -> None:
         """Append steps (and update the message) in one transaction."""
         message_fields = {k: clean(v) if isinstance(v, str) else v for k, v in message_fields.items()}
+        # plain SQL with the columns named once: sqlite-utils' insert_all looks at every value of every row and
+        # its update reads the row first (333 -> 113 us for 32 steps), and this runs on the engine's thread
+        # between decode steps. The names are this module's and the recorder's, never a user's.
+        values = [(message_id, *(row.get(name) for name in STEP_FIELDS[1:-3]), clean(row.get("token_text")),
+                   row.get("token_prob"), row.get("batch_size")) for row in rows]
         with self._write():
-            self.db["steps"].insert_all([{"message_id": message_id, **row, "token_text": clean(row.get("token_text"))}
-                                         for row in rows])
+            self.db.conn.executemany(_INSERT_STEPS, values)
             if message_fields:
-                self.db["messages"].update(message_id, message_fields)
+                assignments = ", ".join(f"[{name}] = ?" for name in message_fields)
+                self.db.conn.execute(f"UPDATE messages SET {assignments} WHERE id = ?",
+                                     [*message_fields.values(), message_id])
 
     def rename_session(self, session_id: int, title: str) -> None:
         self.session(session_id)
