@@ -35,8 +35,14 @@ def test_two_ranks_give_one_ranks_logits(tokenizer, kind):
     reference = LeanLlama(loaded.model, "fp32")
     ids = torch.arange(300) % 700 + 11
     runner = start(loaded.model, "fp32", 2, threads=1)
-    halves = []  # the prefills rank 0 ran as two halves (their all-reduces overlapping the other's compute)
-    runner._forward_halves = lambda *args, run=runner._forward_halves: halves.append(args[1][1:]) or run(*args)
+    halves = []  # (position, tokens) of each prefill rank 0 ran as two halves, overlapping their all-reduces
+    in_halves = runner._forward_halves
+
+    def noted(ids, segment, need_logits):
+        halves.append(segment[1:])
+        return in_halves(ids, segment, need_logits)
+
+    runner._forward_halves = noted
     try:
         for attention in ("sdpa", "eager"):
             reference.attention = runner.attention = attention
