@@ -341,9 +341,15 @@ void row_starts(const int8_t *w, int64_t rows, int64_t in, __m128i *starts) {
         }
 }
 
-// The same sums for R rows and the four sequences of group g: out[r][j]. starts: the R rows' row_starts,
-// or null to compute them on the way (a decode step's row serves one or two groups: a separate pass over
-// it measured slower there)
+// sum_four of each of the four sequences' lanes in acc, all four at once, into out[0..4)
+inline void store_group_sums(__m512 acc, float *out) {
+    const __m512 pairs = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));  // lanes 0 + 2, 1 + 3
+    const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, sums)));
+}
+
+// A prefill's tile: the same sums for R rows and the four tokens of group g, out[r][j]; starts: the R
+// rows' row_starts, made once for all the groups that use the rows.
 template <int R>
 void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_t in, const __m128i *starts,
                      float out[R][kGroup]) {
@@ -353,12 +359,7 @@ void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_
     for (int64_t k = 0; k < blocks; k++) {
         const int8_t *block = w + k * kBlock;
         __m512i dot[R];
-        for (int r = 0; r < R; r++) {
-            if (starts == nullptr) __builtin_prefetch(block + r * in + kPrefetchBytes);
-            const __m128i start = starts != nullptr ? starts[r * blocks + k]
-                                                    : fold_lanes(minus_bias(_mm512_loadu_si512(block + r * in)));
-            dot[r] = _mm512_broadcast_i32x4(start);
-        }
+        for (int r = 0; r < R; r++) dot[r] = _mm512_broadcast_i32x4(starts[r * blocks + k]);
         const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;
         for (int quarter = 0; quarter < 4; quarter++) {
             const __m512i xs = _mm512_loadu_si512(x + quarter * 64);
@@ -369,42 +370,39 @@ void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_
         const __m512 scale = _mm512_loadu_ps(q.grouped_scale.data() + (k * q.groups + g) * 16);
         for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scale, acc[r]);
     }
-    for (int r = 0; r < R; r++) {  // sum_four of each sequence's lanes, all four at once
-        const __m512 pairs = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0x4E));  // lanes 0 + 2, 1 + 3
-        const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));
-        _mm_storeu_ps(out[r], _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, sums)));
-    }
+    for (int r = 0; r < R; r++) store_group_sums(acc[r], out[r]);
 }
-// group_dots_int8<1> for two groups at once, g and g + 1 (a decode step of eight sequences): the row's
-// -128 * sum(w) and each broadcast quarter are made once for both, since with eight sequences a decode
-// step is bound by this arithmetic, not by memory (10 % faster there). Each group's sums take exactly
-// the steps they take alone. (group_dots_int8 itself made generic over the groups compiled a prefill's
-// tiles 12 % slower, with the same instructions in another register allocation.)
-void two_group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *row, int64_t in, float out[2 * kGroup]) {
+
+// A decode step's row against G groups at once (g .. g + G): out[4 i + j] for sequence j of group g + i.
+// The row's -128 * sum(w) is made on the way (a separate pass over a row that serves one or two groups
+// measured slower), and it and each broadcast quarter serve all G groups: with eight sequences a decode
+// step is bound by this arithmetic, not by memory (G = 2: 10 % faster there). A group's sums take the
+// same steps whatever G is, and the same as in a prefill's tile. (One template over both R and G made
+// the prefill's tiles 12 % slower: the same instructions in another register allocation.)
+template <int G>
+void row_group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *row, int64_t in, float out[G * kGroup]) {
     const int64_t blocks = in / kBlock;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[G];
+    for (int i = 0; i < G; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < blocks; k++) {
         const int8_t *block = row + k * kBlock;
         __builtin_prefetch(block + kPrefetchBytes);
         const __m512i start = _mm512_broadcast_i32x4(fold_lanes(minus_bias(_mm512_loadu_si512(block))));
-        __m512i dot[2] = {start, start};
-        const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;  // group g + 1's at x + 256
+        __m512i dot[G];
+        for (int i = 0; i < G; i++) dot[i] = start;
+        const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;  // group g + i's at x + 256 i
         for (int quarter = 0; quarter < 4; quarter++) {
             const __m512i weights = _mm512_broadcast_i32x4(
                 _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + quarter * 16)));
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < G; i++)
                 dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_loadu_si512(x + (i * 4 + quarter) * 64), weights);
         }
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < G; i++) {
             const __m512 scale = _mm512_loadu_ps(q.grouped_scale.data() + (k * q.groups + g + i) * 16);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), scale, acc[i]);
         }
     }
-    for (int i = 0; i < 2; i++) {  // as group_dots_int8
-        const __m512 pairs = _mm512_add_ps(acc[i], _mm512_permute_ps(acc[i], 0x4E));
-        const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));
-        _mm_storeu_ps(out + i * kGroup, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, sums)));
-    }
+    for (int i = 0; i < G; i++) store_group_sums(acc[i], out + i * kGroup);
 }
 #else
 #if defined(__AVX2__) && defined(__FMA__)
@@ -544,18 +542,16 @@ void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *sca
                       int64_t r0, int64_t r1, float *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     for (int64_t r = r0; r < r1; r++) {
-        int64_t g = 0;
-        for (; g + 2 <= q.groups; g += 2) {
-            float eight[2 * kGroup];
-            two_group_dots_int8(q, g, w + r * in, in, eight);
-            for (int64_t j = 0; j < std::min(2 * kGroup, q.n - g * kGroup); j++)
-                y[(g * kGroup + j) * out + r] = eight[j] * scale[r];
-        }
-        for (; g < q.groups; g++) {
-            float four[1][kGroup];
-            group_dots_int8<1>(q, g, w + r * in, in, nullptr, four);
-            for (int64_t j = 0; j < std::min(kGroup, q.n - g * kGroup); j++)
-                y[(g * kGroup + j) * out + r] = four[0][j] * scale[r];
+        for (int64_t g = 0; g < q.groups;) {  // two groups at a time while two are left
+            float sums[2 * kGroup];
+            const int64_t count = q.groups - g >= 2 ? 2 : 1;
+            if (count == 2)
+                row_group_dots_int8<2>(q, g, w + r * in, in, sums);
+            else
+                row_group_dots_int8<1>(q, g, w + r * in, in, sums);
+            for (int64_t j = 0; j < std::min(count * kGroup, q.n - g * kGroup); j++)
+                y[(g * kGroup + j) * out + r] = sums[j] * scale[r];
+            g += count;
         }
         rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r, r + 1, y);  // a sequence alone (no groups)
     }
@@ -671,8 +667,8 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
     for (int64_t g = 0; g < group; g++) m[g] = -INFINITY;
     for (int64_t start = t0; start < t1;) {  // block by block: no division per position
         const int64_t end = std::min(t1, (start / bs + 1) * bs);
-        const KV *kb = k + (table[start / bs] * bs - (start / bs) * bs) * S;  // position t's row at kb + t * S
-        const KV *vb = v + (table[start / bs] * bs - (start / bs) * bs) * S;
+        const int64_t shift = (table[start / bs] - start / bs) * bs * S;  // kb + t * S: position t's key row
+        const KV *kb = k + shift, *vb = v + shift;
         const KV *next = end < t1 ? k + (table[end / bs] * bs - end) * S : kb;  // the next block's, alike
         for (int64_t t = start; t < end; t++) {
             // the key kAheadRows ahead (in this block or the next) and this position's value, which the
