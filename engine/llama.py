@@ -275,19 +275,9 @@ class LeanLlama:
         shape = x.shape[-1:]
         clock.lap("embedding")
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, shape, layer.attn_norm, self.eps)
-            clock.lap("norm")
-            qkv = layer.qkv(h)  # [N, (H + 2KV) * D]: q, k, v side by side
-            rows, start = [], 0
-            for cache, pos, num_tokens in segments:
-                rows.append(self._attention(index, qkv[start:start + num_tokens], pos, cache))
-                start += num_tokens
-            x = x + self._join(layer.o(torch.cat(rows) if len(rows) > 1 else rows[0]))
+            x = x + self._join(self._attention_block(index, layer, x, segments, clock))
             clock.lap("attention")
-            h = F.rms_norm(x, shape, layer.mlp_norm, self.eps)
-            clock.lap("norm")
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
-            x = x + self._join(layer.down(F.silu(gate) * up))
+            x = x + self._join(self._mlp_block(layer, x, clock))
             clock.lap("ffn")
         if not need_logits:
             return None
@@ -297,6 +287,26 @@ class LeanLlama:
         logits = self._logits(h)  # [segments, vocab]
         clock.lap("lm_head")
         return logits
+
+    def _attention_block(self, index: int, layer: _Layer, x: torch.Tensor,
+                         segments: list[tuple[SequenceKV, int, int]], clock: StageClock) -> torch.Tensor:
+        """Layer index's attention over rows x [N, C] of consecutive segments, before the residual: the
+        norm, QKV, attention per segment over its own cache, and the output projection."""
+        h = F.rms_norm(x, x.shape[-1:], layer.attn_norm, self.eps)
+        clock.lap("norm")
+        qkv = layer.qkv(h)  # [N, (H + 2KV) * D]: q, k, v side by side
+        rows, start = [], 0
+        for cache, pos, num_tokens in segments:
+            rows.append(self._attention(index, qkv[start:start + num_tokens], pos, cache))
+            start += num_tokens
+        return layer.o(torch.cat(rows) if len(rows) > 1 else rows[0])
+
+    def _mlp_block(self, layer: _Layer, x: torch.Tensor, clock: StageClock) -> torch.Tensor:
+        """The layer's MLP over rows x [N, C], before the residual: the norm, gate/up, SiLU(gate) * up, down."""
+        h = F.rms_norm(x, x.shape[-1:], layer.mlp_norm, self.eps)
+        clock.lap("norm")
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
+        return layer.down(F.silu(gate) * up)
 
     def _join(self, partial: torch.Tensor) -> torch.Tensor:
         """The output of a layer's attention or MLP. Here it is whole; a tensor-parallel slice holds a

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for, kv_bytes_formula, row_elements
-from .llama import LeanLlama
+from .llama import LeanLlama, StageClock
 
 MIN_HALF_TOKENS = 64  # a prefill of at least twice this runs as two halves that overlap their all-reduces
 START_TIMEOUT = timedelta(seconds=90)  # for every rank to start and join
@@ -230,9 +230,9 @@ class ShardedLlama(LeanLlama):
         keys, written just before: the same causal attention as one pass, as chunked prefill does."""
         cache, pos, num_tokens = segment
         cut = num_tokens // 2
-        halves = [(ids[:cut], pos), (ids[cut:], pos + cut)]
-        xs = [F.embedding(part, self.embed) for part, _ in halves]
-        shape = xs[0].shape[-1:]
+        halves = [[(cache, pos, cut)], [(cache, pos + cut, num_tokens - cut)]]  # each half's one segment
+        xs = [F.embedding(ids[:cut], self.embed), F.embedding(ids[cut:], self.embed)]
+        untimed = StageClock(None, self.device)
         sent: list[tuple[torch.Tensor, object] | None] = [None, None]  # each half's partial sum in flight
 
         def settle(i: int) -> torch.Tensor:  # half i's input, with its last all-reduced part added
@@ -243,20 +243,17 @@ class ShardedLlama(LeanLlama):
             return xs[i]
 
         for index, layer in enumerate(self.layers):
-            for i, (_, at) in enumerate(halves):  # attention
-                h = F.rms_norm(settle(i), shape, layer.attn_norm, self.eps)
-                partial = layer.o(self._attention(index, layer.qkv(h), at, cache))
+            for i in range(2):  # attention
+                partial = self._attention_block(index, layer, settle(i), halves[i], untimed)
                 sent[i] = (partial, self.group.start_all_reduce(partial))
             for i in range(2):  # MLP
-                h = F.rms_norm(settle(i), shape, layer.mlp_norm, self.eps)
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-                partial = layer.down(F.silu(gate) * up)
+                partial = self._mlp_block(layer, settle(i), untimed)
                 sent[i] = (partial, self.group.start_all_reduce(partial))
         last = settle(1)[-1:]
         settle(0)
         if not need_logits:
             return None
-        return self._logits(F.rms_norm(last, shape, self.final_norm, self.eps))
+        return self._logits(F.rms_norm(last, last.shape[-1:], self.final_norm, self.eps))
 
     # --- the KV cache, split by KV head ----------------------------------------------------------
 
