@@ -84,11 +84,12 @@ def _v4(db: Database) -> None:
 
 
 MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
+LATEST_VERSION = len(MIGRATIONS)
+
 # a step's columns, in the order add_steps writes them (token_text, token_prob and batch_size last)
 STEP_FIELDS = ("message_id", "phase", "idx", "start_ns", "latency_ns", "num_tokens", "kv_tokens", "kv_bytes",
                "token_id", "token_text", "token_prob", "batch_size")
 _INSERT_STEPS = f"INSERT INTO steps ({', '.join(STEP_FIELDS)}) VALUES ({', '.join('?' * len(STEP_FIELDS))})"
-LATEST_VERSION = len(MIGRATIONS)
 
 
 def _check_file(path: Path) -> None:
