@@ -5,8 +5,24 @@
 // reply, on a new chat and when a saved chat is opened. The message format is app/ui/live.py's.
 (() => {
   const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
-  const CHART_EVERY_MS = 400;  // the most often a chart is redrawn; text goes at once
-  const charts = {latency: {queue: null, timer: null}, kv: {queue: null, timer: null}};
+  // A chart is redrawn at most every CHART_EVERY_MS, and less often when its redraws are slow: Plotly
+  // redraws a whole figure for a few new points (30-80 ms of a 2-core machine's CPU each, taken from the
+  // decode it shows), so that a chart's redraws take at most CHART_SHARE of the time, waiting no longer
+  // than CHART_LATEST_MS (a page's first draw is slow once). Text goes at once.
+  const CHART_EVERY_MS = 400;
+  const CHART_LATEST_MS = 1000;
+  const CHART_SHARE = 0.05;
+  const charts = {latency: {queue: null, timer: null, cost: 0}, kv: {queue: null, timer: null, cost: 0}};
+
+  function timed(chart, redraw) {
+    const start = performance.now();
+    redraw();
+    chart.cost = performance.now() - start;
+  }
+
+  function delay(chart) {
+    return Math.min(CHART_LATEST_MS, Math.max(CHART_EVERY_MS, chart.cost * (1 / CHART_SHARE - 1)));
+  }
   let reply = {id: null, text: ""};
 
   function chartDiv(name) {
@@ -17,13 +33,43 @@
     const div = chartDiv(name);
     if (!div || !window.Plotly) return;
     const chart = charts[name];
-    chart.queue = null;  // points queued before this figure are in it
-    window.Plotly.react(div, spec.data, spec.layout, CONFIG);
+    chart.queue = chart.spec = null;  // points and figures queued before this figure are in it
+    timed(chart, () => window.Plotly.react(div, spec.data, spec.layout, CONFIG));
+  }
+
+  function schedule(name) {
+    const chart = charts[name];
+    if (!chart.timer) chart.timer = setTimeout(() => flush(name), delay(chart));
+  }
+
+  // a whole figure that comes while a reply streams waits its turn like new points
+  function queueFigure(name, spec) {
+    charts[name].spec = spec;
+    charts[name].queue = null;  // in the figure
+    schedule(name);
+  }
+
+  // ext's points added to a figure not yet drawn, as Plotly.extendTraces adds them to a drawn one
+  function extendSpec(spec, ext) {
+    const trace = spec.data[ext.trace];
+    if (!trace) return;
+    for (const [key, values] of Object.entries(ext.points)) {
+      const path = key.split(".");  // "marker.color"
+      let target = trace;
+      for (const part of path.slice(0, -1)) target = target[part] = target[part] || {};
+      const last = path[path.length - 1];
+      target[last] = (target[last] || []).concat(values);
+    }
+    if (ext.mode) trace.mode = ext.mode;
   }
 
   // ext: {trace, points: {x: [...], y: [...], ...}, mode}
   function queuePoints(name, ext) {
     const chart = charts[name];
+    if (chart.spec) {
+      extendSpec(chart.spec, ext);
+      return;
+    }
     if (!chart.queue) {
       chart.queue = {trace: ext.trace, points: {}, mode: ext.mode};
     }
@@ -31,19 +77,25 @@
       chart.queue.points[key] = (chart.queue.points[key] || []).concat(values);
     }
     chart.queue.mode = ext.mode;
-    if (!chart.timer) chart.timer = setTimeout(() => flush(name), CHART_EVERY_MS);
+    schedule(name);
   }
 
   function flush(name) {
     const chart = charts[name], queued = chart.queue, div = chartDiv(name);
     chart.timer = null;
+    if (chart.spec) {
+      draw(name, chart.spec);
+      return;
+    }
     chart.queue = null;
     if (!queued || !div || !window.Plotly || !div.data || !div.data[queued.trace]) return;
     const update = Object.fromEntries(Object.entries(queued.points).map(([key, values]) => [key, [values]]));
-    window.Plotly.extendTraces(div, update, [queued.trace]);
-    if (queued.mode && div.data[queued.trace].mode !== queued.mode) {
-      window.Plotly.restyle(div, {mode: queued.mode}, [queued.trace]);  // markers off on long replies
-    }
+    timed(chart, () => {
+      window.Plotly.extendTraces(div, update, [queued.trace]);
+      if (queued.mode && div.data[queued.trace].mode !== queued.mode) {
+        window.Plotly.restyle(div, {mode: queued.mode}, [queued.trace]);  // markers off on long replies
+      }
+    });
   }
 
   function showText() {
@@ -79,7 +131,11 @@
       showText();
     }
     for (const name of ["latency", "kv"]) {
-      if (message.reset && message.reset[name]) draw(name, message.reset[name]);
+      // a streaming reply's figures (it has an id) wait their turn; the others are drawn at once
+      if (message.reset && message.reset[name]) {
+        if (message.reply) queueFigure(name, message.reset[name]);
+        else draw(name, message.reset[name]);
+      }
       if (message.append && message.append[name]) queuePoints(name, message.append[name]);
     }
   }

@@ -138,14 +138,11 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             worker = ReplyWorker(engine, request, trace, hooks)
         active.start(session.id, request)
         updates = live.LiveReply(f"{session.id}-{trace.turn}", session.traces, session.lang)
-        session.show_live()
         try:
-            first = True
             while worker.is_running:
                 worker.wait(UPDATE_EVERY_S)
-                # the conversation once, with the reply's live span; then only what is new
-                yield render(session, engine, trace, stream=updates.update(), chatbot=first, request=request)
-                first = False
+                # only what is new: the conversation with the reply's live span came with accept
+                yield render(session, engine, trace, stream=updates.update(), chatbot=False, request=request)
         finally:
             if worker.is_running:  # the browser went away: stop generating for nobody
                 request.cancel()
