@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
     from engine import Engine
 
 # How often the page is sent what is new (text, points, tiles): static/phasescope.js appends it in place.
-# The charts redraw at most every 0.4 s there: each redraw is a Plotly relayout, on the cores decode uses.
+# The charts redraw every 0.4-1 s there (a redraw is a whole Plotly replot, on the cores decode uses).
 UPDATE_EVERY_S = 0.25
 PLOT_DIV = '<div class="ps-plot"></div>'  # filled by static/phasescope.js with Plotly
 
