@@ -64,7 +64,7 @@ def _plotly_js() -> Path:
 
 
 def launch_options() -> dict:
-    scripts = [_plotly_js(), STATIC / "phasescope.js"]
+    scripts = [STATIC / "frames.js", _plotly_js(), STATIC / "phasescope.js"]  # frames.js first: see there
     gr.set_static_paths(scripts)  # served as files, cached by the browser
     # relative: under `serve --ui` the app lives at /ui/
     head = "".join(f'<script src="gradio_api/file={path}"></script>' for path in scripts)

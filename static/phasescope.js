@@ -1,7 +1,8 @@
 // PhaseScope's streaming front end. While a reply streams, the server sends only what is new (the reply's
-// new text, the charts' new points) through one hidden textbox, #ps-stream; this script applies it in
-// place: text is set on the reply's live span (no Markdown re-render of the whole reply), points are
-// added with Plotly.extendTraces (no new figure). Whole figures ("reset") come at the start and end of a
+// new text, the charts' new points, the live panel's changed pieces) through one hidden textbox,
+// #ps-stream; this script applies it in place: text is set on the reply's live span (no Markdown
+// re-render of the whole reply), points are added with Plotly.extendTraces (no new figure), the panel's
+// pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at the start and end of a
 // reply, on a new chat and when a saved chat is opened. The message format is app/ui/live.py's.
 (() => {
   const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
@@ -125,10 +126,15 @@
     } catch (error) {
       return;
     }
-    if (message.reply !== undefined && message.reply !== reply.id) reply = {id: message.reply, text: ""};
+    // a message of no reply (figures redrawn in another language) leaves a streaming reply's text as it is
+    if (message.reply && message.reply !== reply.id) reply = {id: message.reply, text: ""};
     if (message.text) {
       reply.text += message.text;
       showText();
+    }
+    for (const [id, html] of Object.entries(message.panels || {})) {
+      const box = document.querySelector(`#${id} .html-container > div`);  // what Gradio's gr.HTML draws in
+      if (box) box.innerHTML = html;  // the server's own markup (app/ui/panels.py), its text escaped there
     }
     for (const name of ["latency", "kv"]) {
       // a streaming reply's figures (it has an id) wait their turn; the others are drawn at once
@@ -148,6 +154,7 @@
       setTimeout(start, 100);
       return;
     }
+    if (window.phasescopeFrames) window.phasescopeFrames.stopLeaked();  // before the first figure (frames.js)
     if (box.value) apply(box.value);
     // a live span drawn after its text arrived (the chatbot renders asynchronously)
     new MutationObserver(() => { if (reply.text) showText(); })

@@ -173,7 +173,7 @@ def test_seed_setting(seed, expected):
 
 
 def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
-    from app.ui.chat_tab import make_respond
+    from app.ui.chat_tab import make_finish, make_respond
     from app.ui.session import ChatSession, EngineThread
 
     def recorder(session, messages, sampling, trace):
@@ -185,9 +185,11 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     runner = EngineThread().start().serve(tiny_engine)
     session = ChatSession()
     session.accept("Hi")
-    # outside a browser request, gr.Warning is a Python warning
+    active = ActiveRequests()
+    # outside a browser request, gr.Warning is a Python warning; the page is drawn whole when respond ends
     with pytest.warns(UserWarning, match="^the reply ended early: RuntimeError: hook broke$"):
-        list(make_respond(tiny_engine, ActiveRequests(), recorder)(session, "", 50, 0, 1.0, 0, -1, 0))
+        list(make_respond(tiny_engine, active, recorder)(session, "", 50, 0, 1.0, 0, -1, 0))
+        make_finish(tiny_engine, active)(session)
     runner.stop()
     assert [] == session.warnings  # delivered to the page
     assert "cancelled" == session.traces[-1].finished.reason  # the engine ended it; the thread lives on
@@ -240,3 +242,16 @@ def test_streamed_points_rebuild_the_final_figures(cached):
         assert expected_kv["data"][turn][key] == kv["data"][turn][key], key
     assert expected_kv["data"][turn]["marker"]["color"] == kv["data"][turn]["marker"]["color"]
     assert "".join(s.text for s in full.steps) == text
+
+
+def test_a_streaming_reply_sends_the_panel_pieces_that_changed():
+    """The live panel travels in the stream messages, each piece only when it changed (static/phasescope.js
+    sets it in its box)."""
+    streaming = ReplyTrace(turn=1)
+    live = LiveReply("chat-1", [streaming])
+    first = json.loads(live.update({"ps-phase": "<div>prefill</div>", "ps-pool": "<div>3%</div>"}))
+    assert {"ps-phase": "<div>prefill</div>", "ps-pool": "<div>3%</div>"} == first["panels"]
+    assert "panels" not in json.loads(live.update({"ps-phase": "<div>prefill</div>", "ps-pool": "<div>3%</div>"}))
+    later = json.loads(live.update({"ps-phase": "<div>decode 4</div>", "ps-pool": "<div>3%</div>"}))
+    assert {"ps-phase": "<div>decode 4</div>"} == later["panels"]
+    assert "chat-1" == later["reply"]

@@ -1,6 +1,7 @@
 """The Chat tab: the conversation on the left, the live prefill/decode panel on the right."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,10 +20,12 @@ from .trace import ReplyTrace
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
 
-# How often the page is sent what is new (text, points, tiles): static/phasescope.js appends it in place.
-# The charts redraw every 0.4-1 s there (a redraw is a whole Plotly replot, on the cores decode uses).
+# How often the page is sent what is new (text, points, the live panel's pieces): static/phasescope.js
+# applies it in place. The charts redraw less often there (a redraw is a whole Plotly replot, on the
+# cores decode uses).
 UPDATE_EVERY_S = 0.25
 PLOT_DIV = '<div class="ps-plot"></div>'  # filled by static/phasescope.js with Plotly
+_drawn = itertools.count(1)
 
 NUM_OUTPUTS = 9  # ChatTab.outputs
 RecorderFactory = Callable[[ChatSession, list[dict], SamplingParams, ReplyTrace], Callable[[Event], None]]
@@ -62,19 +65,31 @@ def _pool(engine: Engine, lang: str) -> str:
     return panels.pool_html(engine.kv_usage(), *engine.load(), lang=lang)
 
 
-def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, stream: str | None = None,
-           chatbot: bool = True, request: Request | None = None) -> tuple:
-    """Every output of the tab, for one moment of a chat. stream: what the page is sent for the
-    figures (by default both whole); chatbot: whether to send the conversation again."""
+def _live_panels(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
+                 request: Request | None = None) -> dict[str, str]:
+    """The live panel's pieces, by element id: what a streaming reply sends in its stream messages."""
+    lang = session.lang
+    metrics = trace.metrics() if trace and trace.steps else None
+    return {"ps-phase": _phase(engine, trace, request, lang), "ps-kpis": panels.kpi_html(trace, lang),
+            "ps-split": panels.time_split_html(metrics, lang),
+            "ps-kv-check": "" if session.endpoint else panels.kv_measured_html(trace, engine.info, lang),
+            "ps-pool": _pool(engine, lang)}
+
+
+def _show_warnings(session: ChatSession) -> None:
     while session.warnings:
         gr.Warning(session.warnings.pop(0))
-    lang = session.lang
-    metrics = trace.metrics() if trace else None
-    if stream is None:
-        stream = live.reset(trace.events if trace else [], [r.events for r in session.traces], lang=lang)
-    return (session.display if chatbot else gr.skip(), gr.skip(), _phase(engine, trace, request, lang),
-            panels.kpi_html(trace, lang), panels.time_split_html(metrics if trace and trace.steps else None, lang),
-            stream, "" if session.endpoint else panels.kv_measured_html(trace, engine.info, lang), _pool(engine, lang),
+
+
+def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, chatbot: bool = True) -> tuple:
+    """Every output of the tab, for one moment of a chat; chatbot: whether to send the conversation."""
+    _show_warnings(session)
+    stream = live.reset(trace.events if trace else [], [r.events for r in session.traces], lang=session.lang)
+    # a streaming reply's messages set these pieces in the page behind Gradio's back: Gradio redraws a
+    # piece only when its value differs from the one it last drew, so each value here is new
+    pieces = [f"{html}<!--{next(_drawn)}-->" for html in _live_panels(session, engine, trace).values()]
+    phase, kpis, split, kv_check, pool = pieces
+    return (session.display if chatbot else gr.skip(), gr.skip(), phase, kpis, split, stream, kv_check, pool,
             session)
 
 
@@ -104,11 +119,11 @@ def make_accept(active: ActiveRequests):
 
 
 def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None):
-    """The queued second step: run the accepted message and stream the reply and the live panel."""
+    """The queued second step: run the accepted message, streaming only what is new (ChatTab.stream);
+    the tab is drawn whole when it ends (make_finish)."""
     def respond(session, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
         text = session.pending if session else ""
         if not text:
-            yield (gr.skip(),) * NUM_OUTPUTS
             return
         system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
         messages = system_messages + session.messages + [{"role": "user", "content": text}]
@@ -122,7 +137,6 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             active.finish(session.id)
             session.pending = ""
             session.show_error(user_error(session.lang, exc))
-            yield render(session, engine, None, stream=gr.skip())
             return
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
@@ -141,8 +155,9 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         try:
             while worker.is_running:
                 worker.wait(UPDATE_EVERY_S)
+                _show_warnings(session)
                 # only what is new: the conversation with the reply's live span came with accept
-                yield render(session, engine, trace, stream=updates.update(), chatbot=False, request=request)
+                yield updates.update(_live_panels(session, engine, trace, request))
         finally:
             if worker.is_running:  # the browser went away: stop generating for nobody
                 request.cancel()
@@ -154,9 +169,19 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             if trace.finished and trace.finished.reason != "error":
                 session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
         session.show_reply(trace)
-        yield render(session, engine, trace)
 
     return respond
+
+
+def make_finish(engine: Engine, active: ActiveRequests):
+    """After respond: the whole tab, drawn once (the reply as Markdown with its stats line, the panel,
+    the figures). Nothing while the chat still has a reply running: respond had nothing to send."""
+    def finish(session):
+        if session is None or session.pending or active.is_busy(session.id):
+            return (gr.skip(),) * NUM_OUTPUTS
+        return render(session, engine, session.traces[-1] if session.traces else None)
+
+    return finish
 
 
 def precisions(engine: Engine) -> list[str]:
@@ -250,14 +275,18 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
-    accept, respond = make_accept(active), make_respond(engine, active, recorder)
-    # several chats reply at once: the engine batches their decode steps and queues what does not fit
-    replies = [
-        trigger(accept, [message, session, lang], [chatbot, message, phase, session], queue=False).then(
-            respond, [session, *settings], tab.outputs, concurrency_limit=engine.config.max_running,
+    accept, respond, finish = make_accept(active), make_respond(engine, active, recorder), make_finish(engine, active)
+    # several chats reply at once: the engine batches their decode steps and queues what does not fit.
+    # While a reply streams, its event has one output, the stream box: an event's other outputs would
+    # each wait with a "pending" status whose timer Gradio redraws every frame (60 a second, taken
+    # from decode on a 2-core machine)
+    replies = []
+    for trigger in (message.submit, send.click):
+        reply = trigger(accept, [message, session, lang], [chatbot, message, phase, session], queue=False).then(
+            respond, [session, *settings], [stream], concurrency_limit=engine.config.max_running,
             concurrency_id="engine", show_progress="hidden")
-        for trigger in (message.submit, send.click)
-    ]
+        reply.then(finish, [session], tab.outputs, queue=False, show_progress="hidden")
+        replies.append(reply)
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
     measured = {"report": None}  # the last precision report, for a redraw in another language
     precision.input(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],

@@ -8,6 +8,8 @@ place. A message is a JSON object with any of:
           chat, a chat opened from the history, and whenever a figure gains a trace)
   append  new points, {"latency" | "kv": {"trace": index, "points": {attribute: [values]}, "mode": ...}}:
           added to that trace with Plotly.extendTraces
+  panels  the live panel's HTML pieces that changed, {element id: html} (phase, tiles, time split, pool):
+          set in place of what Gradio drew there last
   seq     a counter, so that every message differs from the last (the page reacts to changes)
 """
 from __future__ import annotations
@@ -56,12 +58,23 @@ class LiveReply:
         self._sent_steps = 0
         # where this turn's traces begin in the KV figure: the earlier turns are done, so once
         self._kv_index, self._kv_x0 = charts.kv_turn_position([t.events for t in traces[:-1]])
+        self._panels: dict[str, str] = {}  # the panel pieces last sent
+
+    def _changed(self, panels: dict[str, str]) -> dict[str, str]:
+        changed = {key: html for key, html in panels.items() if self._panels.get(key) != html}
+        self._panels.update(changed)
+        return changed
 
     @property
     def trace(self) -> ReplyTrace:
         return self.traces[-1]
 
-    def update(self) -> str:
+    def update(self, panels: dict[str, str] | None = None) -> str:
+        """What is new since the last update; panels: the live panel's pieces now ({element id: html}),
+        of which the changed ones are sent."""
+        fields = {"reply": self.reply_id}
+        if panels and (changed := self._changed(panels)):
+            fields["panels"] = changed
         trace = self.trace
         steps = list(trace.steps)
         new, first = steps[self._sent_steps:], self._sent_steps
@@ -70,11 +83,11 @@ class LiveReply:
         shape = (trace.started is not None, len(trace.chunks), bool(steps))
         if shape != self._shape:  # a new trace or bar: the whole figures, still small at this point
             self._shape = shape
-            return message(reply=self.reply_id, text=text,
+            return message(**fields, text=text,
                            reset=_figures(trace.events, [t.events for t in self.traces], self.lang))
         if not new:
-            return message(reply=self.reply_id)
-        return message(reply=self.reply_id, text=text, append={
+            return message(**fields)
+        return message(**fields, text=text, append={
             "latency": {"trace": charts.DECODE_TRACE, "points": charts.decode_points(new),
                         "mode": charts.point_mode(len(steps))},
             "kv": self._kv_append(new, first, len(steps))})

@@ -104,6 +104,11 @@ class ActiveRequests:
             if request is not None and self._running.get(session_id) is request:
                 del self._running[session_id]
 
+    def is_busy(self, session_id: str) -> bool:
+        """Whether a chat has a message waiting for the engine or a reply running."""
+        with self._lock:
+            return session_id in self._waiting or session_id in self._running
+
     def cancel(self, session_id: str) -> bool:
         with self._lock:
             request = self._running.get(session_id)
