@@ -6,13 +6,14 @@
 // reply, on a new chat and when a saved chat is opened. The message format is app/ui/live.py's.
 (() => {
   const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
-  // A chart is redrawn at most every CHART_EVERY_MS, and less often when its redraws are slow: Plotly
-  // redraws a whole figure for a few new points (30-80 ms of a 2-core machine's CPU each, taken from the
-  // decode it shows), so that a chart's redraws take at most CHART_SHARE of the time, waiting no longer
-  // than CHART_LATEST_MS (a page's first draw is slow once). Text goes at once.
-  const CHART_EVERY_MS = 400;
-  const CHART_LATEST_MS = 1000;
-  const CHART_SHARE = 0.05;
+  // While a reply streams, a chart is redrawn at most every CHART_EVERY_MS, and less often when its
+  // redraws are slow: Plotly redraws a whole figure for a few new points (10-20 ms of a 2-core machine's
+  // CPU each, 30-50 ms the first time, taken from the decode it shows), so that a chart's redraws take at
+  // most CHART_SHARE of the time, waiting no longer than CHART_LATEST_MS. A reply shorter than a second
+  // is drawn whole when it ends. Text goes at once.
+  const CHART_EVERY_MS = 1000;
+  const CHART_LATEST_MS = 2000;
+  const CHART_SHARE = 0.02;
   const charts = {latency: {queue: null, timer: null, cost: 0}, kv: {queue: null, timer: null, cost: 0}};
 
   function timed(chart, redraw) {

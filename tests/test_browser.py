@@ -84,13 +84,14 @@ def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page
     from app.history.store import Store
 
     set_setting(page, "ps-temperature", 0)
-    set_setting(page, "ps-max-new", 400)
+    set_setting(page, "ps-max-new", 600)
     send(page, "Write a long story about a lighthouse keeper, with many chapters.")
     wait_phase(page, "decode")
     # while it decodes, the text grows in the reply's live span and points are added to the open figure
     page.wait_for_function("() => { const s = document.querySelector('#ps-chatbot .ps-live'); "
                            "return s && s.textContent.length > 40; }", timeout=60_000)
-    # the figure follows at its own pace (static/phasescope.js: a redraw takes at most 5 % of the time)
+    # the figure follows at its own pace (static/phasescope.js: every 1-2 s, a redraw taking at most 2 % of
+    # the time)
     page.wait_for_function("() => { const p = document.querySelector('#ps-latency .js-plotly-plot'); "
                            "return p && p.data.some(t => t.name === 'decode' && (t.x || []).length > 0); }",
                            polling=100, timeout=60_000)
@@ -130,7 +131,7 @@ def test_second_turn_reuses_the_first_turns_kv(page):
 
 
 def test_stop_keeps_the_partial_reply(page):
-    set_setting(page, "ps-max-new", 1000)
+    set_setting(page, "ps-max-new", 600)
     send(page, "Write a very long story about a lighthouse keeper, with many chapters.")
     page.wait_for_function("() => { const t = document.querySelector('#ps-kpis [data-kpi=generated_tokens] "
                            ".ps-value'); return t && parseInt(t.innerText) >= 5; }", timeout=120_000)
