@@ -12,8 +12,8 @@
   // most CHART_SHARE of the time, waiting no longer than CHART_LATEST_MS. A reply shorter than a second
   // is drawn whole when it ends. Text goes at once.
   const CHART_EVERY_MS = 1000;
-  const CHART_LATEST_MS = 2000;
-  const CHART_SHARE = 0.02;
+  const CHART_LATEST_MS = 1500;
+  const CHART_SHARE = 0.03;
   const charts = {latency: {queue: null, timer: null, cost: 0}, kv: {queue: null, timer: null, cost: 0}};
 
   function timed(chart, redraw) {

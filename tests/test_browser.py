@@ -90,7 +90,7 @@ def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page
     # while it decodes, the text grows in the reply's live span and points are added to the open figure
     page.wait_for_function("() => { const s = document.querySelector('#ps-chatbot .ps-live'); "
                            "return s && s.textContent.length > 40; }", timeout=60_000)
-    # the figure follows at its own pace (static/phasescope.js: every 1-2 s, a redraw taking at most 2 % of
+    # the figure follows at its own pace (static/phasescope.js: every 1-1.5 s, a redraw taking at most 3 % of
     # the time)
     page.wait_for_function("() => { const p = document.querySelector('#ps-latency .js-plotly-plot'); "
                            "return p && p.data.some(t => t.name === 'decode' && (t.x || []).length > 0); }",

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
     from engine import Engine
 
 # How often the page is sent what is new (text, points, the live panel's pieces): static/phasescope.js
-# applies it in place. The charts redraw at most once a second there (a redraw is a whole Plotly replot,
+# applies it in place. The charts redraw every 1-1.5 s there (a redraw is a whole Plotly replot,
 # on the cores decode uses).
 UPDATE_EVERY_S = 0.25
 PLOT_DIV = '<div class="ps-plot"></div>'  # filled by static/phasescope.js with Plotly
