@@ -15,6 +15,7 @@ from engine import EngineConfig
 
 from .i18n import DEFAULT, K, t
 from .ui import chat_tab, explain, history_tab, lab_tab, language
+from .ui.live import Streams
 from .ui.language import Texts
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
@@ -36,14 +37,14 @@ def header_html(lang: str) -> str:
 def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
     """The page. It reads nothing but the engine's config while it is built: what shows the loaded model
     (model line, precision list, pool gauge, the Explain tab's panels) is drawn when a page loads."""
-    active, texts = ActiveRequests(), Texts()
+    active, texts, streams = ActiveRequests(), Texts(), Streams()
     with gr.Blocks(title=TITLE) as app:
         with gr.Row(equal_height=True):
             header = gr.HTML(header_html(DEFAULT))
             lang, remembered = language.switch(texts)
         with gr.Tabs() as tabs:
             with texts(gr.Tab, label=K("tab.chat"), id="chat"):
-                chat = chat_tab.build(engine, active, texts, lang, make_recorder(store, lambda: engine.info))
+                chat = chat_tab.build(engine, active, texts, lang, streams, make_recorder(store, lambda: engine.info))
             with texts(gr.Tab, label=K("tab.explain"), id="explain", elem_id="ps-explain-tab"):
                 explain.build(engine, texts, lang)
             with texts(gr.Tab, label=K("tab.history"), id="history", elem_id="ps-history-tab"):
@@ -53,6 +54,7 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
         texts.on_switch(header_html, [], [header])
         texts.wire(lang, remembered, app)
     app.queue(default_concurrency_limit=1)
+    app.live_streams = streams  # their route goes on the web app that serves this page (Streams.add_route)
     return app
 
 
@@ -159,8 +161,9 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     app = build_app(engine, store)
     url = f"http://{host}:{port}"
     # the page first, then the model behind it: the page is up in about two seconds, the model a second later
-    app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[], auth=auth,
-               prevent_thread_lock=True, **launch_options())
+    server, _, _ = app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
+                              auth=auth, prevent_thread_lock=True, **launch_options())
+    app.live_streams.add_route(server)
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:
         webbrowser.open(url)

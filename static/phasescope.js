@@ -1,9 +1,10 @@
 // PhaseScope's streaming front end. While a reply streams, the server sends only what is new (the reply's
-// new text, the charts' new points, the live panel's changed pieces) through one hidden textbox,
-// #ps-stream; this script applies it in place: text is set on the reply's live span (no Markdown
-// re-render of the whole reply), points are added with Plotly.extendTraces (no new figure), the panel's
-// pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at the start and end of a
-// reply, on a new chat and when a saved chat is opened. The message format is app/ui/live.py's.
+// new text, the charts' new points, the live panel's changed pieces) in a stream of its own that the
+// reply's live span names (follow); this script applies it in place: text is set on the live span (no
+// Markdown re-render of the whole reply), points are added with Plotly.extendTraces (no new figure), the
+// panel's pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at the start of a
+// reply, and through the hidden textbox #ps-stream at its end, on a new chat and when a saved chat is
+// opened. The message format is app/ui/live.py's.
 (() => {
   const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
   // While a reply streams, a chart is redrawn at most every CHART_EVERY_MS, and less often when its
@@ -147,6 +148,41 @@
     }
   }
 
+  // A streaming reply's messages, one JSON object per line, from the app's own route (app/ui/live.py,
+  // Streams), which the live span of the reply names. It ends with the reply; Gradio then draws the
+  // whole tab. Relative to the page's address: under `serve --ui` the page and the route are under /ui/.
+  const followed = new Set();
+
+  async function follow(replyId) {
+    if (!replyId || followed.has(replyId)) return;
+    followed.add(replyId);
+    try {
+      const response = await fetch(`phasescope/live/${encodeURIComponent(replyId)}`, {cache: "no-store"});
+      if (!response.ok || !response.body) return;  // ended already
+      const reader = response.body.getReader(), decoder = new TextDecoder();
+      let pending = "";
+      for (;;) {
+        const {value, done} = await reader.read();
+        if (done) return;
+        pending += decoder.decode(value, {stream: true});
+        let end;
+        while ((end = pending.indexOf("\n")) >= 0) {
+          apply(pending.slice(0, end));
+          pending = pending.slice(end + 1);
+        }
+      }
+    } catch (error) {
+      // the server went away: the page shows what it had
+    }
+  }
+
+  function followLive() {
+    for (const span of document.querySelectorAll("#ps-chatbot .ps-live")) {
+      const named = span.className.match(/\bps-reply-([\w-]+)/);  // app/ui/session.py's live_span
+      if (named) follow(named[1]);
+    }
+  }
+
   // the figures the page starts with: the stream box's first value (a change event only follows updates);
   // called on load, it waits for the page and plotly.js, which Gradio may add after its own scripts
   function start() {
@@ -157,9 +193,12 @@
     }
     if (window.phasescopeFrames) window.phasescopeFrames.stopLeaked();  // before the first figure (frames.js)
     if (box.value) apply(box.value);
-    // a live span drawn after its text arrived (the chatbot renders asynchronously)
-    new MutationObserver(() => { if (reply.text) showText(); })
-      .observe(document.querySelector("#ps-chatbot") || document.body, {childList: true, subtree: true});
+    // a new reply's live span: follow its stream; a live span drawn after its text arrived (the chatbot
+    // renders asynchronously): fill it
+    new MutationObserver(() => {
+      followLive();
+      if (reply.text) showText();
+    }).observe(document.querySelector("#ps-chatbot") || document.body, {childList: true, subtree: true});
   }
 
   // the Explain tab from the keyboard, for a presenter: → next token, space run / pause (not while typing)

@@ -8,7 +8,7 @@ import plotly.graph_objects as go
 import pytest
 
 from app.ui import charts, panels
-from app.ui.live import LiveReply
+from app.ui.live import LiveReply, Streams
 from app.ui.session import ActiveRequests
 from app.ui.trace import ReplyTrace
 from engine import DecodeStep, Finished, PrefillChunk, SamplingParams, Started
@@ -185,11 +185,14 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     runner = EngineThread().start().serve(tiny_engine)
     session = ChatSession()
     session.accept("Hi")
-    active = ActiveRequests()
+    session.settings = {"max_new_tokens": 50, "temperature": 0}
+    active, streams = ActiveRequests(), Streams()
+    streams.open(session.reply_id)
     # outside a browser request, gr.Warning is a Python warning; the page is drawn whole when respond ends
     with pytest.warns(UserWarning, match="^the reply ended early: RuntimeError: hook broke$"):
-        list(make_respond(tiny_engine, active, recorder)(session, "", 50, 0, 1.0, 0, -1, 0))
+        make_respond(tiny_engine, active, recorder, streams)(session)
         make_finish(tiny_engine, active)(session)
+    assert not streams.is_open(session.reply_id)  # its stream ended with it
     runner.stop()
     assert [] == session.warnings  # delivered to the page
     assert "cancelled" == session.traces[-1].finished.reason  # the engine ended it; the thread lives on
@@ -255,3 +258,43 @@ def test_a_streaming_reply_sends_the_panel_pieces_that_changed():
     later = json.loads(live.update({"ps-phase": "<div>decode 4</div>", "ps-pool": "<div>3%</div>"}))
     assert {"ps-phase": "<div>decode 4</div>"} == later["panels"]
     assert "chat-1" == later["reply"]
+
+
+def test_a_reply_stream_sends_what_came_before_the_page_followed_then_the_rest_and_ends():
+    """Streams: the page may follow a reply after its first messages; it gets them, then each new one as
+    it is published from another thread, and the stream ends with the reply. A page that goes away
+    before the end calls the reply's on_abandoned (which stops generating)."""
+    import asyncio
+    import threading
+
+    streams = Streams()
+    streams.open("r-1")
+    streams.publish("r-1", '{"text":"a"}')
+
+    def rest_of_the_reply(reply_id):  # from the thread that runs the reply
+        streams.publish(reply_id, '{"text":"b"}')
+        streams.close(reply_id)
+
+    async def read(reply_id):
+        lines = []
+        async for line in streams.follow(reply_id):
+            lines.append(line)
+            if len(lines) == 1:
+                threading.Thread(target=rest_of_the_reply, args=(reply_id,)).start()
+        return lines
+
+    assert ['{"text":"a"}\n', '{"text":"b"}\n'] == asyncio.run(read("r-1"))
+    assert not streams.is_open("r-1")
+    assert [] == asyncio.run(read("r-1"))  # ended: nothing to follow (the page gets the reply from Gradio)
+    abandoned = []
+    streams.open("r-2")
+    streams.on_abandoned("r-2", lambda: abandoned.append(True))
+    streams.publish("r-2", '{"text":"a"}')
+
+    async def leave():
+        follower = streams.follow("r-2")
+        assert '{"text":"a"}\n' == await follower.__anext__()
+        await follower.aclose()  # the page closed
+
+    asyncio.run(leave())
+    assert [True] == abandoned

@@ -31,8 +31,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
 
         from ..main import build_app, launch_options
 
-        api = gr.mount_gradio_app(api, build_app(engine, store), path="/ui", auth=auth, footer_links=[],
-                                  **launch_options())
+        page = build_app(engine, store)
+        page.live_streams.add_route(api, prefix="/ui")  # before the mount, which would take the path
+        api = gr.mount_gradio_app(api, page, path="/ui", auth=auth, footer_links=[], **launch_options())
     url = f"http://{host}:{port}"
     print(f"PhaseScope API at {url}/v1 (metrics at {url}/metrics{', UI at ' + url + '/ui' if with_ui else ''})  "
           "(Ctrl-C to stop)", flush=True)

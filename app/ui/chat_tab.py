@@ -103,28 +103,43 @@ def _backend_choices(lang: str) -> list[tuple[str, str]]:
     return [(t(lang, "chat.backend_local"), "local"), (t(lang, "chat.backend_endpoint"), "endpoint")]
 
 
-def make_accept(active: ActiveRequests):
-    """The fast first step of sending: show the message and the queue position, clear the box."""
-    def accept(message, session, lang):
+SETTINGS = ("system", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "prefill_chunk")
+
+
+def make_accept(active: ActiveRequests, streams: live.Streams):
+    """The fast first step of sending: show the message and the queue position, clear the box, keep
+    the settings for respond, and open the reply's stream (the page follows it once the message shows)."""
+    def accept(message, session, lang, *settings):
         session = session or ChatSession()
         session.lang = lang
         text = (message or "").strip()
         if not text or session.pending:  # an empty message does nothing; one reply at a time per chat
             return gr.skip(), gr.skip(), gr.skip(), session
         session.accept(text)
+        session.settings = dict(zip(SETTINGS, settings))
+        streams.open(session.reply_id)
         active.wait(session.id)
         return session.display, "", panels.queued_html(0, 0, lang), session
 
     return accept
 
 
-def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None):
-    """The queued second step: run the accepted message, streaming only what is new (ChatTab.stream);
-    the tab is drawn whole when it ends (make_finish)."""
-    def respond(session, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
+def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None, streams: live.Streams):
+    """The queued second step: run the accepted message, publishing what is new to the reply's stream
+    every UPDATE_EVERY_S; the tab is drawn whole when it ends (make_finish). Its event has no outputs
+    and its one input is the chat's state: a component an event waits on shows a "pending" status,
+    whose timer Gradio redraws every frame (60 a second, taken from decode on a 2-core machine)."""
+    def respond(session):
         text = session.pending if session else ""
         if not text:
             return
+        try:
+            _respond(session, text, **session.settings)
+        finally:
+            streams.close(session.reply_id)
+
+    def _respond(session, text, system="", max_new_tokens=256, temperature=0.7, top_p=1.0, top_k=0, seed=-1,
+                 prefill_chunk=0):
         system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
         messages = system_messages + session.messages + [{"role": "user", "content": text}]
         try:
@@ -151,15 +166,16 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         else:
             worker = ReplyWorker(engine, request, trace, hooks)
         active.start(session.id, request)
-        updates = live.LiveReply(f"{session.id}-{trace.turn}", session.traces, session.lang)
+        updates = live.LiveReply(session.reply_id, session.traces, session.lang)
+        streams.on_abandoned(session.reply_id, request.cancel)  # the page went away: stop generating for nobody
         try:
             while worker.is_running:
                 worker.wait(UPDATE_EVERY_S)
                 _show_warnings(session)
                 # only what is new: the conversation with the reply's live span came with accept
-                yield updates.update(_live_panels(session, engine, trace, request))
+                streams.publish(session.reply_id, updates.update(_live_panels(session, engine, trace, request)))
         finally:
-            if worker.is_running:  # the browser went away: stop generating for nobody
+            if worker.is_running:  # an error here: the reply ends with it
                 request.cancel()
                 worker.wait()
             active.finish(session.id, request)
@@ -220,7 +236,7 @@ def new_chat(engine: Engine, active: ActiveRequests):
     return handler
 
 
-def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
+def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, streams: live.Streams,
           recorder: RecorderFactory | None = None) -> ChatTab:
     session = gr.State(None)
     with gr.Row(equal_height=False):
@@ -275,16 +291,14 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio,
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
-    accept, respond, finish = make_accept(active), make_respond(engine, active, recorder), make_finish(engine, active)
-    # several chats reply at once: the engine batches their decode steps and queues what does not fit.
-    # While a reply streams, its event has one output, the stream box: an event's other outputs would
-    # each wait with a "pending" status whose timer Gradio redraws every frame (60 a second, taken
-    # from decode on a 2-core machine)
+    accept, finish = make_accept(active, streams), make_finish(engine, active)
+    respond = make_respond(engine, active, recorder, streams)
+    # several chats reply at once: the engine batches their decode steps and queues what does not fit
     replies = []
     for trigger in (message.submit, send.click):
-        reply = trigger(accept, [message, session, lang], [chatbot, message, phase, session], queue=False).then(
-            respond, [session, *settings], [stream], concurrency_limit=engine.config.max_running,
-            concurrency_id="engine", show_progress="hidden")
+        reply = trigger(accept, [message, session, lang, *settings], [chatbot, message, phase, session],
+                        queue=False).then(respond, [session], None, concurrency_limit=engine.config.max_running,
+                                          concurrency_id="engine", show_progress="hidden")
         reply.then(finish, [session], tab.outputs, queue=False, show_progress="hidden")
         replies.append(reply)
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)

@@ -1,7 +1,9 @@
 """What the page is sent while a reply streams: only what is new since the last update.
 
-The messages go through one hidden textbox (#ps-stream) to static/phasescope.js, which applies them in
-place. A message is a JSON object with any of:
+A streaming reply's messages go to static/phasescope.js through a route of the app's own (Streams:
+GET phasescope/live/<reply id>, one JSON message per line); whole figures drawn at other moments (a
+reply's end, a new chat, a chat opened from the history) through one hidden textbox, #ps-stream. The
+script applies them in place. A message is a JSON object with any of:
   reply   an id for the reply the text belongs to (a new id starts a new text)
   text    the reply's text since the previous message
   reset   whole figures, {"latency": spec, "kv": spec}: drawn anew (start and end of a reply, a new
@@ -14,9 +16,11 @@ place. A message is a JSON object with any of:
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import plotly.graph_objects as go
 
@@ -98,3 +102,98 @@ class LiveReply:
         points = charts.kv_step_points(new, self._kv_x0 + 1 + len(trace.chunks) + first, self.lang)
         return {"trace": self._kv_index + (1 if trace.num_cached_tokens else 0), "points": points,
                 "mode": charts.point_mode(1 + len(trace.chunks) + num_steps)}
+
+
+class _Reply:
+    """One streaming reply's messages so far (None ends them), and the pages following it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.messages: list[str | None] = []
+        self.followers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self.on_abandoned: Callable[[], None] | None = None
+
+    def add(self, message: str | None) -> None:
+        with self.lock:
+            self.messages.append(message)
+            for loop, inbox in self.followers:
+                loop.call_soon_threadsafe(inbox.put_nowait, message)
+
+    def follow(self) -> tuple[list[str | None], asyncio.Queue]:
+        with self.lock:
+            inbox: asyncio.Queue = asyncio.Queue()
+            self.followers.append((asyncio.get_running_loop(), inbox))
+            return list(self.messages), inbox
+
+
+class Streams:
+    """The replies now streaming, by reply id: the chat tab publishes each one's messages from the thread
+    that runs it, and the page reads them from GET <app>/phasescope/live/<reply id> as they come, one
+    message per line. Not through a Gradio event: each Gradio update cost the page 7-15 ms of its
+    client's work (the loading state of every component, a structured clone of the update), four times a
+    second, on the cores decode uses. A reply id is its chat's random id and its turn (ChatSession)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replies: dict[str, _Reply] = {}
+
+    def open(self, reply_id: str) -> None:
+        with self._lock:
+            self._replies[reply_id] = _Reply()
+
+    def _get(self, reply_id: str) -> _Reply | None:
+        with self._lock:
+            return self._replies.get(reply_id)
+
+    def on_abandoned(self, reply_id: str, callback: Callable[[], None]) -> None:
+        """callback() when the page following the reply goes away before it ends (stop generating)."""
+        reply = self._get(reply_id)
+        if reply:
+            reply.on_abandoned = callback
+
+    def publish(self, reply_id: str, message: str) -> None:
+        reply = self._get(reply_id)
+        if reply:
+            reply.add(message)
+
+    def close(self, reply_id: str) -> None:
+        with self._lock:
+            reply = self._replies.pop(reply_id, None)
+        if reply:
+            reply.add(None)
+
+    def is_open(self, reply_id: str) -> bool:
+        return self._get(reply_id) is not None
+
+    async def follow(self, reply_id: str) -> AsyncIterator[str]:
+        """The reply's messages, those already sent first, each on its own line, until it ends."""
+        reply = self._get(reply_id)
+        if reply is None:
+            return
+        sent, inbox = reply.follow()
+        ended = False
+        try:
+            for message in sent:
+                if message is None:
+                    ended = True
+                    return
+                yield message + "\n"
+            while (message := await inbox.get()) is not None:
+                yield message + "\n"
+            ended = True
+        finally:
+            if not ended and reply.on_abandoned:  # the page went away (closed, reloaded) mid-reply
+                reply.on_abandoned()
+
+    def add_route(self, app, prefix: str = "") -> None:
+        """GET {prefix}/phasescope/live/{reply_id} on a FastAPI app (the Gradio app's, or the one it is
+        mounted in, with the mount's path as prefix: the page asks relative to its own address)."""
+        from fastapi.responses import Response, StreamingResponse
+
+        async def live(reply_id: str):
+            if not self.is_open(reply_id):  # ended already: the page gets the whole reply from Gradio
+                return Response(status_code=404)
+            return StreamingResponse(self.follow(reply_id), media_type="application/x-ndjson",
+                                     headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+        app.add_api_route(f"{prefix}/phasescope/live/{{reply_id}}", live, methods=["GET"])

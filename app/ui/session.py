@@ -20,7 +20,11 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
     from engine import Engine
 
 
-LIVE_SPAN = '<span class="ps-live"></span>'
+def live_span(reply_id: str = "") -> str:
+    """A reply while it streams: an empty span that static/phasescope.js fills with the reply's text,
+    following its stream (app/ui/live.py, Streams) by the id it carries, in a class (the Chatbot's
+    sanitizer keeps classes, not data attributes)."""
+    return f'<span class="ps-live ps-reply-{escape(reply_id)}"></span>'
 
 
 def as_text(text: str) -> str:
@@ -39,6 +43,8 @@ class ChatSession:
     warnings: list[str] = field(default_factory=list)  # e.g. the history could not be saved
     lang: str = DEFAULT  # the page's language when the chat last sent or switched (app/i18n)
     endpoint: object | None = None  # an app.remote.Endpoint when this chat talks to a remote server
+    settings: dict = field(default_factory=dict)  # the accepted message's settings (chat_tab's SETTINGS)
+    reply_id: str = ""  # the accepted message's reply: this chat's random id and the reply's turn
 
     def accept(self, user_text: str) -> None:
         """Show the user's message at once, and the reply as an empty span (shown as "…") that the page
@@ -46,7 +52,9 @@ class ChatSession:
         reply, before decode, and again when the reply ends (a re-render of the chat, while decode runs,
         took ~140 ms of the page's CPU from it)."""
         self.pending = user_text
-        self.display += [{"role": "user", "content": as_text(user_text)}, {"role": "assistant", "content": LIVE_SPAN}]
+        self.reply_id = f"{self.id}-{len(self.traces) + 1}"
+        self.display += [{"role": "user", "content": as_text(user_text)},
+                         {"role": "assistant", "content": live_span(self.reply_id)}]
 
     def show_reply(self, trace: ReplyTrace) -> None:
         content = as_text(trace.text)
