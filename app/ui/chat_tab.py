@@ -227,10 +227,11 @@ def make_switch(engine: Engine, measured: dict):
     return switch
 
 
-def new_chat(engine: Engine, active: ActiveRequests):
+def new_chat(engine: Engine, active: ActiveRequests, streams: live.Streams):
     def handler(session, lang):
         if session:
             active.cancel(session.id)
+            streams.close(session.reply_id)  # a reply cancelled before it ran never closes its stream
         return render(ChatSession(lang=lang), engine, None)
 
     return handler
@@ -306,7 +307,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     precision.input(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
                     concurrency_id="engine", show_progress="minimal")
     # closing a running reply's generator cancels its request (see respond's finally)
-    new.click(new_chat(engine, active), [session, lang], tab.outputs, cancels=replies)
+    new.click(new_chat(engine, active, streams), [session, lang], tab.outputs, cancels=replies)
 
     def choose_backend(kind, url, model, key, chat, lang_choice):
         """This chat's backend: the local engine, or a remote endpoint checked by listing its models."""

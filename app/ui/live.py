@@ -131,7 +131,9 @@ class Streams:
     that runs it, and the page reads them from GET <app>/phasescope/live/<reply id> as they come, one
     message per line. Not through a Gradio event: each Gradio update cost the page 7-15 ms of its
     client's work (the loading state of every component, a structured clone of the update), four times a
-    second, on the cores decode uses. A reply id is its chat's random id and its turn (ChatSession)."""
+    second, on the cores decode uses. A reply id is its chat's random id (128 bits) and its turn
+    (ChatSession): the route asks no login (under --auth too), only the page that sent the message
+    knows the id."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
