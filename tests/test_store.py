@@ -227,3 +227,19 @@ def test_a_read_only_folder_names_the_path(tmp_path):
     folder.chmod(0o500)
     with pytest.raises(StoreError, match=str(folder / "history.db")):
         Store.open(folder / "history.db")
+
+
+def test_the_history_table_shows_the_most_recent_sessions_and_says_how_many_there_are(tmp_path):
+    """The page copies the table's whole value at every event: it holds the most recent sessions only,
+    and says so when there are more (search finds the others)."""
+    from app.ui.history_tab import SHOWN_SESSIONS, session_rows, sessions_table
+
+    store = Store.open(str(tmp_path / "h.db"))
+    ids = [store.create_session(f"chat {i}", "m", "cpu", "int8", {}) for i in range(SHOWN_SESSIONS + 5)]
+    rows, total = session_rows(store)
+    assert (SHOWN_SESSIONS, SHOWN_SESSIONS + 5) == (len(rows), total)
+    assert ids[-1] == rows[0][0]  # newest first
+    table = sessions_table(store, "", "en")
+    assert f"The {SHOWN_SESSIONS} most recent of {SHOWN_SESSIONS + 5} sessions" in table.label
+    assert [["chat 0"]] == [[row[1]] for row in session_rows(store, "chat 0")[0]]  # search reaches the old ones
+    assert sessions_table(store, "chat 0", "en").label is None
