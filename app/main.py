@@ -47,8 +47,8 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
                 chat = chat_tab.build(engine, active, texts, lang, streams, make_recorder(store, lambda: engine.info))
             with texts(gr.Tab, label=K("tab.explain"), id="explain", elem_id="ps-explain-tab"):
                 explain.build(engine, texts, lang)
-            with texts(gr.Tab, label=K("tab.history"), id="history", elem_id="ps-history-tab"):
-                history_tab.build(engine, store, chat, tabs, texts, lang)
+            with texts(gr.Tab, label=K("tab.history"), id="history", elem_id="ps-history-tab") as history:
+                history_tab.build(engine, store, chat, tabs, history, texts, lang)
             with texts(gr.Tab, label=K("tab.lab"), id="lab", elem_id="ps-lab-tab"):
                 lab_tab.build(engine, store, texts, lang)
         texts.on_switch(header_html, [], [header])

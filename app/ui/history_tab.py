@@ -60,7 +60,8 @@ def write_exports(store: Store, folder: Path, session_id: int | None) -> list[st
     return paths
 
 
-def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, texts: Texts, lang: gr.Radio) -> None:
+def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.Tab, texts: Texts,
+          lang: gr.Radio) -> None:
     folder = Path(tempfile.mkdtemp(prefix="phasescope-exports-"))
     selected = gr.State(None)
     with gr.Row():
@@ -123,7 +124,9 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, texts: Tex
     listing_outputs = [table, *every]
     for trigger in (search.submit, refresh.click):
         trigger(listing, [search, lang], listing_outputs, queue=False)
-    tabs.select(listing, [search, lang], listing_outputs, queue=False)
+    # when this tab is opened, not on every tab switch: the exports of all sessions are seconds of Python
+    # with a long history (2.7 s for 527 sessions), holding the interpreter lock beside a running reply
+    page.select(listing, [search, lang], listing_outputs, queue=False)
     table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
     open_button.click(open_session, [selected, lang], [*chat.outputs, tabs], queue=False)
     rename.click(do_rename, [selected, title, search, lang], [title, table], queue=False)
