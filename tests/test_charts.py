@@ -173,7 +173,7 @@ def test_seed_setting(seed, expected):
 
 
 def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
-    from app.ui.chat_tab import make_finish, make_respond
+    from app.ui.chat_tab import SETTINGS, make_finish, make_respond
     from app.ui.session import ChatSession, EngineThread
 
     def recorder(session, messages, sampling, trace):
@@ -185,7 +185,7 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     runner = EngineThread().start().serve(tiny_engine)
     session = ChatSession()
     session.accept("Hi")
-    session.settings = {"max_new_tokens": 50, "temperature": 0}
+    session.settings = dict(zip(SETTINGS, ("", 50, 0, 1.0, 0, -1, 0)))  # as accept keeps them
     active, streams = ActiveRequests(), Streams()
     streams.open(session.reply_id)
     # outside a browser request, gr.Warning is a Python warning; the page is drawn whole when respond ends

@@ -138,8 +138,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         finally:
             streams.close(session.reply_id)
 
-    def _respond(session, text, system="", max_new_tokens=256, temperature=0.7, top_p=1.0, top_k=0, seed=-1,
-                 prefill_chunk=0):
+    def _respond(session, text, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
         system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
         messages = system_messages + session.messages + [{"role": "user", "content": text}]
         try:
@@ -291,7 +290,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             pool = gr.HTML("", elem_id="ps-pool")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
-    settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]
+    settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]  # in SETTINGS' order
     accept, finish = make_accept(active, streams), make_finish(engine, active)
     respond = make_respond(engine, active, recorder, streams)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
@@ -306,7 +305,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     measured = {"report": None}  # the last precision report, for a redraw in another language
     precision.input(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
                     concurrency_id="engine", show_progress="minimal")
-    # closing a running reply's generator cancels its request (see respond's finally)
+    # New chat cancels the running request and closes its stream (new_chat), and the reply's events (so
+    # that finish does not draw the chat it replaced)
     new.click(new_chat(engine, active, streams), [session, lang], tab.outputs, cancels=replies)
 
     def choose_backend(kind, url, model, key, chat, lang_choice):

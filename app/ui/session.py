@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
     from engine import Engine
 
 
-def live_span(reply_id: str = "") -> str:
+def live_span(reply_id: str) -> str:
     """A reply while it streams: an empty span that static/phasescope.js fills with the reply's text,
     following its stream (app/ui/live.py, Streams) by the id it carries, in a class (the Chatbot's
     sanitizer keeps classes, not data attributes)."""
