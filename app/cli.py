@@ -42,8 +42,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default="auto", choices=["auto", "sdpa", "eager"],
                         help="prefill's attention: auto (the native kernel), sdpa (PyTorch's fused kernel) or "
                              "eager (the whole score matrix materialized)")
-    parser.add_argument("--split-kv", action="store_true",
-                        help="Flash Decoding: cut a long sequence's attention into chunks that the threads share")
+    parser.add_argument("--split-kv", action=argparse.BooleanOptionalAction, default=True,
+                        help="Flash Decoding: cut a long sequence's attention into chunks that the threads share "
+                             "(default on; --no-split-kv to compare)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the model over N processes (Megatron-style, gloo on CPU): each holds a slice "
                              "of every layer, joined by two all-reduces per layer; the cores are shared out")

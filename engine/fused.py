@@ -124,7 +124,7 @@ class FusedDecode:
         self._dims = [lean.num_layers, lean.num_heads, lean.num_kv_heads, lean.head_dim, hidden, intermediate,
                       lean.lm_head.output_features]
         self.num_positions = cos.shape[0]
-        self.split_kv = False  # Flash Decoding: long sequences' attention cut into chunks across the threads
+        self.split_kv = True  # Flash Decoding: long sequences' attention cut into chunks across the threads
 
     def _layer_row(self, layer) -> list[int]:
         """14 addresses, in the kernel's order: (weight, scale, bias) of qkv, o, gate_up, down; 2 norms."""

@@ -244,6 +244,17 @@ def test_split_kv_attention_equals_the_unsplit_one_at_long_context(tokenizer):
         short_seq.truncate(40)
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-4, atol=1e-4)
     assert torch.equal(results[True][1], results[False][1])
+    # the explain mode's capture of the long sequence stays split: its weights come from the chunks
+    captured = {}
+    for split in (False, True):
+        lean.fused.split_kv = split
+        logits, weights, _ = lean.decode([11, 12], [1300, 40], [long_seq, short_seq], capture=0)
+        captured[split] = logits, weights
+        long_seq.truncate(1300)
+        short_seq.truncate(40)
+    torch.testing.assert_close(captured[True][0], results[True], rtol=0, atol=0)  # the same split step
+    torch.testing.assert_close(captured[True][1], captured[False][1], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(captured[True][1].sum(-1), torch.ones(captured[True][1].shape[:2]))
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -90,6 +91,18 @@ inline float sum_lanes(Vec v) {
     float total = 0.0f;
     for (int64_t i = 0; i < kVec; i++) total += v[i];
     return total;
+}
+
+// The same sum in halves, (0 + 4) + (2 + 6) + ((1 + 5) + (3 + 7)): three shuffles and three adds, where
+// sum_lanes's chain of eight dependent adds held a decode step's attention up (one per head and position).
+inline float sum_halves(Vec v) {
+#if defined(__AVX__)
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+#else
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+#endif
 }
 
 // --- the KV cache's number formats: fp32; fp16 (half the bytes to read at long context, as llama.cpp's
@@ -664,7 +677,10 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
     constexpr int V = D / kVec;
     constexpr int64_t S = row_size<KV>(D);
     const int64_t n = t1 - t0;
-    for (int64_t g = 0; g < group; g++) m[g] = -INFINITY;
+    // each head's maximum so far, kept here, not in m: in a split step another thread's m may share its
+    // cache line, and writing it for every position made the split slower than no split (measured)
+    float most[8];
+    for (int64_t g = 0; g < group; g++) most[g] = -INFINITY;
     for (int64_t start = t0; start < t1;) {  // block by block: no division per position
         const int64_t end = std::min(t1, (start / bs + 1) * bs);
         const int64_t shift = (table[start / bs] - start / bs) * bs * S;  // kb + t * S: position t's key row
@@ -684,17 +700,17 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
                 const Vec *qg = reinterpret_cast<const Vec *>(q + g * D);
                 Vec dot = qg[0] * kt[0];
                 for (int j = 1; j < V; j++) dot += qg[j] * kt[j];
-                s[g * n + t - t0] = sum_lanes(dot) * key.scale * scale;
-                m[g] = std::max(m[g], s[g * n + t - t0]);
+                s[g * n + t - t0] = sum_halves(dot) * key.scale * scale;
+                most[g] = std::max(most[g], s[g * n + t - t0]);
             }
         }
         start = end;
     }
     for (int64_t g = 0; g < group; g++) {
         float *sg = s + g * n, total = 0.0f;
-        const float most = m[g];
+        const float top = m[g] = most[g];
 #pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < n; t++) total += (sg[t] = fast_exp(sg[t] - most));
+        for (int64_t t = 0; t < n; t++) total += (sg[t] = fast_exp(sg[t] - top));
         l[g] = total;
         Vec acc[V] = {};
         for (int64_t start = t0; start < t1;) {  // values: from memory for the first head, then L1
@@ -746,19 +762,19 @@ void attend_head_any(const float *q, const KV *k, const KV *v, const int64_t *ta
     for (int64_t i = 0; i < D; i++) out[i] /= total;
 }
 
-// attention() for every sequence but skip_b, each (sequence, group) cut into chunks of `length` positions:
-// one task per chunk, then per head out = sum_c out_c e^(m_c - M) / sum_c l_c e^(m_c - M), M = max_c m_c.
+// attention() for every sequence, each (sequence, group) cut into chunks of `length` positions: one task
+// per chunk, then per head out = sum_c out_c e^(m_c - M) / sum_c l_c e^(m_c - M), M = max_c m_c; and, for
+// sequence capture_b (if any), its attention weights, each chunk's e^(score - m_c) times e^(m_c - M) / L.
 template <typename KV>
 void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stride, const KV *keys,
-                     const KV *values, float *out, int64_t length, int64_t skip_b) {
+                     const KV *values, float *out, int64_t length, float *capture, int64_t capture_b) {
     const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
     const float scale = 1.0f / std::sqrt(float(D));
     std::vector<int64_t> first(batch.size + 1, 0);  // each sequence's first chunk
-    for (int64_t b = 0; b < batch.size; b++)
-        first[b + 1] = first[b] + (b == skip_b ? 0 : (batch.positions[b] + length) / length);
+    for (int64_t b = 0; b < batch.size; b++) first[b + 1] = first[b] + (batch.positions[b] + length) / length;
     const int64_t chunks = first[batch.size], tasks = chunks * d.kv_heads;
     std::vector<float> parts(tasks * group * D), maxima(tasks * group), sums(tasks * group);
-    std::vector<float> scores(tasks * group * length);
+    std::unique_ptr<float[]> scores(new float[tasks * group * length]);  // each task's e^(score - m_c), [group][chunk]
 #pragma omp parallel for num_threads(d.threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {  // (chunk, KV group)
         const int64_t c = task / d.kv_heads, g = task % d.kv_heads;
@@ -767,7 +783,7 @@ void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t 
         const float *qg = q + b * q_stride + g * group * D;
         const KV *k = keys + g * d.num_slots * row_size<KV>(D), *v = values + g * d.num_slots * row_size<KV>(D);
         const int64_t *table = batch.tables + b * batch.table_stride;
-        float *s = scores.data() + task * group * length, *o = parts.data() + task * group * D;
+        float *s = scores.get() + task * group * length, *o = parts.data() + task * group * D;
         float *m = &maxima[task * group], *l = &sums[task * group];
         if (D == 64)
             attend_group_part<64, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, m, l);
@@ -775,7 +791,7 @@ void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t 
             attend_group_part<128, KV>(qg, group, k, v, table, bs, t0, t1, scale, s, o, m, l);
     }
     for (int64_t b = 0; b < batch.size; b++) {  // merge each head's chunks
-        if (b == skip_b) continue;
+        const int64_t n = batch.positions[b] + 1;
         for (int64_t g = 0; g < d.kv_heads; g++)
             for (int64_t h = 0; h < group; h++) {
                 float most = -INFINITY, total = 0.0f;
@@ -791,6 +807,14 @@ void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t 
                 }
                 const float inverse = 1.0f / total;  // as attend_group: one chunk gives its result exactly
                 for (int64_t i = 0; i < D; i++) o[i] *= inverse;
+                if (b != capture_b) continue;
+                for (int64_t c = first[b]; c < first[b + 1]; c++) {  // this head's weights, chunk by chunk
+                    const int64_t task = c * d.kv_heads + g, t0 = (c - first[b]) * length;
+                    const int64_t t1 = std::min(n, t0 + length);
+                    const float *e = scores.get() + task * group * length + h * (t1 - t0);
+                    const float weight = std::exp(maxima[task * group + h] - most) * inverse;
+                    for (int64_t t = t0; t < t1; t++) capture[(g * group + h) * n + t] = e[t - t0] * weight;
+                }
             }
     }
 }
@@ -802,10 +826,10 @@ void split_attention(const Dims &d, const Batch &batch, const float *q, int64_t 
 // runs beside it (and a sequence of one chunk gets exactly the unsplit result).
 constexpr int64_t kSplitLength = 512;
 
-bool splits(const Dims &d, const Batch &batch, int64_t capture_b) {
+bool splits(const Dims &d, const Batch &batch) {
     if (!d.split_kv || (d.head_dim != 64 && d.head_dim != 128) || d.heads / d.kv_heads > 8) return false;
     for (int64_t b = 0; b < batch.size; b++)
-        if (b != capture_b && batch.positions[b] + 1 > kSplitLength) return true;
+        if (batch.positions[b] + 1 > kSplitLength) return true;
     return false;
 }
 
@@ -817,22 +841,20 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
                const KV *values, float *out, float *capture, int64_t capture_b) {
     const int64_t D = d.head_dim, group = d.heads / d.kv_heads, bs = d.block_size;
     const float scale = 1.0f / std::sqrt(float(D));
-    const bool split = splits(d, batch, capture_b);
-    if (split) {
-        split_attention(d, batch, q, q_stride, keys, values, out, kSplitLength, capture_b);
-        if (capture_b < 0) return;  // else the captured sequence, never split, follows alone below
+    if (splits(d, batch)) {
+        split_attention(d, batch, q, q_stride, keys, values, out, kSplitLength, capture, capture_b);
+        return;
     }
     std::vector<int64_t> offset(batch.size + 1, 0);  // each (sequence, head)'s scores in one buffer
     for (int64_t b = 0; b < batch.size; b++) offset[b + 1] = offset[b] + d.heads * (batch.positions[b] + 1);
-    std::vector<float> scores(offset[batch.size]);
+    std::unique_ptr<float[]> scores(new float[offset[batch.size]]);  // written before read: no zeroing
 #pragma omp parallel for num_threads(d.threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < batch.size * d.kv_heads; task++) {  // one task per (sequence, KV group)
         const int64_t b = task / d.kv_heads, g = task % d.kv_heads, n = batch.positions[b] + 1;
-        if (split && b != capture_b) continue;  // done in chunks above
         const float *qg = q + b * q_stride + g * group * D;
         const KV *k = keys + g * d.num_slots * row_size<KV>(D), *v = values + g * d.num_slots * row_size<KV>(D);
         const int64_t *table = batch.tables + b * batch.table_stride;
-        float *s = scores.data() + offset[b] + g * group * n, *o = out + (b * d.heads + g * group) * D;
+        float *s = scores.get() + offset[b] + g * group * n, *o = out + (b * d.heads + g * group) * D;
         if (D == 64 && group <= 8) {
             attend_group<64>(qg, group, k, v, table, bs, n, scale, s, o);
         } else if (D == 128 && group <= 8) {
