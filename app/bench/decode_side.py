@@ -11,6 +11,7 @@ import torch
 
 from engine import DecodeStep, Engine, SamplingParams
 
+from .extras import interleaved
 from .texts import LONG_TEXT, SPECULATION_PROMPTS
 
 
@@ -143,3 +144,36 @@ def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset:
             "cached_step_gflop": round(steps["cached"][0].flops / 1e9, 2),
             "no_cache_step_gflop": round(steps["no cache"][0].flops / 1e9, 1),
             "same_tokens": tokens["cached"] == tokens["no cache"]}
+
+
+def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num_gen: int = 16, rounds: int = 5,
+                   short: int = 16) -> dict:
+    """Flash Decoding (split_kv) against one task per KV group, at each context length: the median decode
+    step (forward) in each, and the attention's part of it, the step less the step at `short` tokens of
+    context (what grows with the context is the attention), in interleaved rounds. Each context is in
+    each setting's cache from the first round on (prefix caching), so a round is its decode steps."""
+    contexts = tuple(c for c in contexts if c + num_gen <= engine.context_window)
+    sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
+    settings = {"unsplit": engine.variant(split_kv=False, prefix_caching=True),
+                "split": engine.variant(split_kv=True, prefix_caching=True)}
+
+    def run(e: Engine, context: int):
+        prompt = [1000 + (i * 7) % 5000 for i in range(context)]
+
+        def step_ms() -> float:
+            steps = [ev for ev in e.run(e.new_request_from_ids(prompt, sampling)) if isinstance(ev, DecodeStep)]
+            return statistics.median(s.forward_ms for s in steps[1:])  # step 0 is the prefill's token
+        return step_ms
+
+    samples = interleaved({(name, c): run(e, c) for name, e in settings.items() for c in (short, *contexts)},
+                          rounds)
+    ms = {key: statistics.median(values) for key, values in samples.items()}
+    report = {}
+    for c in contexts:
+        attention = {name: ms[(name, c)] - ms[(name, short)] for name in settings}
+        report[c] = {"unsplit_step_ms": round(ms[("unsplit", c)], 2), "split_step_ms": round(ms[("split", c)], 2),
+                     "unsplit_attention_ms": round(attention["unsplit"], 2),
+                     "split_attention_ms": round(attention["split"], 2),
+                     "attention_speedup": round(attention["unsplit"] / attention["split"], 2)
+                     if attention["split"] > 0 else None}
+    return report

@@ -24,8 +24,8 @@ from engine.hf_runner import in_dtype, make_runner
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
                      native_vs_ops, quality_vs, random_prompt)
-from .decode_side import (at_depth, kv_quality, kv_variants, long_text_ids, no_cache, prefill_at_depth, speculation,
-                          teacher_forced, weights_quality)
+from .decode_side import (at_depth, flash_decoding, kv_quality, kv_variants, long_text_ids, no_cache, prefill_at_depth,
+                          speculation, teacher_forced, weights_quality)
 from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
 
@@ -152,7 +152,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
-    _decode_side(summary, engines, pp, tg, repetitions, log, long_text_tokens=96 if quick else 3000)
+    _decode_side(summary, engines, pp, tg, repetitions, log, long_text_tokens=96 if quick else 3000, quick=quick)
     lengths = (pp // 2, pp) if pp < 256 else (256, 1024, 2048, 4096)  # --quick: a taste
     summary["prefill_attention"] = {name: attention_impls(e, lengths, vocab) for name, e in _native(engines).items()}
     log(f"  prefill attention, native vs sdpa vs eager: {summary['prefill_attention']}")
@@ -202,14 +202,18 @@ def _depths(engines: dict[str, Engine], depths: tuple[int, ...], pp: int, tg: in
 
 
 def _decode_side(summary: dict, engines: dict[str, Engine], pp: int, tg: int, repetitions: int, log,
-                 long_text_tokens: int) -> None:
-    """Speculative decoding, decode without a KV cache and the KV formats (over the first long_text_tokens
-    of the long text), for the native modes."""
+                 long_text_tokens: int, quick: bool = False) -> None:
+    """Speculative decoding, decode without a KV cache, Flash Decoding and the KV formats (over the first
+    long_text_tokens of the long text), for the native modes."""
     native = _native(engines)
     summary["speculative_prompt_lookup"] = {name: speculation(e, repetitions, tg) for name, e in native.items()}
     log(f"  speculative decoding (prompt lookup) vs plain: {summary['speculative_prompt_lookup']}")
     summary["no_kv_cache"] = {name: no_cache(e, pp) for name, e in native.items()}
     log(f"  a decode step without the KV cache vs with it: {summary['no_kv_cache']}")
+    summary["flash_decoding"] = {name: flash_decoding(e, (256, 512) if quick else (4096, 8000), rounds=1 if quick else 5)
+                                 for name, e in native.items()}
+    log(f"  Flash Decoding (split KV) vs one task per KV group, decode step and its attention: "
+        f"{summary['flash_decoding']}")
     ids = long_text_ids(next(iter(native.values())), long_text_tokens)
     plain, summary["kv_formats_quality"] = {}, {}
     for name, e in native.items():  # one mode's variants at a time: each brings its own KV pool

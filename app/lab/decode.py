@@ -177,9 +177,11 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
     explanation = (f"At {unsplit['context']} tokens of context attention took "
                    f"{unsplit['attention ms per step']:.2f} ms per step unsplit and "
                    f"{split['attention ms per step']:.2f} ms split across the threads; at {rows[0]['context']}, "
-                   f"{rows[0]['attention ms per step']:.2f} ms. Splitting the cache lets every core read part of one "
-                   f"long sequence; it pays where one sequence cannot keep the cores busy (a GPU's many units). Here "
-                   f"the cache read is bound by memory bandwidth, which the split does not add.")
+                   f"{rows[0]['attention ms per step']:.2f} ms. Unsplit, each KV group of a sequence is one task: "
+                   f"with fewer groups than cores to spread evenly (3 on 2 threads here), one core attends for two "
+                   f"while the other waits. Split, each group's positions are cut into chunks of 512 that every "
+                   f"core shares, merged exactly by their maxima and sums (log-sum-exp). Below 512 positions there "
+                   f"is nothing to cut; at long context the split is bound by memory bandwidth, which it cannot add.")
     if not available:
         explanation = "The native decode step is not built here, so there is no split to switch on. " + explanation
     effects = timed = {"attention time grows with the context (unsplit)":
