@@ -87,6 +87,8 @@ constexpr int64_t kMaxBatch = 4;  // sequences whose accumulators are held in re
 // enough to compute that the hardware prefetcher alone left the loads waiting on memory (measured).
 constexpr int64_t kPrefetchBytes = 16384;
 
+typedef float Vec16 __attribute__((vector_size(64), aligned(4)));  // 16 floats; unaligned loads
+
 inline float sum_lanes(Vec v) {
     float total = 0.0f;
     for (int64_t i = 0; i < kVec; i++) total += v[i];
@@ -156,6 +158,14 @@ struct RowReader {
     RowReader(const KV *row, int64_t) : row(row) {}
     float load1(int64_t i) const { return ::load1(row + i); }
     Vec load8(int64_t i) const { return ::load8(row + i); }
+#if defined(__AVX512F__)
+    Vec16 load16(int64_t i) const {
+        if constexpr (std::is_same<KV, half>::value)
+            return (Vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(row + i)));
+        else
+            return *reinterpret_cast<const Vec16 *>(row + i);
+    }
+#endif
 };
 
 template <>
@@ -174,6 +184,12 @@ struct RowReader<q8> {
         return x;
 #endif
     }
+#if defined(__AVX512F__)
+    Vec16 load16(int64_t i) const {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row + i));
+        return (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    }
+#endif
 };
 
 // --- fp32: out[b] = row . x_b, two accumulator chains per sequence --------------------------------------
@@ -666,6 +682,43 @@ inline void prefetch_row(const KV *row) {
         __builtin_prefetch(reinterpret_cast<const char *>(row) + byte);
 }
 
+#if defined(__AVX512F__)
+// attend_group_part's values: out_g = sum over positions t of p_g[t] v_t for the G heads of a KV group,
+// p: their exponentials [G][t1 - t0]. Each value row is read and converted once for all G heads, C
+// columns at a time, with the heads' outputs in G x C / 16 registers; each output is the same sum, in
+// the same order, as one head at a time makes it.
+template <int D, int G, typename KV>
+void add_values(const float *p, const KV *v, const int64_t *table, int64_t bs, int64_t t0, int64_t t1,
+                float *out) {
+    constexpr int64_t S = row_size<KV>(D);
+    constexpr int C = G <= 4 || D < 64 ? std::min(D, 64) : 32, W = C / 16;
+    const int64_t n = t1 - t0;
+    for (int c0 = 0; c0 < D; c0 += C) {
+        Vec16 acc[G][W] = {};
+        for (int64_t start = t0; start < t1;) {
+            const int64_t end = std::min(t1, (start / bs + 1) * bs);
+            const KV *vb = v + (table[start / bs] * bs - (start / bs) * bs) * S;
+            const KV *next = end < t1 ? v + (table[end / bs] * bs - end) * S : vb;  // the next block's, alike
+            for (int64_t t = start; t < end; t++) {
+                const int64_t ahead = t + kAheadRows;  // as the keys' pass: blocks lie anywhere in the pool
+                if (c0 == 0 && ahead < t1 && ahead < end + bs)
+                    prefetch_row<KV, S>(ahead < end ? vb + ahead * S : next + ahead * S);
+                const RowReader<KV> value(vb + t * S, D);
+                Vec16 x[W];
+                for (int w = 0; w < W; w++) x[w] = value.load16(c0 + 16 * w);
+                for (int g = 0; g < G; g++) {
+                    const float weight = p[g * n + t - t0] * value.scale;
+                    for (int w = 0; w < W; w++) acc[g][w] += weight * x[w];
+                }
+            }
+            start = end;
+        }
+        for (int g = 0; g < G; g++)
+            for (int w = 0; w < W; w++) *reinterpret_cast<Vec16 *>(out + g * D + c0 + 16 * w) = acc[g][w];
+    }
+}
+#endif
+
 // The query heads of one KV group of one sequence (GQA: they share keys and values) over positions
 // [t0, t1) of the sequence's blocks: for each head g, its scores' maximum m[g], the sum l[g] of
 // exp(score - m[g]), and out_g = sum of exp(score - m[g]) v, not yet divided by l[g]. s: scratch
@@ -712,8 +765,23 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < n; t++) total += (sg[t] = fast_exp(sg[t] - top));
         l[g] = total;
+    }
+#if defined(__AVX512F__)
+    switch (group) {  // the heads' count known at compile time keeps their outputs in registers
+        case 1: return add_values<D, 1, KV>(s, v, table, bs, t0, t1, out);
+        case 2: return add_values<D, 2, KV>(s, v, table, bs, t0, t1, out);
+        case 3: return add_values<D, 3, KV>(s, v, table, bs, t0, t1, out);
+        case 4: return add_values<D, 4, KV>(s, v, table, bs, t0, t1, out);
+        case 5: return add_values<D, 5, KV>(s, v, table, bs, t0, t1, out);
+        case 6: return add_values<D, 6, KV>(s, v, table, bs, t0, t1, out);
+        case 7: return add_values<D, 7, KV>(s, v, table, bs, t0, t1, out);
+        default: return add_values<D, 8, KV>(s, v, table, bs, t0, t1, out);
+    }
+#endif
+    for (int64_t g = 0; g < group; g++) {  // head by head: values from memory for the first, then L1
+        const float *sg = s + g * n;
         Vec acc[V] = {};
-        for (int64_t start = t0; start < t1;) {  // values: from memory for the first head, then L1
+        for (int64_t start = t0; start < t1;) {
             const int64_t end = std::min(t1, (start / bs + 1) * bs);
             const KV *vb = v + (table[start / bs] * bs - (start / bs) * bs) * S;
             for (int64_t t = start; t < end; t++) {
@@ -883,7 +951,6 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
 // are lanes of two vectors (no horizontal sums); a softmax per row; out = P V, each value row loaded once
 // for several rows. Every row's sums run over exactly its own keys in one fixed order, so a token's output does
 // not depend on how the prompt was cut into chunks: prefix caching stays exact.
-typedef float Vec16 __attribute__((vector_size(64), aligned(4)));  // 16 floats; unaligned loads
 // The tiles are sized to the vector registers, 32 of 16 floats with AVX-512, 16 of 8 floats with AVX2:
 // too many accumulators spill to the stack on every multiply-add (a 64-byte vector is two AVX2 registers,
 // which the compiler kept in memory: 3x slower prefill attention than these 8-float vectors).
