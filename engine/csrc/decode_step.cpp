@@ -839,7 +839,6 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
     // each head's maximum so far, kept here, not in m: in a split step another thread's m may share its
     // cache line, and writing it for every position made the split slower than no split (measured)
     float most[8];
-    for (int64_t g = 0; g < group; g++) most[g] = -INFINITY;
     key_scores<D, KV>(q, group, k, v, table, bs, t0, t1, scale, s, most);
     for (int64_t g = 0; g < group; g++) {
         float *sg = s + g * n, total = 0.0f;
