@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 MAX_NGRAM, MIN_NGRAM = 3, 2  # the n-grams matched, longest first; a single token matches too often
@@ -31,32 +30,40 @@ def prompt_lookup(tokens: Sequence[int], max_draft: int, max_ngram: int = MAX_NG
     """Up to max_draft tokens that followed the latest earlier occurrence of the sequence's last n tokens
     (n from max_ngram down to min_ngram), else of the max_ngram tokens before the last one (which then
     replaced a token of the earlier text); [] when nothing matches."""
-    if max_draft < 1 or len(tokens) <= min_ngram:
+    tokens = list(tokens)
+    size = len(tokens)
+    if max_draft < 1 or size <= min_ngram:
         return []
-    ids = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
-        start = _latest(ids[:-1], ids[-n:])  # every earlier n-gram but the last
-        if start is not None:
-            follow = start + n
-            return ids[follow:follow + max_draft].tolist()
+    # an earlier n-gram equal to the last n tokens ends where the last token occurs earlier: only those
+    # places are compared (list.index finds them at C speed; this runs every step of every request)
+    ends = _occurrences(tokens, tokens[-1], size - 1)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        gram = tokens[-n:]
+        for end in reversed(ends):  # the latest first: the closest context
+            if end >= n - 1 and tokens[end - n + 1:end + 1] == gram:
+                return tokens[end + 1:end + 1 + max_draft]
     # The last token may have replaced one of the earlier text's, as a paraphrase does ("the entire" where
     # the prompt had "the whole"): when the max_ngram tokens before it match, what followed the replaced
     # token is likely to follow again. (A shorter context than max_ngram matches too often to be worth a
     # draft.)
     n = max_ngram
-    if len(ids) > n + 2:
-        start = _latest(ids[:-2], ids[-n - 1:-1])
-        if start is not None:
-            follow = start + n + 1  # past the replaced token
-            return ids[follow:follow + max_draft].tolist()
+    if size > n + 2:
+        gram = tokens[-n - 1:-1]
+        for end in reversed(_occurrences(tokens, tokens[-2], size - 2)):
+            if end >= n - 1 and tokens[end - n + 1:end + 1] == gram:
+                return tokens[end + 2:end + 2 + max_draft]  # past the replaced token
     return []
 
 
-def _latest(ids: np.ndarray, gram: np.ndarray) -> int | None:
-    """Where the most recent occurrence of gram in ids starts (the closest context), or None."""
-    windows = np.lib.stride_tricks.sliding_window_view(ids, len(gram))
-    starts = np.flatnonzero((windows == gram).all(axis=1))
-    return int(starts[-1]) if starts.size else None
+def _occurrences(tokens: list[int], value: int, stop: int) -> list[int]:
+    """Where value occurs in tokens[:stop], in order."""
+    found, at = [], -1
+    while True:
+        try:
+            at = tokens.index(value, at + 1, stop)
+        except ValueError:
+            return found
+        found.append(at)
 
 
 MAX_PAUSE = 16  # decode steps without drafting, at most, after drafts that were rejected whole
