@@ -4,6 +4,8 @@ KV cache the tokens are the cached decode's while each step recomputes everythin
 attention sinks keeps the cache from growing (and is exact while nothing has been dropped)."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -37,6 +39,28 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match():
     # followed the 5 is drafted; with only two tokens of matching context, nothing is
     assert [6, 7] == prompt_lookup([1, 2, 3, 4, 5, 6, 7, 9, 2, 3, 4, 8], 2)
     assert [] == prompt_lookup([1, 2, 5, 6, 9, 2, 8], 2)
+
+
+def test_prompt_lookup_equals_the_plain_search_it_speeds_up():
+    """Every earlier window compared, latest first: the rule written as plainly as it can be."""
+    def plain(tokens, max_draft, longest=3, shortest=2):
+        if max_draft < 1 or len(tokens) <= shortest:
+            return []
+        for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
+            for start in range(len(tokens) - 1 - n, -1, -1):
+                if tokens[start:start + n] == tokens[-n:]:
+                    return tokens[start + n:start + n + max_draft]
+        if len(tokens) > longest + 2:  # the last token replaced one: match the three before it
+            for start in range(len(tokens) - 2 - longest, -1, -1):
+                if tokens[start:start + longest] == tokens[-longest - 1:-1]:
+                    return tokens[start + longest + 1:start + longest + 1 + max_draft]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([3, 6, 40])) for _ in range(rng.randint(0, 40))]
+        max_draft = rng.randint(0, 8)
+        assert plain(tokens, max_draft) == prompt_lookup(tokens, max_draft), (tokens, max_draft)
 
 
 def test_the_draft_length_grows_on_success_and_drafting_pauses_after_misses():
