@@ -83,7 +83,8 @@ def test_the_native_int8_matmul_is_the_decode_steps_arithmetic(tokenizer):
     x_q = torch.where(top > 0, blocks * (127 / top), 0.0).round()  # round half to even, as the kernel does
     expected = torch.einsum("nkb,okb,nk->no", x_q, rows.double().view(rows.shape[0], -1, 64), (top / 127)[..., 0])
     torch.testing.assert_close(y.double(), expected * scales.double(), rtol=1e-5, atol=1e-4)
-    # tiles of 4 rows x 4 tokens and the edges give each row exactly what it gets alone (a decode step's row)
+    # tiles of 4 rows x two groups of 4 tokens (tokens 0-7), one group (8-10) and the edges give each row
+    # exactly what it gets alone (a decode step's row)
     assert all(torch.equal(y[i], linear(x[i:i + 1])[0]) for i in range(11))
 
 
