@@ -38,20 +38,18 @@ def prompt_lookup(tokens: Sequence[int], max_draft: int, max_ngram: int = MAX_NG
     # places are compared (list.index finds them at C speed; this runs every step of every request)
     ends = _occurrences(tokens, tokens[-1], size - 1)
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        gram = tokens[-n:]
-        for end in reversed(ends):  # the latest first: the closest context
-            if end >= n - 1 and tokens[end - n + 1:end + 1] == gram:
-                return tokens[end + 1:end + 1 + max_draft]
+        end = _latest_end(tokens, ends, tokens[-n:])
+        if end is not None:
+            return tokens[end + 1:end + 1 + max_draft]
     # The last token may have replaced one of the earlier text's, as a paraphrase does ("the entire" where
     # the prompt had "the whole"): when the max_ngram tokens before it match, what followed the replaced
     # token is likely to follow again. (A shorter context than max_ngram matches too often to be worth a
     # draft.)
     n = max_ngram
     if size > n + 2:
-        gram = tokens[-n - 1:-1]
-        for end in reversed(_occurrences(tokens, tokens[-2], size - 2)):
-            if end >= n - 1 and tokens[end - n + 1:end + 1] == gram:
-                return tokens[end + 2:end + 2 + max_draft]  # past the replaced token
+        end = _latest_end(tokens, _occurrences(tokens, tokens[-2], size - 2), tokens[-n - 1:-1])
+        if end is not None:
+            return tokens[end + 2:end + 2 + max_draft]  # past the replaced token
     return []
 
 
@@ -64,6 +62,13 @@ def _occurrences(tokens: list[int], value: int, stop: int) -> list[int]:
         except ValueError:
             return found
         found.append(at)
+
+
+def _latest_end(tokens: list[int], ends: list[int], gram: list[int]) -> int | None:
+    """The latest of ends (where gram's last token occurs) at which gram occurs whole: the closest
+    context; None if it occurs at none."""
+    n = len(gram)
+    return next((end for end in reversed(ends) if end >= n - 1 and tokens[end - n + 1:end + 1] == gram), None)
 
 
 MAX_PAUSE = 16  # decode steps without drafting, at most, after drafts that were rejected whole
