@@ -721,6 +721,15 @@ inline void prefetch_row(const KV *row) {
         __builtin_prefetch(reinterpret_cast<const char *>(row) + byte);
 }
 
+// In a walk over positions [.., t1) block by block, the row kAheadRows ahead of row t, in this block (rows
+// at block + t * S, up to end) or the next (next + t * S): a sequence's blocks lie anywhere in the pool,
+// and the hardware prefetcher, starting afresh on each 4 KB block, left the loads waiting on memory.
+template <typename KV, int64_t S>
+inline void prefetch_ahead(const KV *block, const KV *next, int64_t t, int64_t end, int64_t t1, int64_t bs) {
+    const int64_t ahead = t + kAheadRows;
+    if (ahead < t1 && ahead < end + bs) prefetch_row<KV, S>(ahead < end ? block + ahead * S : next + ahead * S);
+}
+
 #if defined(__AVX512F__)
 // attend_group_part's values: out_g = sum over positions t of p_g[t] v_t for the G heads of a KV group,
 // p: their exponentials [G][t1 - t0]. Each value row is read and converted once for all G heads, C
@@ -739,9 +748,7 @@ void add_values(const float *p, const KV *v, const int64_t *table, int64_t bs, i
             const KV *vb = v + (table[start / bs] * bs - (start / bs) * bs) * S;
             const KV *next = end < t1 ? v + (table[end / bs] * bs - end) * S : vb;  // the next block's, alike
             for (int64_t t = start; t < end; t++) {
-                const int64_t ahead = t + kAheadRows;  // as the keys' pass: blocks lie anywhere in the pool
-                if (c0 == 0 && ahead < t1 && ahead < end + bs)
-                    prefetch_row<KV, S>(ahead < end ? vb + ahead * S : next + ahead * S);
+                if (c0 == 0) prefetch_ahead<KV, S>(vb, next, t, end, t1, bs);
                 const RowReader<KV> value(vb + t * S, D);
                 Vec16 x[W];
                 for (int w = 0; w < W; w++) x[w] = value.load16(c0 + 16 * w);
@@ -821,11 +828,8 @@ void key_scores(const float *q, int64_t group, const KV *k, const KV *v, const i
         const KV *kb = k + shift, *vb = v + shift;
         const KV *next = end < t1 ? k + (table[end / bs] * bs - end) * S : kb;  // the next block's, alike
         for (int64_t t = start; t < end; t++) {
-            // the key kAheadRows ahead (in this block or the next) and this position's value, which the
-            // value pass reads next: a sequence's blocks lie anywhere in the pool, and the hardware
-            // prefetcher, starting afresh on each 4 KB block, left the loads waiting on memory (measured)
-            const int64_t ahead = t + kAheadRows;
-            if (ahead < t1 && ahead < end + bs) prefetch_row<KV, S>(ahead < end ? kb + ahead * S : next + ahead * S);
+            // the key kAheadRows ahead and this position's value, which the value pass reads next
+            prefetch_ahead<KV, S>(kb, next, t, end, t1, bs);
             prefetch_row<KV, S>(vb + t * S);
             const RowReader<KV> key(kb + t * S, D);
             Vec kt[V];
@@ -850,8 +854,6 @@ void key_scores(const float *q, int64_t group, const KV *k, const KV *v, const i
 template <int D, typename KV>
 void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, const int64_t *table,
                        int64_t bs, int64_t t0, int64_t t1, float scale, float *s, float *out, float *m, float *l) {
-    constexpr int V = D / kVec;
-    constexpr int64_t S = row_size<KV>(D);
     const int64_t n = t1 - t0;
     // each head's maximum so far, kept here, not in m: in a split step another thread's m may share its
     // cache line, and writing it for every position made the split slower than no split (measured)
@@ -875,7 +877,9 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
         case 7: return add_values<D, 7, KV>(s, v, table, bs, t0, t1, out);
         default: return add_values<D, 8, KV>(s, v, table, bs, t0, t1, out);
     }
-#endif
+#else
+    constexpr int V = D / kVec;
+    constexpr int64_t S = row_size<KV>(D);
     for (int64_t g = 0; g < group; g++) {  // head by head: values from memory for the first, then L1
         const float *sg = s + g * n;
         Vec acc[V] = {};
@@ -891,6 +895,7 @@ void attend_group_part(const float *q, int64_t group, const KV *k, const KV *v, 
         }
         for (int j = 0; j < V; j++) *reinterpret_cast<Vec *>(out + g * D + j * kVec) = acc[j];
     }
+#endif
 }
 
 // attend_group_part over all n positions, normalized: out_g = softmax(q_g . K^T * scale) V.
