@@ -141,7 +141,11 @@ def _page_decode(page, max_new_tokens: int) -> float:
     page.wait_for_selector("#ps-phase .ps-idle")
     set_setting(page, "ps-temperature", 0)
     set_setting(page, "ps-max-new", max_new_tokens)
-    send(page, PROMPT)
+    # typed, then sent a second later, as a person would: the page has finished with the new chat and the
+    # settings (Gradio events, ~0.3 s of the page's CPU), which sent at once ran into the decode measured
+    page.fill("#ps-message textarea", PROMPT)
+    page.wait_for_timeout(1000)
+    page.click("#ps-send")
     # poll twice a second: Playwright's default polls every frame, which makes the page draw all the time
     page.wait_for_function("() => !!document.querySelector('#ps-phase [data-phase=done]')", polling=500,
                            timeout=300_000)
