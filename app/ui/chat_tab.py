@@ -297,7 +297,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     replies = []
     for trigger in (message.submit, send.click):
         reply = trigger(accept, [message, session, lang, *settings], [chatbot, message, phase, session],
-                        queue=False).then(respond, [session], None, concurrency_limit=engine.config.max_running,
+                        queue=False, show_progress="hidden").then(respond, [session], None, concurrency_limit=engine.config.max_running,
                                           concurrency_id="engine", show_progress="hidden")
         reply.then(finish, [session], tab.outputs, queue=False, show_progress="hidden")
         replies.append(reply)
