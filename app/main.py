@@ -53,7 +53,6 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
                 lab_tab.build(engine, store, texts, lang)
         texts.on_switch(header_html, [], [header])
         texts.wire(lang, remembered, app)
-    app.queue(default_concurrency_limit=1)
     app.live_streams = streams  # their route goes on the web app that serves this page (Streams.add_route)
     return app
 
