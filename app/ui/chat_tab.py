@@ -296,9 +296,11 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
     replies = []
     for trigger in (message.submit, send.click):
-        reply = trigger(accept, [message, session, lang, *settings], [chatbot, message, phase, session],
-                        queue=False, show_progress="hidden").then(respond, [session], None, concurrency_limit=engine.config.max_running,
-                                          concurrency_id="engine", show_progress="hidden")
+        # accept is instant: no progress overlay (its fade in and out was drawn as decode began)
+        accepted = trigger(accept, [message, session, lang, *settings], [chatbot, message, phase, session],
+                           queue=False, show_progress="hidden")
+        reply = accepted.then(respond, [session], None, concurrency_limit=engine.config.max_running,
+                              concurrency_id="engine", show_progress="hidden")
         reply.then(finish, [session], tab.outputs, queue=False, show_progress="hidden")
         replies.append(reply)
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
