@@ -391,7 +391,7 @@ class Engine:
         if request.explain and getattr(self.runner, "explains", False):
             request.stage_ms = {}  # filled by the forward, reported with the chunk
             return self.runner.forward(ids, start, request.kv_cache, need_logits, stage_ms=request.stage_ms)
-        return self.runner.forward(ids, start, request.kv_cache, need_logits=need_logits)
+        return self.runner.forward(ids, start, request.kv_cache, need_logits=need_logits, prompt=True)
 
     def decode_step(self, requests: list[Request], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """One forward pass over exactly one new token (the last generated) of each request, all in one

@@ -71,7 +71,7 @@ class DynamicPool:
     def name_full_blocks(self, sequence, token_ids) -> None:
         pass
 
-    def free(self, sequence) -> None:
+    def free(self, sequence, token_ids=None) -> None:
         pass
 
     def usage(self) -> PoolUsage:
@@ -104,7 +104,8 @@ class TransformersRunner:
                             for token, pos, cache in zip(tokens, positions, caches)])
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, pos: int, cache: DynamicKVCache, need_logits: bool = True) -> torch.Tensor | None:
+    def forward(self, ids: torch.Tensor, pos: int, cache: DynamicKVCache, need_logits: bool = True,
+                prompt: bool = False) -> torch.Tensor | None:  # prompt: transformers' forward either way
         positions = torch.arange(pos, pos + ids.shape[0], device=self.device)
         out = self.model(input_ids=ids[None], position_ids=positions[None], cache_position=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: cache.inner})

@@ -10,6 +10,14 @@ the hash of the block before it, so equal names mean equal prefixes. A new reque
 run of its prompt's full blocks that the pool already holds, and prefills only the rest. Blocks that no
 request holds any more keep their contents and their name, and are evicted least-recently-used when
 the pool needs room.
+
+Reuse goes to the token, not only to the block: after the run of whole blocks, a prompt that continues
+a named block only part of the way (a chat's next turn ends the reply with other tokens than were
+generated, or starts mid-block) gets a fresh block with the matching rows copied in (copy on write: it
+goes on writing into that block). A finished sequence's last block, filled only in part, is kept and
+named for this too (after the block before it). So a turn prefills from where the cache stops
+matching, not from the last block boundary before it (llama.cpp's slots reuse a prompt to the token,
+vLLM's blocks only to the block).
 """
 from __future__ import annotations
 
@@ -186,6 +194,12 @@ class KVPool:
         self._hash_of: dict[int, bytes] = {}  # block -> its name
         self._block_of: dict[bytes, int] = {}  # name -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced; oldest first
+        # what a named block holds and follows, so that a prompt can take part of one (see _partial_block);
+        # a finished sequence's part-filled last block is named b"part" + the name of the block before it
+        self._tokens_of: dict[int, tuple[int, ...]] = {}  # block -> the tokens whose rows it holds
+        self._parent_of: dict[int, bytes] = {}  # block -> the name of the block before it
+        self._children: dict[bytes, set[int]] = {}  # a name -> the named blocks that follow it
+        self.reuse_partial_blocks = True  # off where a copy in this pool would not reach others (tensor parallel)
 
     @classmethod
     def with_budget(cls, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -234,15 +248,42 @@ class KVPool:
         self.check_fits(num_tokens)
         reused, parent = self._prefix_blocks(prompt_ids)
         num_new = blocks_for(num_tokens, self.block_size) - len(reused)
-        reclaimable = sum(1 for b in reused if b in self._evictable)
+        partial, num_rows = self._partial_block(prompt_ids, len(reused) * self.block_size, parent)
+        held = [*reused, *([partial] if partial is not None else [])]
+        reclaimable = sum(1 for b in held if b in self._evictable)
         if num_new > len(self._free) + len(self._evictable) - reclaimable:
             return None
-        for block in reused:
+        for block in held:  # the partial block only while its rows are copied (not evicted for a fresh one)
             self._hold(block)
         fresh = [self._take() for _ in range(num_new)]
         sequence = SequenceKV(self, reused + fresh, len(reused) * self.block_size)
         sequence.last_hash = parent
+        if partial is not None:
+            self._copy_rows(partial, fresh[0], num_rows)
+            sequence.num_tokens += num_rows
+            self._release(partial)
         return sequence
+
+    def _partial_block(self, prompt_ids: Sequence[int], start: int, parent: bytes) -> tuple[int | None, int]:
+        """Of the named blocks that follow the reused ones (whose last is named parent), the one whose
+        tokens the prompt continues furthest from position start, and for how many rows (never to the
+        prompt's last token, which is always computed); (None, 0) if none."""
+        wanted = prompt_ids[start:len(prompt_ids) - 1]
+        best, most = None, 0
+        if not (self.prefix_caching and self.reuse_partial_blocks and wanted):
+            return best, most
+        for block in self._children.get(parent, ()):
+            tokens, count = self._tokens_of[block], 0
+            while count < min(len(tokens), len(wanted)) and tokens[count] == wanted[count]:
+                count += 1
+            if count > most:
+                best, most = block, count
+        return best, most
+
+    def _copy_rows(self, source: int, target: int, count: int) -> None:
+        """Rows [0, count) of block source into block target, every layer, keys and values."""
+        size = self.block_size
+        self.kv[:, :, :, target * size:target * size + count] = self.kv[:, :, :, source * size:source * size + count]
 
     def _hold(self, block: int) -> None:
         self._evictable.pop(block, None)
@@ -253,9 +294,32 @@ class KVPool:
             block = heapq.heappop(self._free)
         else:  # evict the least recently released named block
             block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._hash_of.pop(block)]
+            self._forget(block)
         self._refs[block] = 1
         return block
+
+    def _name(self, block: int, name: bytes, parent: bytes, tokens: Sequence[int]) -> None:
+        self._block_of[name], self._hash_of[block] = block, name
+        self._tokens_of[block], self._parent_of[block] = tuple(tokens), parent
+        self._children.setdefault(parent, set()).add(block)
+
+    def _forget(self, block: int) -> None:
+        """The block's name goes: its rows are about to be overwritten."""
+        del self._block_of[self._hash_of.pop(block)]
+        del self._tokens_of[block]
+        parent = self._parent_of.pop(block)
+        self._children[parent].discard(block)
+        if not self._children[parent]:
+            del self._children[parent]
+
+    def _release(self, block: int) -> None:
+        """One holder fewer: unreferenced, a named block stays cached (most recent last), others free."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                heapq.heappush(self._free, block)
 
     def name_full_blocks(self, sequence: SequenceKV, token_ids: Sequence[int]) -> None:
         """Give every newly filled block of the sequence its name, so later requests can reuse it.
@@ -265,19 +329,37 @@ class KVPool:
         size = self.block_size
         while sequence.has_unnamed_full_block:
             index = sequence.num_hashed_blocks
-            name = block_hash(sequence.last_hash, token_ids[index * size:(index + 1) * size])
+            tokens = token_ids[index * size:(index + 1) * size]
+            name = block_hash(sequence.last_hash, tokens)
             block = sequence.block_ids[index]
             if name not in self._block_of and block not in self._hash_of:
-                self._block_of[name], self._hash_of[block] = block, name
+                self._name(block, name, sequence.last_hash, tokens)
             sequence.last_hash, sequence.num_hashed_blocks = name, index + 1
 
-    def free(self, sequence: SequenceKV) -> None:
-        """Release a finished sequence's blocks: named ones stay cached (most recent last), others free."""
+    def free(self, sequence: SequenceKV, token_ids: Sequence[int] | None = None) -> None:
+        """Release a finished sequence's blocks: named ones stay cached (most recent last), others free.
+        token_ids: the sequence's tokens (prompt, then generated), to keep its part-filled last block."""
+        if token_ids is not None:
+            self._name_part_block(sequence, token_ids)
         for block in reversed(sequence.block_ids):  # a prefix's tail is evicted before its head
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                if block in self._hash_of:
-                    self._evictable[block] = None
-                else:
-                    heapq.heappush(self._free, block)
+            self._release(block)
         sequence.block_ids = []
+
+    def _name_part_block(self, sequence: SequenceKV, token_ids: Sequence[int]) -> None:
+        """Name the sequence's block after its named ones, if rows of it are written, by its parent's name,
+        remembering its tokens; it replaces a part-filled block of that name kept before."""
+        size, index = self.block_size, sequence.num_hashed_blocks
+        count = min(sequence.num_tokens, len(token_ids)) - index * size
+        if not (self.prefix_caching and self.reuse_partial_blocks and 0 < count < size) or sequence.num_dropped:
+            return
+        block, name = sequence.block_ids[index], b"part" + sequence.last_hash
+        if block in self._hash_of:
+            return
+        previous = self._block_of.get(name)
+        if previous is not None and self._refs[previous]:
+            return  # (a part-filled block is only held while a new sequence copies from it)
+        if previous is not None:  # the older one of that name goes
+            del self._evictable[previous]
+            self._forget(previous)
+            heapq.heappush(self._free, previous)
+        self._name(block, name, sequence.last_hash, token_ids[index * size:index * size + count])

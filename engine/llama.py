@@ -235,10 +235,13 @@ class LeanLlama:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, cache: SequenceKV, need_logits: bool = True,
-                stage_ms: dict[str, float] | None = None) -> torch.Tensor | None:
+                stage_ms: dict[str, float] | None = None, prompt: bool = False) -> torch.Tensor | None:
         """ids: [T] token ids of one sequence at positions [pos, pos+T). Returns logits [vocab] of the last.
-        stage_ms: a dict that receives the time of each stage (FORWARD_STAGES), for the explain mode."""
-        if ids.shape[0] == 1 and stage_ms is None:
+        stage_ms: a dict that receives the time of each stage (FORWARD_STAGES), for the explain mode.
+        prompt: a prompt's chunk, which runs the prefill's kernels even for one token (one token otherwise
+        takes the decode step, whose attention sums in another order): a prompt's logits then do not
+        depend on how much of it came from the prefix cache, which int8 would turn into other tokens."""
+        if ids.shape[0] == 1 and stage_ms is None and not prompt:
             return self.decode([int(ids[0])], [pos], [cache])[0]
         logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits, StageClock(stage_ms, self.device))
         return None if logits is None else logits[0]

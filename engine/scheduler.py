@@ -105,5 +105,5 @@ class Scheduler:
                 self.running.remove(request)
             if request in self.waiting:
                 self.waiting.remove(request)
-        if request.kv_cache is not None:
-            self.pool.free(request.kv_cache)
+        if request.kv_cache is not None:  # with its tokens: the pool may keep its part-filled last block
+            self.pool.free(request.kv_cache, request.prompt_ids + request.generated_ids)

@@ -278,6 +278,7 @@ class ShardedLlama(LeanLlama):
         pool.bytes_per_token = kv_bytes_formula(self.num_layers, self.total_kv_heads,
                                                 row_elements(kv_dtype, self.head_dim), element, 1)
         pool.tp_key = next(self._pool_keys)
+        pool.reuse_partial_blocks = False  # a row copy in rank 0's pool would not reach the workers' pools
         if self.group.world > 1:
             self.group.broadcast(("pool", self._take_dropped(), pool.tp_key, num_blocks, block_size, kv_dtype))
             weakref.finalize(pool, self._dropped.append, pool.tp_key)  # only noted: told with the next command
