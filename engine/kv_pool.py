@@ -249,10 +249,14 @@ class KVPool:
         reused, parent = self._prefix_blocks(prompt_ids)
         num_new = blocks_for(num_tokens, self.block_size) - len(reused)
         partial, num_rows = self._partial_block(prompt_ids, len(reused) * self.block_size, parent)
-        held = [*reused, *([partial] if partial is not None else [])]
-        reclaimable = sum(1 for b in held if b in self._evictable)
-        if num_new > len(self._free) + len(self._evictable) - reclaimable:
+        room = len(self._free) + len(self._evictable) - sum(1 for b in reused if b in self._evictable)
+        if partial in self._evictable and num_new >= room:  # held, it would leave the fresh blocks one short:
+            partial, num_rows = None, 0  # prefill those rows instead
+        if partial in self._evictable:
+            room -= 1
+        if num_new > room:
             return None
+        held = reused + ([partial] if partial is not None else [])
         for block in held:  # the partial block only while its rows are copied (not evicted for a fresh one)
             self._hold(block)
         fresh = [self._take() for _ in range(num_new)]

@@ -148,6 +148,18 @@ def test_part_filled_blocks_are_evicted_like_the_others():
     assert 0 == pool.allocate(tokens + [7], 8).num_tokens
 
 
+def test_a_part_filled_block_gives_way_when_the_pool_needs_it():
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=3, block_size=4, dtype=torch.float32)
+    tokens = list(range(1, 7))
+    sequence = pool.allocate(tokens, 8)
+    sequence.write_kv(0, 0, torch.ones(2, 1, 6, 4))
+    pool.name_full_blocks(sequence, tokens)
+    pool.free(sequence, tokens)
+    # 12 positions need all three blocks: the part-filled one is taken for a fresh block, not copied from
+    longer = pool.allocate(tokens + [7, 8, 9, 10, 11], 12)
+    assert longer is not None and 4 == longer.num_tokens
+
+
 def test_a_shared_system_prompt_is_prefilled_once(tokenizer):
     engine = Engine(tiny_model(tokenizer, max_positions=1024), FP32)
     system = [{"role": "system", "content": "You are a careful teacher of inference engines. " * 6}]
