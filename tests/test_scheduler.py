@@ -136,25 +136,27 @@ def test_a_part_filled_last_block_is_reused_by_a_copy():
     assert 6 == pool.allocate(tokens[:6] + [99, 98, 97], 12).num_tokens  # part of a full block, too
 
 
-def test_part_filled_blocks_are_evicted_like_the_others():
+def pool_after_six_tokens() -> tuple[KVPool, list[int]]:
+    """A pool of three 4-token blocks after a finished sequence of 6 tokens: one full block cached and
+    one part-filled (2 rows), one block free."""
     pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=3, block_size=4, dtype=torch.float32)
     tokens = list(range(1, 7))
     sequence = pool.allocate(tokens, 8)
     sequence.write_kv(0, 0, torch.ones(2, 1, 6, 4))
     pool.name_full_blocks(sequence, tokens)
     pool.free(sequence, tokens)
+    return pool, tokens
+
+
+def test_part_filled_blocks_are_evicted_like_the_others():
+    pool, tokens = pool_after_six_tokens()
     assert 2 == pool.usage().num_cached  # the full block and the part-filled one
     pool.free(pool.allocate([50 + i for i in range(12)], 12))  # takes every block: both evicted
     assert 0 == pool.allocate(tokens + [7], 8).num_tokens
 
 
 def test_a_part_filled_block_gives_way_when_the_pool_needs_it():
-    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=3, block_size=4, dtype=torch.float32)
-    tokens = list(range(1, 7))
-    sequence = pool.allocate(tokens, 8)
-    sequence.write_kv(0, 0, torch.ones(2, 1, 6, 4))
-    pool.name_full_blocks(sequence, tokens)
-    pool.free(sequence, tokens)
+    pool, tokens = pool_after_six_tokens()
     # 12 positions need all three blocks: the part-filled one is taken for a fresh block, not copied from
     longer = pool.allocate(tokens + [7, 8, 9, 10, 11], 12)
     assert longer is not None and 4 == longer.num_tokens
