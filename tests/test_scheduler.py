@@ -96,7 +96,8 @@ def test_a_request_cancelled_mid_batch_leaves_the_others_untouched(tokenizer):
 
 def test_prefix_reuse_across_turns_is_exact(tokenizer):
     loaded = tiny_model(tokenizer, max_positions=1024)
-    # fp32: int8 prefill quantizes each chunk's activations as a whole, so a cached prefix changes them
+    # fp32: in int8 the reply's rows, written by decode steps, differ in the last bits from a prefill of
+    # the same text, which int8's rounding of activations can turn into other tokens
     cached, fresh = Engine(loaded, FP32), Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False))
     conversation = user("Explain prefill and decode in detail. " * 4)
     previous = 0  # the previous turn's prompt tokens
