@@ -51,7 +51,7 @@ def alone(engine: Engine, prompt: str, max_new: int) -> list[int]:
                                              ("int8", "PyTorch ops")])
 @pytest.mark.parametrize("batch, hidden", [(1, 64), (2, 64), (3, 256), (5, 64), (8, 256)])  # head dim 16 or 64
 def test_batched_tokens_equal_alone_with_requests_joining_and_leaving(tokenizer, precision, path, batch, hidden):
-    # no prefix reuse here: int8's prefill kernels quantize per chunk, so this test isolates batching
+    # no prefix reuse here: this test isolates batching (reuse has its own tests below)
     loaded = tiny_model(tokenizer, hidden=hidden)
     engine = Engine(loaded, EngineConfig(precision=precision, prefix_caching=False))
     switch = engine.runner.pytorch_decode() if path == "PyTorch ops" else nullcontext()
