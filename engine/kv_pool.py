@@ -250,10 +250,11 @@ class KVPool:
         num_new = blocks_for(num_tokens, self.block_size) - len(reused)
         partial, num_rows = self._partial_block(prompt_ids, len(reused) * self.block_size, parent)
         room = len(self._free) + len(self._evictable) - sum(1 for b in reused if b in self._evictable)
-        if partial in self._evictable and num_new >= room:  # held, it would leave the fresh blocks one short:
-            partial, num_rows = None, 0  # prefill those rows instead
-        if partial in self._evictable:
-            room -= 1
+        if partial in self._evictable:  # held while its rows are copied, it is one block less to take
+            if num_new >= room:  # which the fresh blocks need: prefill those rows instead
+                partial, num_rows = None, 0
+            else:
+                room -= 1
         if num_new > room:
             return None
         held = reused + ([partial] if partial is not None else [])
