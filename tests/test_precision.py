@@ -120,6 +120,8 @@ def test_bench_quick_produces_a_well_formed_table():
         assert summary["no_kv_cache"][mode]["no_cache_step_gflop"] > summary["no_kv_cache"][mode]["cached_step_gflop"]
         flash = summary["flash_decoding"][mode]  # split vs unsplit decode steps at 256 and 512 tokens of context
         assert ["256", "512"] == list(flash) and flash["512"]["split_step_ms"] > 0 < flash["512"]["unsplit_step_ms"]
+        assert set(flash["512"]["kv_read_gb_s"]) == {"unsplit", "split"}  # None where the attention read as <= 0
+        assert all(rate > 0 for rate in flash["512"]["machine_read_gb_s"].values())
         quality = summary["kv_formats_quality"][mode]
         assert quality["tokens"] == 96 and quality["KV fp16"]["bytes_per_token"] == 46080 // 2
         assert quality["KV int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)

@@ -11,7 +11,7 @@ import torch
 
 from engine import DecodeStep, Engine, SamplingParams
 
-from .extras import interleaved
+from .extras import interleaved, read_bandwidth_gb_s
 from .texts import LONG_TEXT, SPECULATION_PROMPTS
 
 
@@ -146,12 +146,21 @@ def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset:
             "same_tokens": tokens["cached"] == tokens["no cache"]}
 
 
+READ_PROBE_BYTES = 256 << 20  # the machine's read rate is measured over this much memory
+
+
 def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num_gen: int = 16, rounds: int = 5,
                    short: int = 16) -> dict:
     """Flash Decoding (split_kv) against one task per KV group, at each context length: the median decode
     step (forward) in each, and the attention's part of it, the step less the step at `short` tokens of
     context (what grows with the context is the attention), in interleaved rounds. Each context is in
-    each setting's cache from the first round on (prefix caching), so a round is its decode steps."""
+    each setting's cache from the first round on (prefix caching), so a round is its decode steps.
+
+    The attention streams the cache from memory: each setting's rate of reading it (the cache's bytes over
+    the attention's time) is reported beside the machine's own read rate with one thread and with all of
+    them, measured in the same rounds. Unsplit, the last KV group's task runs alone, at one thread's
+    rate; split, every thread reads until the end. The split can gain no more than the machine's rate
+    with all threads allows, and gains little where one thread alone draws nearly all of it."""
     contexts = tuple(c for c in contexts if c + num_gen <= engine.context_window)
     sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
     settings = {"unsplit": engine.variant(split_kv=False, prefix_caching=True),
@@ -165,15 +174,23 @@ def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num
             return statistics.median(s.forward_ms for s in steps[1:])  # step 0 is the prefill's token
         return step_ms
 
-    samples = interleaved({(name, c): run(e, c) for name, e in settings.items() for c in (short, *contexts)},
-                          rounds)
-    ms = {key: statistics.median(values) for key, values in samples.items()}
+    threads = sorted({1, torch.get_num_threads()})
+    buffer = torch.ones(READ_PROBE_BYTES // 4)  # fp32
+    runs = {(name, c): run(e, c) for name, e in settings.items() for c in (short, *contexts)}
+    runs |= {("read", k): (lambda k=k: read_bandwidth_gb_s(buffer, k)) for k in threads}
+    median = {key: statistics.median(values) for key, values in interleaved(runs, rounds).items()}
+    ms = {key: value for key, value in median.items() if key[0] != "read"}
+    machine = {f"{k} thread{'s' if k > 1 else ''}": round(median[("read", k)], 1) for k in threads}
     report = {}
+    bytes_per_token = settings["split"].pool.bytes_per_token
     for c in contexts:
         attention = {name: ms[(name, c)] - ms[(name, short)] for name in settings}
+        read_gb_s = {name: round(bytes_per_token * (c - short) / (attention[name] * 1e6), 1) if attention[name] > 0
+                     else None for name in settings}
         report[c] = {"unsplit_step_ms": round(ms[("unsplit", c)], 2), "split_step_ms": round(ms[("split", c)], 2),
                      "unsplit_attention_ms": round(attention["unsplit"], 2),
                      "split_attention_ms": round(attention["split"], 2),
                      "attention_speedup": round(attention["unsplit"] / attention["split"], 2)
-                     if attention["split"] > 0 else None}
+                     if attention["split"] > 0 else None,
+                     "kv_read_gb_s": read_gb_s, "machine_read_gb_s": machine}
     return report

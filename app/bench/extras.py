@@ -66,6 +66,21 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
             for name in configs}
 
 
+def read_bandwidth_gb_s(buffer: torch.Tensor, threads: int) -> float:
+    """This machine's memory read rate right now with `threads` threads: one vectorized sum over buffer
+    (an fp32 tensor far larger than the caches), the most a step that streams its weights or its KV cache
+    from memory can read. Measured beside what it bounds: a shared machine's rate moves with its neighbours."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        start = time.perf_counter()
+        buffer.sum()
+        elapsed = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous)
+    return buffer.numel() * buffer.element_size() / elapsed / 1e9
+
+
 def random_prompt(num_tokens: int, vocab: int, seed: int = 0) -> list[int]:
     """Random token ids (as llama-bench uses), the same for the same seed."""
     return torch.randint(100, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
