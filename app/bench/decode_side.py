@@ -158,9 +158,9 @@ def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num
 
     The attention streams the cache from memory: each setting's rate of reading it (the cache's bytes over
     the attention's time) is reported beside the machine's own read rate with one thread and with all of
-    them, measured in the same rounds. Unsplit, the last KV group's task runs alone, at one thread's
-    rate; split, every thread reads until the end. The split can gain no more than the machine's rate
-    with all threads allows, and gains little where one thread alone draws nearly all of it."""
+    them, measured in the same rounds. Unsplit, the last KV group's task reads alone while the other
+    threads wait; where one thread alone draws most of what all of them can, that wait leaves little of
+    the memory's bandwidth unused, and the split little to gain (see the README's *Measured*)."""
     contexts = tuple(c for c in contexts if c + num_gen <= engine.context_window)
     sampling = SamplingParams(max_new_tokens=num_gen, temperature=0, ignore_eos=True)
     settings = {"unsplit": engine.variant(split_kv=False, prefix_caching=True),
