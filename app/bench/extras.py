@@ -69,7 +69,8 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
 def read_bandwidth_gb_s(buffer: torch.Tensor, threads: int) -> float:
     """This machine's memory read rate right now with `threads` threads: one vectorized sum over buffer
     (an fp32 tensor far larger than the caches), the most a step that streams its weights or its KV cache
-    from memory can read. Measured beside what it bounds: a shared machine's rate moves with its neighbours."""
+    from memory can read. Measured beside what it bounds: a shared machine's rate moves with its neighbours
+    (the Lab's roofline probe, app/lab/profile.py, reads it the same way once per machine, all threads)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
-from ..bench.decode_side import teacher_forced
+import torch
+
+from ..bench.decode_side import READ_PROBE_BYTES, teacher_forced
+from ..bench.extras import read_bandwidth_gb_s
 from ..bench.texts import SPECULATION_PROMPTS
 from .lab import Lab, decode_steps, median, r
 from .result import LabResult, Series
@@ -156,6 +159,14 @@ def batching(lab: Lab, prompt: str) -> LabResult:
                      timed=list(timed))
 
 
+def machine_read_gb_s(samples: int = 3) -> dict[int, float]:
+    """This machine's memory read rate with one thread and with all of torch's, the median of a few sums
+    over 256 MB (what a long context's attention, streaming its cache, can draw at most)."""
+    buffer = torch.ones(READ_PROBE_BYTES // 4)
+    return {k: r(median(read_bandwidth_gb_s(buffer, k) for _ in range(samples)), 1)
+            for k in sorted({1, torch.get_num_threads()})}
+
+
 def flash_decoding(lab: Lab, prompt: str) -> LabResult:
     contexts, num_gen = lab.size(((256, 1024), 8), ((512, 1024, 2048, 4096), 16))
     contexts = [c for c in contexts if c < lab.engine.context_window - num_gen]
@@ -169,11 +180,17 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
             lab.step(f"{name}: decode at {context} tokens of context")
             _, events = lab.run(e, lab.tokens(prompt, context), num_gen, explain=True)
             attention.append(median(s.stage_ms["attention"] for s in decode_steps(events) if s.stage_ms))
+            cache_mb = e.info.kv_bytes_per_token * context / 1e6  # what a step's attention reads
             rows.append({"setting": name, "context": context, "attention ms per step": r(attention[-1], 2),
-                         "step ms": r(median(s.forward_ms for s in decode_steps(events)), 2)})
+                         "step ms": r(median(s.forward_ms for s in decode_steps(events)), 2),
+                         "KV read GB/s": r(cache_mb / attention[-1], 1) if attention[-1] > 0 else None})
         series.append(Series(f"{name} · attention", contexts, [r(a, 2) for a in attention]))
+    lab.step("this machine's memory read rate, one thread and all")
+    machine = machine_read_gb_s()
     half = len(rows) // 2
     unsplit, split = rows[half - 1], rows[-1]
+    one, most = machine[min(machine)], machine[max(machine)]
+    split_rate = split["KV read GB/s"] or 0.0
     explanation = (f"At {unsplit['context']} tokens of context attention took "
                    f"{unsplit['attention ms per step']:.2f} ms per step unsplit and "
                    f"{split['attention ms per step']:.2f} ms split across the threads; at {rows[0]['context']}, "
@@ -181,7 +198,14 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
                    f"with fewer groups than cores to spread evenly (3 on 2 threads here), one core attends for two "
                    f"while the other waits. Split, each group's positions are cut into chunks of 512 that every "
                    f"core shares, merged exactly by their maxima and sums (log-sum-exp). Below 512 positions there "
-                   f"is nothing to cut; at long context the split is bound by memory bandwidth, which it cannot add.")
+                   f"is nothing to cut. At long context the attention streams the cache from memory: split, it "
+                   f"read it at {split_rate:.1f} GB/s, unsplit {unsplit['KV read GB/s'] or 0:.1f}, where this "
+                   f"machine reads {most:.1f} GB/s with {max(machine)} threads and {one:.1f} with one. "
+                   + ("The split reads near all the machine gives, so memory bandwidth, which it cannot add, bounds "
+                      "it; and the closer one thread alone comes to that, the less the waiting core left unread."
+                      if split_rate >= 0.85 * most else
+                      "The split reads well below what the machine gives, so here the kernel's own pace (its "
+                      "arithmetic, and each thread's wait on memory), not the bandwidth, bounds it."))
     if not available:
         explanation = "The native decode step is not built here, so there is no split to switch on. " + explanation
     effects = timed = {"attention time grows with the context (unsplit)":
@@ -189,7 +213,8 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
                        "attention time grows with the context (split)":
                        rows[-1]["attention ms per step"] > rows[half]["attention ms per step"]}
     return LabResult("flash-decoding", "Flash Decoding: attention time per decode step against context", prompt,
-                     {"contexts": contexts, "new_tokens": num_gen, "native_step": available},
+                     {"contexts": contexts, "new_tokens": num_gen, "native_step": available,
+                      "machine_read_gb_s": {str(k): v for k, v in machine.items()}},
                      "context (tokens)", "attention ms per decode step", series, rows, explanation, effects,
                      timed=list(timed))
 
