@@ -167,6 +167,23 @@ def machine_read_gb_s(samples: int = 3) -> dict[int, float]:
             for k in sorted({1, torch.get_num_threads()})}
 
 
+def _bound(split: dict, unsplit: dict, machine: dict[int, float]) -> str:
+    """What bounds the split at the longest context, from its read rate and the machine's."""
+    split_rate, unsplit_rate = split["KV read GB/s"] or 0.0, unsplit["KV read GB/s"] or 0.0
+    said = (f"At long context the attention streams the cache from memory: split, it read it at "
+            f"{split_rate:.1f} GB/s, unsplit {unsplit_rate:.1f}")
+    if not machine:
+        return said + "."
+    one, most = machine[min(machine)], machine[max(machine)]
+    said += f", where this machine reads {most:.1f} GB/s with {max(machine)} threads and {one:.1f} with one. "
+    if split_rate >= 0.85 * most:
+        return said + ("The split reads near all the machine gives, so memory bandwidth, which it cannot add, "
+                       "bounds it; and the closer one thread alone comes to that, the less the waiting core left "
+                       "unread.")
+    return said + ("The split reads well below what the machine gives, so here the kernel's own pace (its "
+                   "arithmetic, and each thread's wait on memory), not the bandwidth, bounds it.")
+
+
 def flash_decoding(lab: Lab, prompt: str) -> LabResult:
     contexts, num_gen = lab.size(((256, 1024), 8), ((512, 1024, 2048, 4096), 16))
     contexts = [c for c in contexts if c < lab.engine.context_window - num_gen]
@@ -185,12 +202,12 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
                          "step ms": r(median(s.forward_ms for s in decode_steps(events)), 2),
                          "KV read GB/s": r(cache_mb / attention[-1], 1) if attention[-1] > 0 else None})
         series.append(Series(f"{name} · attention", contexts, [r(a, 2) for a in attention]))
-    lab.step("this machine's memory read rate, one thread and all")
-    machine = machine_read_gb_s()
+    on_cpu = lab.engine.info.device.startswith("cpu")  # the probe reads the host's memory
+    if on_cpu:
+        lab.step("this machine's memory read rate, one thread and all")
+    machine = machine_read_gb_s() if on_cpu else {}
     half = len(rows) // 2
     unsplit, split = rows[half - 1], rows[-1]
-    one, most = machine[min(machine)], machine[max(machine)]
-    split_rate = split["KV read GB/s"] or 0.0
     explanation = (f"At {unsplit['context']} tokens of context attention took "
                    f"{unsplit['attention ms per step']:.2f} ms per step unsplit and "
                    f"{split['attention ms per step']:.2f} ms split across the threads; at {rows[0]['context']}, "
@@ -198,14 +215,7 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
                    f"with fewer groups than cores to spread evenly (3 on 2 threads here), one core attends for two "
                    f"while the other waits. Split, each group's positions are cut into chunks of 512 that every "
                    f"core shares, merged exactly by their maxima and sums (log-sum-exp). Below 512 positions there "
-                   f"is nothing to cut. At long context the attention streams the cache from memory: split, it "
-                   f"read it at {split_rate:.1f} GB/s, unsplit {unsplit['KV read GB/s'] or 0:.1f}, where this "
-                   f"machine reads {most:.1f} GB/s with {max(machine)} threads and {one:.1f} with one. "
-                   + ("The split reads near all the machine gives, so memory bandwidth, which it cannot add, bounds "
-                      "it; and the closer one thread alone comes to that, the less the waiting core left unread."
-                      if split_rate >= 0.85 * most else
-                      "The split reads well below what the machine gives, so here the kernel's own pace (its "
-                      "arithmetic, and each thread's wait on memory), not the bandwidth, bounds it."))
+                   f"is nothing to cut. " + _bound(split, unsplit, machine))
     if not available:
         explanation = "The native decode step is not built here, so there is no split to switch on. " + explanation
     effects = timed = {"attention time grows with the context (unsplit)":
