@@ -11,7 +11,7 @@ import torch
 
 from engine import DecodeStep, Engine, SamplingParams
 
-from .extras import interleaved, read_bandwidth_gb_s
+from .extras import ReadProbe, interleaved
 from .texts import LONG_TEXT, SPECULATION_PROMPTS
 
 
@@ -146,9 +146,6 @@ def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset:
             "same_tokens": tokens["cached"] == tokens["no cache"]}
 
 
-READ_PROBE_BYTES = 256 << 20  # the machine's read rate is measured over this much memory
-
-
 def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num_gen: int = 16, rounds: int = 5,
                    short: int = 16) -> dict:
     """Flash Decoding (split_kv) against one task per KV group, at each context length: the median decode
@@ -174,13 +171,12 @@ def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num
             return statistics.median(s.forward_ms for s in steps[1:])  # step 0 is the prefill's token
         return step_ms
 
-    threads = sorted({1, torch.get_num_threads()})
-    buffer = torch.ones(READ_PROBE_BYTES // 4)  # fp32
+    probe = ReadProbe()
     runs = {(name, c): run(e, c) for name, e in settings.items() for c in (short, *contexts)}
-    runs |= {("read", k): (lambda k=k: read_bandwidth_gb_s(buffer, k)) for k in threads}
+    runs |= {("read", k): (lambda k=k: probe.gb_s(k)) for k in probe.threads}
     median = {key: statistics.median(values) for key, values in interleaved(runs, rounds).items()}
     ms = {key: value for key, value in median.items() if key[0] != "read"}
-    machine = {f"{k} thread{'s' if k > 1 else ''}": round(median[("read", k)], 1) for k in threads}
+    machine = ReadProbe.labels({k: median[("read", k)] for k in probe.threads})
     report = {}
     bytes_per_token = settings["split"].pool.bytes_per_token
     for c in contexts:

@@ -66,20 +66,33 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
             for name in configs}
 
 
-def read_bandwidth_gb_s(buffer: torch.Tensor, threads: int) -> float:
-    """This machine's memory read rate right now with `threads` threads: one vectorized sum over buffer
-    (an fp32 tensor far larger than the caches), the most a step that streams its weights or its KV cache
-    from memory can read. Measured beside what it bounds: a shared machine's rate moves with its neighbours
-    (the Lab's roofline probe, app/lab/profile.py, reads it the same way once per machine, all threads)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        start = time.perf_counter()
-        buffer.sum()
-        elapsed = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(previous)
-    return buffer.numel() * buffer.element_size() / elapsed / 1e9
+class ReadProbe:
+    """This machine's memory read rate right now, with one thread and with all of torch's: one vectorized
+    sum over 256 MB of fp32 (far larger than the caches), the most a step that streams its weights or its
+    KV cache from memory can read. Measured beside what it bounds: a shared machine's rate moves with its
+    neighbours (the Lab's roofline probe, app/lab/profile.py, reads it the same way once per machine, all
+    threads)."""
+
+    def __init__(self, megabytes: int = 256) -> None:
+        self.buffer = torch.ones(megabytes << 18)  # 4 bytes each
+        self.threads = sorted({1, torch.get_num_threads()})
+
+    def gb_s(self, threads: int) -> float:
+        """One sum with `threads` threads."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            start = time.perf_counter()
+            self.buffer.sum()
+            elapsed = time.perf_counter() - start
+        finally:
+            torch.set_num_threads(previous)
+        return self.buffer.numel() * self.buffer.element_size() / elapsed / 1e9
+
+    @staticmethod
+    def labels(rates: dict[int, float]) -> dict[str, float]:
+        """{threads: GB/s} as the reports write it: {"1 thread": .., "2 threads": ..}."""
+        return {f"{k} thread{'s' if k > 1 else ''}": round(v, 1) for k, v in rates.items()}
 
 
 def random_prompt(num_tokens: int, vocab: int, seed: int = 0) -> list[int]:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from ..bench.decode_side import READ_PROBE_BYTES, teacher_forced
-from ..bench.extras import read_bandwidth_gb_s
+from ..bench.decode_side import teacher_forced
+from ..bench.extras import ReadProbe
 from ..bench.texts import SPECULATION_PROMPTS
 from .lab import Lab, decode_steps, median, r
 from .result import LabResult, Series
@@ -159,14 +157,6 @@ def batching(lab: Lab, prompt: str) -> LabResult:
                      timed=list(timed))
 
 
-def machine_read_gb_s(samples: int = 3) -> dict[int, float]:
-    """This machine's memory read rate with one thread and with all of torch's, the median of a few sums
-    over 256 MB (what a long context's attention, streaming its cache, can draw at most)."""
-    buffer = torch.ones(READ_PROBE_BYTES // 4)
-    return {k: r(median(read_bandwidth_gb_s(buffer, k) for _ in range(samples)), 1)
-            for k in sorted({1, torch.get_num_threads()})}
-
-
 def _bound(split: dict, unsplit: dict, machine: dict[int, float]) -> str:
     """What bounds the split at the longest context, from its read rate and the machine's."""
     split_rate, unsplit_rate = split["KV read GB/s"] or 0.0, unsplit["KV read GB/s"] or 0.0
@@ -205,7 +195,8 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
     on_cpu = lab.engine.info.device.startswith("cpu")  # the probe reads the host's memory
     if on_cpu:
         lab.step("this machine's memory read rate, one thread and all")
-    machine = machine_read_gb_s() if on_cpu else {}
+    probe = ReadProbe() if on_cpu else None  # the median of three sums with one thread and with all
+    machine = {k: r(median(probe.gb_s(k) for _ in range(3)), 1) for k in probe.threads} if probe else {}
     half = len(rows) // 2
     unsplit, split = rows[half - 1], rows[-1]
     explanation = (f"At {unsplit['context']} tokens of context attention took "
@@ -224,7 +215,7 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
                        rows[-1]["attention ms per step"] > rows[half]["attention ms per step"]}
     return LabResult("flash-decoding", "Flash Decoding: attention time per decode step against context", prompt,
                      {"contexts": contexts, "new_tokens": num_gen, "native_step": available,
-                      "machine_read_gb_s": {str(k): v for k, v in machine.items()}},
+                      "machine_read_gb_s": ReadProbe.labels(machine)},
                      "context (tokens)", "attention ms per decode step", series, rows, explanation, effects,
                      timed=list(timed))
 
