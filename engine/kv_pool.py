@@ -218,6 +218,17 @@ class KVPool:
         return PoolUsage(self.num_blocks, self.block_size, self.bytes_per_token * self.block_size,
                          self.num_blocks - len(self._free) - num_cached, num_cached)
 
+    def take_scratch_block(self) -> int | None:
+        """Set the pool's last block aside, out of every sequence's reach, and return its id (CUDA graphs
+        pad a batch with rows that write there); None when that block is in use."""
+        last = self.num_blocks - 1
+        if last < 1 or last not in self._free:
+            return None
+        self._free.remove(last)
+        heapq.heapify(self._free)
+        self.num_blocks = last
+        return last
+
     def check_fits(self, num_tokens: int) -> None:
         """Refuse a sequence that could never fit, even in an empty pool."""
         if blocks_for(num_tokens, self.block_size) > self.num_blocks:

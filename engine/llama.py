@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cuda_graphs import GraphDecode
 from .fused import load_fused_decode
 from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for
@@ -148,14 +149,16 @@ class LeanLlama:
                      and self.precision in ("fp32", "int8"))
         self.fused = load_fused_decode(self, cache_root(cache_dir)) if is_native else None
         self._use_native_int8(self.fused)
+        # decode on a GPU: the step's kernels recorded once per batch and context bucket and replayed
+        self.graphs = GraphDecode(self) if self.device.type == "cuda" else None
         # prefill's attention: "auto" (the native kernel where it is built, else PyTorch's fused SDPA),
         # "sdpa" (PyTorch's fused kernel) or "eager" (the score matrix materialized, as textbooks write it)
         self.attention = "auto"
 
     @property
     def decode_path(self) -> str:
-        """How a decode step runs: one native call, or PyTorch ops."""
-        return "fused C++" if self.fused is not None else "PyTorch ops"
+        """How a decode step runs: one native call, replayed CUDA graphs, or PyTorch ops."""
+        return "fused C++" if self.fused is not None else "CUDA graph" if self.graphs is not None else "PyTorch ops"
 
     def _use_native_int8(self, fused) -> None:
         """int8 linears run through the native library's matmul, on the int8 rows the decode step reads
@@ -167,13 +170,14 @@ class LeanLlama:
     @contextmanager
     def pytorch_decode(self) -> Iterator[None]:
         """Within the block nothing native runs, even where the native library is built: decode and
-        prefill's attention run the PyTorch ops, int8 linears FBGEMM (to compare the two)."""
+        prefill's attention run the PyTorch ops, int8 linears FBGEMM, no CUDA graph (to compare the two)."""
         native, self.fused = self.fused, None
+        graphs, self.graphs = self.graphs, None
         self._use_native_int8(None)
         try:
             yield
         finally:
-            self.fused = native
+            self.fused, self.graphs = native, graphs
             self._use_native_int8(native)
 
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
@@ -255,6 +259,10 @@ class LeanLlama:
         last = max(p + cache.num_dropped for p, cache in zip(positions, caches))  # the rotary tables' reach
         if self.fused is not None and last < self.fused.num_positions:
             return self.fused(tokens, positions, caches, capture)  # one native call for the whole batch
+        if self.graphs is not None and capture is None:
+            logits = self.graphs(tokens, positions, caches)  # one graph replay, where a bucket fits
+            if logits is not None:
+                return logits
         ids = torch.tensor(tokens, device=self.device)
         if capture is not None:  # the PyTorch ops time their stages but do not hand out attention weights
             stage_ms = {}

@@ -1,0 +1,220 @@
+"""The decode step in static shapes, replayed as CUDA graphs on a GPU.
+
+On a GPU a decode step of a small model is bound by launching kernels, not by memory: ~30 layers x
+~15 ops, each launched from Python, take ~9 ms where the weights take ~0.06 ms to read. A CUDA graph
+records the step's kernels once and replays them with one launch. A graph replays fixed shapes and
+fixed addresses, so the step here is written for that (as vLLM's and gpt-fast's are):
+
+- inputs live in static buffers (`StaticInputs`), refilled before each replay: token ids, rotary
+  positions, the pool slot each new key and value go to, and for each row the pool slots of its first
+  L positions (its block table spelled out) with a mask of those it may see;
+- batches are padded up to a bucket of sizes (1, 2, 4, 8, ...) and contexts to a bucket of lengths (256,
+  512, 1,024, ... tokens), one graph per (batch, context) bucket, captured on first use; a padding row
+  writes its key and value into a scratch block of the pool that no sequence owns, and reads only that;
+- attention gathers each row's L keys and values from the pool and masks the positions past its own.
+
+`StaticDecode.run` is plain PyTorch and runs on any device: on the CPU the tests check it against the
+eager decode; on CUDA `GraphDecode` captures it. Where a graph cannot serve a step (a batch or a context
+beyond the largest bucket, an int8 cache, uneven KV groups), the eager PyTorch ops run it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_pool import KVPool, SequenceKV, blocks_for
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+FIRST_CONTEXT_BUCKET = 256  # tokens; then doubled up to the context window
+
+
+def bucket(size: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds size, or None when size exceeds the largest."""
+    return next((b for b in buckets if b >= size), None)
+
+
+def context_buckets(context_window: int, block_size: int) -> tuple[int, ...]:
+    """Context lengths in tokens: 256, 512, ... doubling, the last one the window (each a whole number of
+    blocks, so that a row's slots are its blocks spelled out)."""
+    sizes, size = [], FIRST_CONTEXT_BUCKET
+    while size < context_window:
+        sizes.append(size)
+        size *= 2
+    return tuple(sorted({blocks_for(tokens, block_size) * block_size for tokens in sizes + [context_window]}))
+
+
+def why_not(model, pool: KVPool, capture: bool = True) -> str | None:
+    """Why decode steps over this pool cannot run as graphs (capture: recorded ones), or None when they can."""
+    if capture and model.device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if not pool.kv.is_floating_point():
+        return "an int8 KV cache is dequantized by ops a graph does not hold"
+    if model.kv_head_of is not None:
+        return "uneven KV head groups (a tensor-parallel slice)"
+    return None
+
+
+@dataclass
+class StaticInputs:
+    """One bucket's input buffers, [batch] or [batch, context]; their addresses never change."""
+    ids: torch.Tensor  # the tokens
+    rope: torch.Tensor  # each token's position in the text (its rotary angle)
+    slot: torch.Tensor  # the pool slot its key and value go to
+    key_slots: torch.Tensor  # [batch, context] the pool slots of positions 0 .. context - 1
+    visible: torch.Tensor  # [batch, 1, 1, context] bool: positions 0 .. the token's own
+
+    @classmethod
+    def empty(cls, batch: int, context: int, device: torch.device) -> StaticInputs:
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(batch, **long), torch.zeros(batch, **long), torch.zeros(batch, **long),
+                   torch.zeros(batch, context, **long), torch.zeros(batch, 1, 1, context, dtype=torch.bool,
+                                                                  device=device))
+
+    def fill(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV], scratch_slot: int) -> None:
+        """Copy a batch's step into the buffers (one host-to-device copy each); rows past the batch pad it:
+        token 0 at position 0 of the scratch block, which they write and read alone."""
+        batch, context = self.key_slots.shape
+        size = sequences[0].pool.block_size
+        ids, rope, slot = [0] * batch, [0] * batch, [scratch_slot] * batch
+        key_slots = torch.full((batch, context), scratch_slot, dtype=torch.long)
+        visible = torch.zeros(batch, context, dtype=torch.bool)
+        visible[:, 0] = True
+        for row, (token, pos, seq) in enumerate(zip(tokens, positions, sequences)):
+            table = seq.block_table[:blocks_for(pos + 1, size)]
+            slots = (table[:, None] * size + torch.arange(size)).flatten()[:pos + 1]
+            ids[row], rope[row], slot[row] = token, pos + seq.num_dropped, int(slots[pos])
+            key_slots[row, :pos + 1] = slots
+            visible[row, :pos + 1] = True
+        for buffer, values in ((self.ids, ids), (self.rope, rope), (self.slot, slot)):
+            buffer.copy_(torch.tensor(values), non_blocking=True)
+        self.key_slots.copy_(key_slots, non_blocking=True)
+        self.visible.copy_(visible[:, None, None, :], non_blocking=True)
+
+
+class StaticDecode:
+    """A LeanLlama's decode step over one pool, in the shapes of one (batch, context) bucket: `run` reads
+    `inputs` and writes `logits`, allocating nothing it keeps, so that a CUDA graph can record it."""
+
+    def __init__(self, model, pool: KVPool, batch: int, context: int) -> None:
+        self.model, self.pool = model, pool
+        self.inputs = StaticInputs.empty(batch, context, pool.kv.device)
+        self.logits = torch.zeros(batch, model.lm_head.output_features, dtype=model.dtype, device=pool.kv.device)
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        m, inputs = self.model, self.inputs
+        x = F.embedding(inputs.ids, m.embed)  # [B, C]
+        for index, layer in enumerate(m.layers):
+            h = F.rms_norm(x, x.shape[-1:], layer.attn_norm, m.eps)
+            x = x + layer.o(self._attention(index, layer.qkv(h)))
+            h = F.rms_norm(x, x.shape[-1:], layer.mlp_norm, m.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        self.logits.copy_(m.lm_head(F.rms_norm(x, x.shape[-1:], m.final_norm, m.eps)))
+
+    def _attention(self, index: int, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [B, (H + 2KV) * D] -> attention output [B, H * D]; the new keys and values go into the pool."""
+        m, inputs = self.model, self.inputs
+        batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
+        qk = qkv[:, :(heads + kv_heads) * head_dim]
+        if m.pair_rope:  # q and k rows in (real, imaginary) pairs: one complex product
+            pairs = torch.view_as_complex(qk.float().reshape(batch, heads + kv_heads, head_dim // 2, 2))
+            qk = torch.view_as_real(pairs * m.rotations[inputs.rope]).reshape(batch, heads + kv_heads, head_dim)
+        else:
+            qk = qk.view(batch, heads + kv_heads, head_dim)
+            qk = qk * m.cos[inputs.rope] + qk.roll(head_dim // 2, dims=-1) * m.sin[inputs.rope]
+        qk = qk.to(qkv.dtype)
+        q, k = qk.split([heads, kv_heads], dim=1)  # [B, H, D], [B, KV, D]
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
+        cache = self.pool.kv[index]  # [2, KV, slots, D]
+        cache[0].index_copy_(1, inputs.slot, k.transpose(0, 1).to(cache.dtype))
+        cache[1].index_copy_(1, inputs.slot, v.transpose(0, 1).to(cache.dtype))
+        keys = cache[0][:, inputs.key_slots].transpose(0, 1).to(qkv.dtype)  # [B, KV, L, D]
+        values = cache[1][:, inputs.key_slots].transpose(0, 1).to(qkv.dtype)
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=inputs.visible,
+                                             enable_gqa=heads != kv_heads)  # [B, H, 1, D]
+        return out.reshape(batch, heads * head_dim)
+
+
+class GraphDecode:
+    """Decode steps of one LeanLlama as replayed CUDA graphs, one per (batch, context) bucket, captured
+    on first use; capture=False runs the same static step without graphs (the CPU, and the tests)."""
+
+    def __init__(self, model, capture: bool = True) -> None:
+        self.model, self.capture = model, capture
+        self.pool: KVPool | None = None
+        self.scratch_slot = 0
+        self.steps: dict[tuple[int, int], StaticDecode] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._memory = None  # the graphs share one memory pool (vLLM's graph_pool_handle)
+        self.context_buckets = ()
+
+    def shape_for(self, positions: list[int], sequences: list[SequenceKV]) -> tuple[int, int] | None:
+        """The (batch, context) bucket of a step, or None when no graph can run it."""
+        pool = sequences[0].pool
+        if pool is not self.pool and why_not(self.model, pool, self.capture) is not None:
+            return None
+        batch = bucket(len(positions), BATCH_BUCKETS)
+        buckets = self.context_buckets if pool is self.pool else context_buckets(
+            self.model.context_window, pool.block_size)
+        context = bucket(max(positions) + 1, buckets)
+        if batch is None or context is None or any(p + s.num_dropped >= len(self.model.cos)
+                                                  for p, s in zip(positions, sequences)):
+            return None
+        return batch, context
+
+    def _use_pool(self, pool: KVPool) -> bool:
+        """Graphs record the pool's address: a new pool (the engine rebuilt it) starts them over. False
+        when the pool has no block to set aside for padding rows (then the eager ops run)."""
+        if pool is self.pool:
+            return True
+        scratch = pool.take_scratch_block()
+        if scratch is None:
+            return False
+        self.pool, self.steps, self.graphs = pool, {}, {}
+        self.scratch_slot = scratch * pool.block_size
+        self.context_buckets = context_buckets(self.model.context_window, pool.block_size)
+        return True
+
+    def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV]) -> torch.Tensor | None:
+        """Logits [B, vocab] of the step, or None when it needs the eager ops (see shape_for)."""
+        shape = self.shape_for(positions, sequences)
+        if shape is None or not self._use_pool(sequences[0].pool):
+            return None
+        for seq, pos in zip(sequences, positions):
+            seq.reserve(pos, 1)
+        step = self.steps.get(shape) or self._build(shape)
+        step.inputs.fill(tokens, positions, sequences, self.scratch_slot)
+        if shape in self.graphs:
+            self.graphs[shape].replay()
+        else:
+            step.run()
+        for seq, pos in zip(sequences, positions):
+            seq.mark_written(pos + 1)
+        return step.logits[:len(tokens)].clone()
+
+    def _build(self, shape: tuple[int, int]) -> StaticDecode:
+        step = self.steps[shape] = StaticDecode(self.model, self.pool, *shape)
+        if self.capture:
+            step.inputs.fill([0], [0], [_Scratch(self.pool, self.scratch_slot)], self.scratch_slot)
+            side = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graph asks
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step.run()
+            torch.cuda.current_stream().wait_stream(side)
+            self._memory = self._memory or torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._memory):
+                step.run()
+            self.graphs[shape] = graph
+        return step
+
+
+class _Scratch:
+    """A stand-in sequence for the capture's inputs: position 0 of the scratch block."""
+
+    def __init__(self, pool: KVPool, scratch_slot: int) -> None:
+        self.pool, self.num_dropped = pool, 0
+        self.block_table = torch.tensor([scratch_slot // pool.block_size])

@@ -1,0 +1,103 @@
+"""The CUDA-graph decode step's bookkeeping (engine/cuda_graphs.py), on the CPU: its buckets, the static
+step it records against the eager decode, padding rows, and when the eager ops run instead. Capture and
+replay themselves need a GPU (scripts/gpu_check.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from engine.cuda_graphs import BATCH_BUCKETS, GraphDecode, bucket, context_buckets, why_not
+from engine.kv_pool import KVPool
+from engine.llama import LeanLlama
+
+PROMPT = "Prefill reads the prompt; decode writes the reply."
+
+
+def test_buckets():
+    assert [bucket(n, BATCH_BUCKETS) for n in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
+    assert bucket(33, BATCH_BUCKETS) is None
+    assert context_buckets(8192, 16) == (256, 512, 1024, 2048, 4096, 8192)
+    assert context_buckets(1000, 16) == (256, 512, 1008)  # whole blocks, the window last
+    assert context_buckets(100, 64) == (128,)
+
+
+def test_graphs_only_where_they_can_run():
+    pool = KVPool(2, 2, 16, 4, 16, torch.float32)
+    gpu = SimpleNamespace(device=torch.device("cuda"), kv_head_of=None)
+    assert why_not(gpu, pool) is None
+    assert "CUDA" in why_not(SimpleNamespace(device=torch.device("cpu"), kv_head_of=None), pool)
+    assert why_not(SimpleNamespace(device=torch.device("cpu"), kv_head_of=None), pool, capture=False) is None
+    assert "int8" in why_not(gpu, KVPool(2, 2, 16, 4, 16, torch.int8))
+    assert "uneven" in why_not(SimpleNamespace(device=torch.device("cuda"), kv_head_of=torch.tensor([0, 0, 1])), pool)
+
+
+def test_a_cpu_model_decodes_without_graphs(tokenizer):
+    lean = LeanLlama(tiny_model(tokenizer).model, "fp32")
+    assert lean.graphs is None and lean.decode_path == "fused C++"
+
+
+def test_the_scratch_block_is_the_pools_last_and_leaves_its_capacity():
+    pool = KVPool(2, 2, 16, 4, 16, torch.float32)
+    assert pool.take_scratch_block() == 3
+    assert pool.num_blocks == 3 and pool.capacity_tokens == 48 and pool.usage().num_blocks == 3
+    assert [pool.allocate([], 16).block_ids for _ in range(3)] == [[0], [1], [2]]
+    assert pool.allocate([], 16) is None  # the scratch block is no sequence's
+    full = KVPool(2, 2, 16, 2, 16, torch.float32)
+    full.allocate([], 32)
+    assert full.take_scratch_block() is None
+
+
+def prefilled(lean: LeanLlama, prompts: list[torch.Tensor], steps: int):
+    pool = lean.new_pool(4 << 20, block_size=16, prefix_caching=False)
+    caches = [pool.allocate([], len(ids) + steps) for ids in prompts]
+    for ids, cache in zip(prompts, caches):
+        lean.forward(ids, 0, cache)
+    return caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # rotary in complex pairs / in halves
+def test_static_step_gives_the_eager_decodes_tokens_and_cache(tokenizer, dtype):
+    """Three sequences of different lengths, one past the first context bucket (256 tokens), decoded
+    together for 8 steps: padded to a batch of 4, every row reads only its own positions."""
+    model = tiny_model(tokenizer, max_positions=1024).model.to(dtype)
+    lean = LeanLlama(model, "auto")
+    lean.fused = None  # the eager PyTorch ops as the reference
+    prompts = [torch.tensor(tokenizer(PROMPT * repeat)["input_ids"]) for repeat in (1, 3, 25)]
+    assert len(prompts[-1]) > 256
+    steps = 8
+    eager, static = prefilled(lean, prompts, steps), prefilled(lean, prompts, steps)
+    graphs = GraphDecode(lean, capture=False)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    tokens = [int(ids[-1]) for ids in prompts]
+    for step in range(steps):
+        rows = range(3) if step < steps - 1 else range(2)  # the last step without the long one
+        positions = [len(prompts[i]) + step for i in rows]
+        expected = lean.decode(tokens[:len(rows)], positions, [eager[i] for i in rows])
+        got = graphs(tokens[:len(rows)], positions, [static[i] for i in rows])
+        assert got is not None and got.shape == expected.shape
+        assert (got.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+        assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+        tokens = expected.argmax(-1).tolist()
+    assert set(graphs.steps) == {(4, 512), (2, 256)}  # the longest sequence's bucket sets the step's
+    for a, b in zip(eager, static):
+        assert a.num_tokens == b.num_tokens
+        slots = [block * 16 + i for block in a.block_ids for i in range(16)][:a.num_tokens]
+        kv_a, kv_b = a.pool.kv[:, :, :, slots].float(), b.pool.kv[:, :, :, slots].float()
+        assert (kv_a - kv_b).abs().max() <= tolerance * kv_a.abs().max()
+
+
+def test_steps_no_bucket_holds_take_the_eager_ops(tokenizer):
+    lean = LeanLlama(tiny_model(tokenizer, max_positions=1024).model, "fp32")
+    lean.fused = None
+    graphs = GraphDecode(lean, capture=False)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    caches = prefilled(lean, [ids] * 33, 1)
+    assert graphs([1] * 33, [len(ids)] * 33, caches) is None  # a batch beyond the largest bucket
+    assert graphs([1] * 32, [len(ids)] * 32, caches[:32]) is not None
+    assert graphs([1], [len(lean.cos)], caches[:1]) is None  # past the rotary tables
+    tight = lean.new_cache(len(ids) + 1)  # a pool with no block to spare for padding rows
+    lean.forward(ids, 0, tight)
+    assert graphs([1], [len(ids)], [tight]) is None
