@@ -98,7 +98,10 @@ class StaticDecode:
     `inputs` and writes `logits`, allocating nothing it keeps, so that a CUDA graph can record it."""
 
     def __init__(self, model, pool: KVPool, batch: int, context: int) -> None:
+        from .llama import StageClock  # (llama.py imports this module)
+
         self.model, self.pool = model, pool
+        self.untimed = StageClock(None, model.device)
         self.inputs = StaticInputs.empty(batch, context, pool.kv.device)
         self.logits = torch.zeros(batch, model.lm_head.output_features, dtype=model.dtype, device=pool.kv.device)
 
@@ -109,9 +112,7 @@ class StaticDecode:
         for index, layer in enumerate(m.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.attn_norm, m.eps)
             x = x + layer.o(self._attention(index, layer.qkv(h)))
-            h = F.rms_norm(x, x.shape[-1:], layer.mlp_norm, m.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + m._mlp_block(layer, x, self.untimed)  # the eager forward's own MLP: nothing in it varies
         self.logits.copy_(m.lm_head(F.rms_norm(x, x.shape[-1:], m.final_norm, m.eps)))
 
     def _attention(self, index: int, qkv: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,8 @@ class GraphDecode:
             side = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graph asks
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                step.run()
+                for _ in range(3):  # lazy initialisations (cuBLAS workspaces) happen here, not in the capture
+                    step.run()
             torch.cuda.current_stream().wait_stream(side)
             self._memory = self._memory or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()

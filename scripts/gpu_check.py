@@ -8,8 +8,8 @@ $OUT/gpu_check.json (or --out).
 
     python scripts/gpu_check.py [--out DIR] [--no-compile]
 
-`--device cpu --layers 2` runs the same code on the CPU in seconds (no graphs there), to check the
-script before spending device time on it.
+`--device cpu --layers 2` runs the same code on the CPU in seconds (the static step run without
+capture where the graphs would be), to check the script before spending device time on it.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.cuda_graphs import GraphDecode  # noqa: E402
 from engine.llama import LeanLlama  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -40,6 +41,15 @@ def random_model(dtype: torch.dtype, layers: int):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": layers})).eval()
     return model.to(device=DEVICE, dtype=dtype)
+
+
+def lean_model(model, precision: str) -> LeanLlama:
+    """The lean path over model; on the CPU (checking this script) with the static step run without
+    capture in place of the graphs, and no native step, so that the same Python runs as on a GPU."""
+    lean = LeanLlama(model, precision)
+    if DEVICE == "cpu":
+        lean.fused, lean.graphs = None, GraphDecode(lean, capture=False)
+    return lean
 
 
 def synchronize() -> None:
@@ -127,7 +137,7 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__}
 
     model = random_model(torch.bfloat16, args.layers)
-    lean = LeanLlama(model, "auto")
+    lean = lean_model(model, "auto")
     pool = lean.new_pool(1 << 30)
     report["decode_path"] = lean.decode_path
     for batch in (1, 8):
@@ -149,7 +159,7 @@ def main() -> None:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
 
-    lean = LeanLlama(random_model(torch.float32, args.layers), "fp32")
+    lean = lean_model(random_model(torch.float32, args.layers), "fp32")
     pool = lean.new_pool(1 << 30)
     graph_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
     with without_graphs(lean):
