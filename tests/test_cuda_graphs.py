@@ -101,3 +101,21 @@ def test_steps_no_bucket_holds_take_the_eager_ops(tokenizer):
     tight = lean.new_cache(len(ids) + 1)  # a pool with no block to spare for padding rows
     lean.forward(ids, 0, tight)
     assert graphs([1], [len(ids)], [tight]) is None
+
+
+def test_the_engine_decodes_through_the_static_step_as_through_the_eager_ops(tokenizer):
+    """Requests joining and leaving a batch (1 to 5 rows, padded to 2, 4 and 8) through the scheduler: the
+    same greedy tokens as each alone on the eager ops, and the pool's gauge one block smaller."""
+    from engine import Engine, EngineConfig
+    from test_scheduler import PROMPTS, alone, run_staggered
+
+    engine = Engine(tiny_model(tokenizer), EngineConfig(precision="fp32", prefix_caching=False))
+    runner, blocks = engine.runner, engine.pool.num_blocks
+    runner.fused = None
+    max_new = [6 + 3 * (i % 3) for i in range(5)]
+    expected = [alone(engine, p, n) for p, n in zip(PROMPTS[:5], max_new)]
+    runner.graphs = GraphDecode(runner, capture=False)
+    _, requests = run_staggered(engine, PROMPTS[:5], max_new, [2 * i for i in range(5)])
+    assert expected == [r.generated_ids for r in requests]
+    assert {batch for batch, _ in runner.graphs.steps} >= {2, 4}
+    assert engine.pool.usage().num_blocks == blocks - 1
