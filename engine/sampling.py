@@ -66,8 +66,13 @@ TopLogits = Callable[[torch.Tensor, int], tuple[list[int], list[float], float]]
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
            seen_ids: Sequence[int] = (), num_top: int = 5, top_fn: TopLogits = top_logits) -> Sample:
     """logits: [vocab] for one position; seen_ids: prompt and generated ids, for the penalty."""
-    logits = logits.float().cpu()
+    logits = logits.float()
     top_ids, top_values, lse = top_fn(logits, num_top)
+    if params.is_greedy and (params.repetition_penalty == 1.0 or not seen_ids):
+        # the most likely token, read from the top alone: logits on a GPU are not copied over, row by row
+        return Sample(top_ids[0], math.exp(top_values[0] - lse), top_ids, [math.exp(v - lse) for v in top_values],
+                      [1.0 if i == top_ids[0] else 0.0 for i in top_ids])
+    logits = logits.cpu()
     scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if params.is_greedy:
         token_id = top_ids[0] if scores is logits else int(scores.argmax())

@@ -1,6 +1,8 @@
 """Sampling parameters, sampling itself, and text pieces (UTF-8 and stop strings)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -108,3 +110,15 @@ def test_the_candidates_chances_under_the_rule_that_picked():
     expected = torch.tensor([4.0, 3.0]).div(0.7).softmax(-1).tolist()
     assert cut.top_sample_probs[:2] == pytest.approx(expected)
     assert cut.top_probs[:2] == pytest.approx(logits.softmax(-1)[:2].tolist())  # the model's own, unchanged
+
+
+def test_greedy_reads_the_top_alone_and_leaves_the_logits_where_they_are():
+    # meta tensors have no values: copying one to the host raises, as a GPU's copy would cost a sync
+    logits = torch.empty(49152, device="meta")
+    top = ([7, 3, 9], [4.0, 2.0, 1.0], 4.5)
+    picked = sample(logits, SamplingParams(temperature=0), make_generator(0), top_fn=lambda *_: top)
+    assert (7, [7, 3, 9], [1.0, 0.0, 0.0]) == (picked.token_id, picked.top_ids, picked.top_sample_probs)
+    assert abs(picked.prob - math.exp(4.0 - 4.5)) < 1e-12
+    with pytest.raises(NotImplementedError):  # a penalty needs the whole row
+        sample(logits, SamplingParams(temperature=0, repetition_penalty=1.3), make_generator(0), seen_ids=[7],
+               top_fn=lambda *_: top)
