@@ -19,7 +19,8 @@ beyond the largest bucket, an int8 cache, uneven KV groups), the eager PyTorch o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +101,7 @@ class StaticDecode:
     def __init__(self, model, pool: KVPool, batch: int, context: int) -> None:
         from .llama import StageClock  # (llama.py imports this module)
 
-        self.model, self.pool = model, pool
+        self.model, self.kv = model, pool.kv  # the tensor, not the pool: GraphDecode.pools holds pools weakly
         self.untimed = StageClock(None, model.device)
         self.inputs = StaticInputs.empty(batch, context, pool.kv.device)
         self.logits = torch.zeros(batch, model.lm_head.output_features, dtype=model.dtype, device=pool.kv.device)
@@ -129,7 +130,7 @@ class StaticDecode:
         qk = qk.to(qkv.dtype)
         q, k = qk.split([heads, kv_heads], dim=1)  # [B, H, D], [B, KV, D]
         v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
-        cache = self.pool.kv[index]  # [2, KV, slots, D]
+        cache = self.kv[index]  # [2, KV, slots, D]
         cache[0].index_copy_(1, inputs.slot, k.transpose(0, 1).to(cache.dtype))
         cache[1].index_copy_(1, inputs.slot, v.transpose(0, 1).to(cache.dtype))
         keys = cache[0][:, inputs.key_slots].transpose(0, 1).to(qkv.dtype)  # [B, KV, L, D]
@@ -139,67 +140,69 @@ class StaticDecode:
         return out.reshape(batch, heads * head_dim)
 
 
+@dataclass
+class _PoolGraphs:
+    """The graphs of one pool (they hold its address): its scratch slot and context buckets, and the
+    static steps and graphs made so far, by (batch, context) bucket."""
+    scratch_slot: int
+    context_buckets: tuple[int, ...]
+    steps: dict[tuple[int, int], StaticDecode] = field(default_factory=dict)
+    graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
+
+
 class GraphDecode:
-    """Decode steps of one LeanLlama as replayed CUDA graphs, one per (batch, context) bucket, captured
-    on first use; capture=False runs the same static step without graphs (the CPU, and the tests)."""
+    """Decode steps of one LeanLlama as replayed CUDA graphs, one per (batch, context) bucket and pool
+    (an engine's variants share the model with pools of their own), captured on first use;
+    capture=False runs the same static step without graphs (the CPU, and the tests)."""
 
     def __init__(self, model, capture: bool = True) -> None:
         self.model, self.capture = model, capture
-        self.pool: KVPool | None = None
-        self.scratch_slot = 0
-        self.steps: dict[tuple[int, int], StaticDecode] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pools: weakref.WeakKeyDictionary[KVPool, _PoolGraphs] = weakref.WeakKeyDictionary()
         self._memory = None  # the graphs share one memory pool (vLLM's graph_pool_handle)
-        self.context_buckets = ()
 
-    def shape_for(self, positions: list[int], sequences: list[SequenceKV]) -> tuple[int, int] | None:
-        """The (batch, context) bucket of a step, or None when no graph can run it."""
-        pool = sequences[0].pool
-        if pool is not self.pool and why_not(self.model, pool, self.capture) is not None:
-            return None
-        batch = bucket(len(positions), BATCH_BUCKETS)
-        buckets = self.context_buckets if pool is self.pool else context_buckets(
-            self.model.context_window, pool.block_size)
-        context = bucket(max(positions) + 1, buckets)
+    def _for_pool(self, pool: KVPool) -> _PoolGraphs | None:
+        """The pool's graphs; None when its steps cannot run as graphs (why_not), or when it has no block
+        to set aside for padding rows."""
+        found = self.pools.get(pool)
+        if found is None and why_not(self.model, pool, self.capture) is None:
+            scratch = pool.take_scratch_block()
+            if scratch is not None:
+                found = self.pools[pool] = _PoolGraphs(scratch * pool.block_size,
+                                                       context_buckets(self.model.context_window, pool.block_size))
+        return found
+
+    def shape_for(self, positions: list[int], sequences: list[SequenceKV], buckets: tuple[int, ...]
+                  ) -> tuple[int, int] | None:
+        """The (batch, context) bucket of a step, or None when none holds it."""
+        batch, context = bucket(len(positions), BATCH_BUCKETS), bucket(max(positions) + 1, buckets)
         if batch is None or context is None or any(p + s.num_dropped >= len(self.model.cos)
                                                   for p, s in zip(positions, sequences)):
             return None
         return batch, context
 
-    def _use_pool(self, pool: KVPool) -> bool:
-        """Graphs record the pool's address: a new pool (the engine rebuilt it) starts them over. False
-        when the pool has no block to set aside for padding rows (then the eager ops run)."""
-        if pool is self.pool:
-            return True
-        scratch = pool.take_scratch_block()
-        if scratch is None:
-            return False
-        self.pool, self.steps, self.graphs = pool, {}, {}
-        self.scratch_slot = scratch * pool.block_size
-        self.context_buckets = context_buckets(self.model.context_window, pool.block_size)
-        return True
-
     def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV]) -> torch.Tensor | None:
-        """Logits [B, vocab] of the step, or None when it needs the eager ops (see shape_for)."""
-        shape = self.shape_for(positions, sequences)
-        if shape is None or not self._use_pool(sequences[0].pool):
+        """Logits [B, vocab] of the step, or None when it needs the eager ops."""
+        pool = sequences[0].pool
+        state = self._for_pool(pool)
+        shape = state and self.shape_for(positions, sequences, state.context_buckets)
+        if not shape:
             return None
         for seq, pos in zip(sequences, positions):
             seq.reserve(pos, 1)
-        step = self.steps.get(shape) or self._build(shape)
-        step.inputs.fill(tokens, positions, sequences, self.scratch_slot)
-        if shape in self.graphs:
-            self.graphs[shape].replay()
+        step = state.steps.get(shape) or self._build(state, pool, shape)
+        step.inputs.fill(tokens, positions, sequences, state.scratch_slot)
+        if shape in state.graphs:
+            state.graphs[shape].replay()
         else:
             step.run()
         for seq, pos in zip(sequences, positions):
             seq.mark_written(pos + 1)
         return step.logits[:len(tokens)].clone()
 
-    def _build(self, shape: tuple[int, int]) -> StaticDecode:
-        step = self.steps[shape] = StaticDecode(self.model, self.pool, *shape)
+    def _build(self, state: _PoolGraphs, pool: KVPool, shape: tuple[int, int]) -> StaticDecode:
+        step = state.steps[shape] = StaticDecode(self.model, pool, *shape)
         if self.capture:
-            step.inputs.fill([0], [0], [_Scratch(self.pool, self.scratch_slot)], self.scratch_slot)
+            step.inputs.fill([0], [0], [_Scratch(pool, state.scratch_slot)], state.scratch_slot)
             side = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graph asks
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -210,7 +213,7 @@ class GraphDecode:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._memory):
                 step.run()
-            self.graphs[shape] = graph
+            state.graphs[shape] = graph
         return step
 
 

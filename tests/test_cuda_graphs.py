@@ -3,6 +3,7 @@ step it records against the eager decode, padding rows, and when the eager ops r
 replay themselves need a GPU (scripts/gpu_check.py)."""
 from __future__ import annotations
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -81,7 +82,7 @@ def test_static_step_gives_the_eager_decodes_tokens_and_cache(tokenizer, dtype):
         assert (got.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
         tokens = expected.argmax(-1).tolist()
-    assert set(graphs.steps) == {(4, 512), (2, 256)}  # the longest sequence's bucket sets the step's
+    assert set(graphs.pools[static[0].pool].steps) == {(4, 512), (2, 256)}  # the longest sequence sets the bucket
     for a, b in zip(eager, static):
         assert a.num_tokens == b.num_tokens
         slots = [block * 16 + i for block in a.block_ids for i in range(16)][:a.num_tokens]
@@ -117,5 +118,24 @@ def test_the_engine_decodes_through_the_static_step_as_through_the_eager_ops(tok
     runner.graphs = GraphDecode(runner, capture=False)
     _, requests = run_staggered(engine, PROMPTS[:5], max_new, [2 * i for i in range(5)])
     assert expected == [r.generated_ids for r in requests]
-    assert {batch for batch, _ in runner.graphs.steps} >= {2, 4}
+    assert {batch for batch, _ in runner.graphs.pools[engine.pool].steps} >= {2, 4}
     assert engine.pool.usage().num_blocks == blocks - 1
+
+
+def test_each_pool_has_its_own_steps_and_one_scratch_block(tokenizer):
+    """Two pools over one model (an engine's variants) in turn: each sets one block aside, once, and keeps
+    its steps; a pool that goes away takes its steps with it."""
+    lean = LeanLlama(tiny_model(tokenizer).model, "fp32")
+    lean.fused = None
+    graphs = GraphDecode(lean, capture=False)
+    ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
+    first, second = prefilled(lean, [ids], 4), prefilled(lean, [ids], 4)
+    blocks = first[0].pool.num_blocks
+    for step in range(4):
+        for caches in (first, second):
+            assert graphs([1], [len(ids) + step], caches) is not None
+    assert [c[0].pool.num_blocks for c in (first, second)] == [blocks - 1] * 2
+    assert len(graphs.pools) == 2 and all(set(p.steps) == {(1, 256)} for p in graphs.pools.values())
+    del first
+    gc.collect()
+    assert len(graphs.pools) == 1
