@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -146,18 +147,29 @@ def native_vs_ops(engine: Engine, prompt: list[int], num_gen: int, repetitions: 
 
 
 @torch.inference_mode()
+def decode_logits(runner, tokenizer, keep: bool = False) -> list[torch.Tensor]:
+    """The runner's logits at every position of QUALITY_TEXTS, one decode step each. keep: remember them
+    while the runner lives (the bench compares fp16, int8 and FBGEMM's int8 with the same fp32)."""
+    if keep and runner in _KEPT_LOGITS:
+        return _KEPT_LOGITS[runner]
+    logits = []
+    for text in QUALITY_TEXTS:
+        ids = torch.tensor(tokenizer(text)["input_ids"])
+        cache = runner.new_cache(len(ids) + 1)
+        logits += [runner.forward(ids[pos:pos + 1], pos, cache) for pos in range(len(ids))]
+    if keep:
+        _KEPT_LOGITS[runner] = logits
+    return logits
+
+
+_KEPT_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> its decode_logits
+
+
 def quality_vs(reference, other, tokenizer) -> dict:
     """Top-1 agreement of a mode (int8, fp16...) with the reference (fp32) on every position of a fixed
     text set (one decode step each), the mean KL divergence of its next-token distribution from
     fp32's (nats; steadier than agreement on a small set), and the largest difference of any logit."""
-    def pairs():
-        for text in QUALITY_TEXTS:
-            ids = torch.tensor(tokenizer(text)["input_ids"])
-            cache_a, cache_b = reference.new_cache(len(ids) + 1), other.new_cache(len(ids) + 1)
-            for pos in range(len(ids)):
-                yield reference.forward(ids[pos:pos + 1], pos, cache_a), other.forward(ids[pos:pos + 1], pos, cache_b)
-
-    return _agreement(pairs())
+    return _agreement(zip(decode_logits(reference, tokenizer, keep=True), decode_logits(other, tokenizer)))
 
 
 def _agreement(pairs) -> dict:
