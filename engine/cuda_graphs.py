@@ -135,8 +135,10 @@ class StaticDecode:
         cache[1].index_copy_(1, inputs.slot, v.transpose(0, 1).to(cache.dtype))
         keys = cache[0][:, inputs.key_slots].transpose(0, 1).to(qkv.dtype)  # [B, KV, L, D]
         values = cache[1][:, inputs.key_slots].transpose(0, 1).to(qkv.dtype)
-        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=inputs.visible,
-                                             enable_gqa=heads != kv_heads)  # [B, H, 1, D]
+        # the query heads that share a KV head (h = kv * G + g) as G query rows of it: every SDPA
+        # backend takes that shape with a mask, and each KV head's keys are read once for its G heads
+        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
+                                             attn_mask=inputs.visible)  # [B, KV, G, D]
         return out.reshape(batch, heads * head_dim)
 
 
