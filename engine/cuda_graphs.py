@@ -75,11 +75,13 @@ class StaticInputs:
 
     def fill(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV], scratch_slot: int) -> None:
         """Copy a batch's step into the buffers (one host-to-device copy each); rows past the batch pad it:
-        token 0 at position 0 of the scratch block, which they write and read alone."""
+        token 0 at position 0, each in a slot of its own of the scratch block (a bucket pads fewer rows
+        than a block holds), which it writes and reads alone."""
         batch, context = self.key_slots.shape
         size = sequences[0].pool.block_size
-        ids, rope, slot = [0] * batch, [0] * batch, [scratch_slot] * batch
-        key_slots = torch.full((batch, context), scratch_slot, dtype=torch.long)
+        own = [scratch_slot + (row - len(tokens)) % size for row in range(batch)]  # a padding row's slot
+        ids, rope, slot = [0] * batch, [0] * batch, own
+        key_slots = torch.tensor(own)[:, None].repeat(1, context)
         visible = torch.zeros(batch, context, dtype=torch.bool)
         visible[:, 0] = True
         for row, (token, pos, seq) in enumerate(zip(tokens, positions, sequences)):

@@ -220,13 +220,16 @@ class KVPool:
 
     def take_scratch_block(self) -> int | None:
         """Set the pool's last block aside, out of every sequence's reach, and return its id (CUDA graphs
-        pad a batch with rows that write there); None when that block is in use."""
+        pad a batch with rows that write there, and point the positions a row may not see at it); None
+        when that block is in use. Zeroed: a masked position weighs 0, and 0 times a NaN the pool's
+        uninitialized memory might hold would still be NaN."""
         last = self.num_blocks - 1
         if last < 1 or last not in self._free:
             return None
         self._free.remove(last)
         heapq.heapify(self._free)
         self.num_blocks = last
+        self.kv[:, :, :, last * self.block_size:(last + 1) * self.block_size] = 0
         return last
 
     def check_fits(self, num_tokens: int) -> None:

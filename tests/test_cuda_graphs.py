@@ -20,6 +20,8 @@ PROMPT = "Prefill reads the prompt; decode writes the reply."
 def test_buckets():
     assert [bucket(n, BATCH_BUCKETS) for n in (1, 2, 3, 5, 8, 9, 32)] == [1, 2, 4, 8, 8, 16, 32]
     assert bucket(33, BATCH_BUCKETS) is None
+    # a bucket pads fewer rows than a block of 16 holds: each padding row writes a slot of its own
+    assert max(bucket(n, BATCH_BUCKETS) - n for n in range(1, 33)) < 16
     assert context_buckets(8192, 16) == (256, 512, 1024, 2048, 4096, 8192)
     assert context_buckets(1000, 16) == (256, 512, 1008)  # whole blocks, the window last
     assert context_buckets(100, 64) == (128,)
@@ -53,6 +55,7 @@ def test_the_scratch_block_is_the_pools_last_and_leaves_its_capacity():
 
 def prefilled(lean: LeanLlama, prompts: list[torch.Tensor], steps: int):
     pool = lean.new_pool(4 << 20, block_size=16, prefix_caching=False)
+    pool.kv.fill_(float("nan"))  # what uninitialized memory may hold: a masked position must not read it
     caches = [pool.allocate([], len(ids) + steps) for ids in prompts]
     for ids, cache in zip(prompts, caches):
         lean.forward(ids, 0, cache)
@@ -82,7 +85,11 @@ def test_static_step_gives_the_eager_decodes_tokens_and_cache(tokenizer, dtype):
         assert (got.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
         tokens = expected.argmax(-1).tolist()
-    assert set(graphs.pools[static[0].pool].steps) == {(4, 512), (2, 256)}  # the longest sequence sets the bucket
+    state = graphs.pools[static[0].pool]
+    assert set(state.steps) == {(4, 512), (2, 256)}  # the longest sequence sets the bucket
+    padding = state.steps[(4, 512)].inputs  # its fourth row pads the batch of three, in the scratch block
+    assert padding.slot[3] == state.scratch_slot and padding.key_slots[3, 0] == state.scratch_slot
+    assert padding.visible[3].sum() == 1
     for a, b in zip(eager, static):
         assert a.num_tokens == b.num_tokens
         slots = [block * 16 + i for block in a.block_ids for i in range(16)][:a.num_tokens]
