@@ -10,8 +10,10 @@ fixed addresses, so the step here is written for that (as vLLM's and gpt-fast's 
   L positions (its block table spelled out) with a mask of those it may see;
 - batches are padded up to a bucket of sizes (1, 2, 4, 8, ...) and contexts to a bucket of lengths (256,
   512, 1,024, ... tokens), one graph per (batch, context) bucket, captured on first use; a padding row
-  writes its key and value into a scratch block of the pool that no sequence owns, and reads only that;
-- attention gathers each row's L keys and values from the pool and masks the positions past its own.
+  writes its key and value into a slot of its own of a scratch block that no sequence owns (zeroed
+  when set aside), and reads only that;
+- attention gathers each row's L keys and values from the pool and masks the positions past its own,
+  which point into the scratch block (finite values: a masked NaN would still poison the sum).
 
 `StaticDecode.run` is plain PyTorch and runs on any device: on the CPU the tests check it against the
 eager decode; on CUDA `GraphDecode` captures it. Where a graph cannot serve a step (a batch or a context
