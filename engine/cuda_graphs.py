@@ -75,20 +75,19 @@ class StaticInputs:
                    torch.zeros(batch, context, **long), torch.zeros(batch, 1, 1, context, dtype=torch.bool,
                                                                   device=device))
 
-    def fill(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV], scratch_slot: int) -> None:
+    def fill(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV], scratch_slot: int,
+             block_size: int) -> None:
         """Copy a batch's step into the buffers (one host-to-device copy each); rows past the batch pad it:
         token 0 at position 0, each in a slot of its own of the scratch block (a bucket pads fewer rows
         than a block holds), which it writes and reads alone."""
         batch, context = self.key_slots.shape
-        size = sequences[0].pool.block_size
-        own = [scratch_slot + (row - len(tokens)) % size for row in range(batch)]  # a padding row's slot
+        own = [scratch_slot + (row - len(tokens)) % block_size for row in range(batch)]  # a padding row's slot
         ids, rope, slot = [0] * batch, [0] * batch, own
         key_slots = torch.tensor(own)[:, None].repeat(1, context)
         visible = torch.zeros(batch, context, dtype=torch.bool)
         visible[:, 0] = True
         for row, (token, pos, seq) in enumerate(zip(tokens, positions, sequences)):
-            table = seq.block_table[:blocks_for(pos + 1, size)]
-            slots = (table[:, None] * size + torch.arange(size)).flatten()[:pos + 1]
+            slots = seq.slot_ids(pos + 1)
             ids[row], rope[row], slot[row] = token, pos + seq.num_dropped, int(slots[pos])
             key_slots[row, :pos + 1] = slots
             visible[row, :pos + 1] = True
@@ -125,13 +124,12 @@ class StaticDecode:
         m, inputs = self.model, self.inputs
         batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
         qk = qkv[:, :(heads + kv_heads) * head_dim]
-        if m.pair_rope:  # q and k rows in (real, imaginary) pairs: one complex product
-            pairs = torch.view_as_complex(qk.float().reshape(batch, heads + kv_heads, head_dim // 2, 2))
+        if m.pair_rope:  # (fp32) q and k rows in (real, imaginary) pairs: one complex product
+            pairs = torch.view_as_complex(qk.reshape(batch, heads + kv_heads, head_dim // 2, 2))
             qk = torch.view_as_real(pairs * m.rotations[inputs.rope]).reshape(batch, heads + kv_heads, head_dim)
         else:
             qk = qk.view(batch, heads + kv_heads, head_dim)
             qk = qk * m.cos[inputs.rope] + qk.roll(head_dim // 2, dims=-1) * m.sin[inputs.rope]
-        qk = qk.to(qkv.dtype)
         q, k = qk.split([heads, kv_heads], dim=1)  # [B, H, D], [B, KV, D]
         v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
         cache = self.kv[index]  # [2, KV, slots, D]
@@ -190,13 +188,15 @@ class GraphDecode:
         """Logits [B, vocab] of the step, or None when it needs the eager ops."""
         pool = sequences[0].pool
         state = self._for_pool(pool)
-        shape = state and self.shape_for(positions, sequences, state.context_buckets)
-        if not shape:
+        if state is None:
+            return None
+        shape = self.shape_for(positions, sequences, state.context_buckets)
+        if shape is None:
             return None
         for seq, pos in zip(sequences, positions):
             seq.reserve(pos, 1)
         step = state.steps.get(shape) or self._build(state, pool, shape)
-        step.inputs.fill(tokens, positions, sequences, state.scratch_slot)
+        step.inputs.fill(tokens, positions, sequences, state.scratch_slot, pool.block_size)
         if shape in state.graphs:
             state.graphs[shape].replay()
         else:
@@ -208,7 +208,7 @@ class GraphDecode:
     def _build(self, state: _PoolGraphs, pool: KVPool, shape: tuple[int, int]) -> StaticDecode:
         step = state.steps[shape] = StaticDecode(self.model, pool, *shape)
         if self.capture:
-            step.inputs.fill([0], [0], [_Scratch(pool, state.scratch_slot)], state.scratch_slot)
+            step.inputs.fill([], [], [], state.scratch_slot, pool.block_size)  # every row a padding row
             side = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graph asks
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -222,10 +222,3 @@ class GraphDecode:
             state.graphs[shape] = graph
         return step
 
-
-class _Scratch:
-    """A stand-in sequence for the capture's inputs: position 0 of the scratch block."""
-
-    def __init__(self, pool: KVPool, scratch_slot: int) -> None:
-        self.pool, self.num_dropped = pool, 0
-        self.block_table = torch.tensor([scratch_slot // pool.block_size])

@@ -102,6 +102,11 @@ class SequenceKV:
             self._table = torch.tensor(self.block_ids, dtype=torch.int64)
         return self._table
 
+    def slot_ids(self, end: int) -> torch.Tensor:
+        """Pool slots of positions [0, end), int64 on the CPU (CUDA graphs copy them into their inputs)."""
+        positions, size = torch.arange(end), self.pool.block_size
+        return self.block_table[positions // size] * size + positions % size
+
     @property
     def has_unnamed_full_block(self) -> bool:
         """A block is full of written positions but has no name yet (prefix caching names it)."""
