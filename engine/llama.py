@@ -22,7 +22,7 @@ from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for
 from .loader import cache_root
 from .quantize import Int8Cache, Int8Linear, linear_factory
-from .sampling import top_logits
+from .sampling import top_logits, top_logits_batch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INT8_FORMAT = 1  # the layout of the cached int8 weights: raise it when LeanLlama's fusing or quantizing changes
@@ -186,15 +186,7 @@ class LeanLlama:
 
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab]."""
-        if self.fused is not None:
-            return self.fused.top_logits_batch(logits, k)
-        if logits.device.type == "cpu":
-            return [top_logits(row, k) for row in logits]
-        # on a GPU every row at once, and three small copies to the host instead of three per row
-        logits = logits.float()
-        top = torch.topk(logits, min(k, logits.shape[-1]))
-        ids, values, lse = top.indices.tolist(), top.values.tolist(), torch.logsumexp(logits, -1).tolist()
-        return list(zip(ids, values, lse))
+        return (self.fused.top_logits_batch if self.fused is not None else top_logits_batch)(logits, k)
 
     def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
