@@ -74,18 +74,19 @@ def test_the_native_int8_matmul_is_the_decode_steps_arithmetic(tokenizer):
     linear = lean.layers[0].gate_up
     assert linear.runs_on == "native" and linear._packed is None  # no FBGEMM copy of the weights
     torch.manual_seed(0)
-    x = torch.randn(11, 256) * torch.linspace(0.1, 30, 256)  # an outlier column, as real activations have
+    n = 75  # 18 groups of 4 tokens and 3 alone; a chunk holds 16 groups at this width
+    x = torch.randn(n, 256) * torch.linspace(0.1, 30, 256)  # an outlier column, as real activations have
     y = linear(x)
     # the same quantized values multiplied out in float64: x per row and block of 64, the weights per row
     rows, scales, _ = linear.native_layout()
-    blocks = x.double().view(11, -1, 64)
+    blocks = x.double().view(n, -1, 64)
     top = blocks.abs().amax(-1, keepdim=True)
     x_q = torch.where(top > 0, blocks * (127 / top), 0.0).round()  # round half to even, as the kernel does
     expected = torch.einsum("nkb,okb,nk->no", x_q, rows.double().view(rows.shape[0], -1, 64), (top / 127)[..., 0])
     torch.testing.assert_close(y.double(), expected * scales.double(), rtol=1e-5, atol=1e-4)
-    # tiles of 4 rows x two groups of 4 tokens (tokens 0-7), one group (8-10) and the edges give each row
-    # exactly what it gets alone (a decode step's row)
-    assert all(torch.equal(y[i], linear(x[i:i + 1])[0]) for i in range(11))
+    # tiles of 6 rows and the smaller last tile of each thread's rows, two chunks of groups, a last group
+    # alone and the tokens after the groups give each row exactly what it gets alone (a decode step's row)
+    assert all(torch.equal(y[i], linear(x[i:i + 1])[0]) for i in range(n))
 
 
 @pytest.mark.model
