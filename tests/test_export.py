@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -142,3 +143,12 @@ def test_cli_store_errors_exit_2(tmp_path, args, message):
     result = cli(*args, "--db", str(db))
     assert 2 == result.returncode and message in result.stderr
     assert 1 == len(result.stderr.strip().splitlines())
+
+
+def test_the_apps_export_folder_goes_when_the_process_exits():
+    code = ("from app.ui.history_tab import export_folder; folder = export_folder(); "
+            "(folder / 'session-1.json').write_text('{}'); print(folder)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    folder = done.stdout.strip()
+    assert folder and not os.path.exists(folder)

@@ -1,6 +1,8 @@
 """The History tab: saved sessions, newest first; open one to continue it, rename, delete, export."""
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from html import escape
 from pathlib import Path
@@ -60,9 +62,17 @@ def write_exports(store: Store, folder: Path, session_id: int | None) -> list[st
     return paths
 
 
+def export_folder() -> Path:
+    """A private folder for the export files the download buttons serve, removed when the process exits
+    (Gradio serves copies from its own cache, which the app's delete_cache empties)."""
+    folder = Path(tempfile.mkdtemp(prefix="phasescope-exports-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.Tab, texts: Texts,
           lang: gr.Radio) -> None:
-    folder = Path(tempfile.mkdtemp(prefix="phasescope-exports-"))
+    folder = export_folder()
     selected = gr.State(None)
     with gr.Row():
         search = texts(gr.Textbox, placeholder=K("saved.search"), show_label=False, scale=5,
