@@ -651,29 +651,34 @@ constexpr int64_t kChunkBytes = 16384;
 // The same products for a prefill's many rows of x. With AVX-512: tiles of 6 weight rows x two groups of
 // 4 tokens, so that each block of weights and of activations is loaded once for the whole tile, and the
 // tokens a chunk at a time, so that the tile reads x from L1 (row tiles over all of x streamed x from L2
-// for each tile: 0.75-0.8x, and tiles of 4 rows 0.95x, on an Intel Xeon); the tokens left over as decode
+// for each tile: 0.75-0.8x, and tiles of 4 rows 0.96-0.99x, on an Intel Xeon); the tokens left over as decode
 // makes them. Each (row, token) sum is made exactly as a decode step makes it: a prefill gives its numbers.
 void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
                       int64_t r0, int64_t r1, float *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     constexpr int R = 6;
     const int64_t blocks = in / kBlock;
-    std::vector<__m128i> starts((r1 - r0) * blocks);  // made once for every chunk
-    row_starts(w + r0 * in, r1 - r0, in, starts.data());
     const int64_t chunk = std::max<int64_t>(kTileGroups, kChunkBytes / (kGroup * in) / kTileGroups * kTileGroups);
+    // Each row tile's row_starts, made in the first chunk just before the tile uses them (its rows in L1:
+    // all of them first, in a pass of their own, read the weights from memory twice), and kept for the
+    // other chunks if there are any (with one, writing them all out cost a memory-bound LM head 15-25 %).
+    const bool keep = q.groups > chunk;
+    std::vector<__m128i> starts((keep ? r1 - r0 : R) * blocks);
     for (int64_t g0 = 0; g0 < q.groups; g0 += chunk) {
         const int64_t g1 = std::min(q.groups, g0 + chunk);
         int64_t r = r0;
-        for (; r + R <= r1; r += R)
-            tile_groups_int8<R>(q, g0, g1, w, scale, in, out, r, starts.data() + (r - r0) * blocks, y);
-        const __m128i *last = starts.data() + (r - r0) * blocks;
-        switch (r1 - r) {  // the rows after the last whole tile, as one smaller tile
-            case 0: break;
-            case 1: tile_groups_int8<1>(q, g0, g1, w, scale, in, out, r, last, y); break;
-            case 2: tile_groups_int8<2>(q, g0, g1, w, scale, in, out, r, last, y); break;
-            case 3: tile_groups_int8<3>(q, g0, g1, w, scale, in, out, r, last, y); break;
-            case 4: tile_groups_int8<4>(q, g0, g1, w, scale, in, out, r, last, y); break;
-            default: tile_groups_int8<5>(q, g0, g1, w, scale, in, out, r, last, y); break;
+        for (; r < r1; r += R) {
+            const int64_t rows = std::min<int64_t>(R, r1 - r);
+            __m128i *tile = starts.data() + (keep ? r - r0 : 0) * blocks;
+            if (g0 == 0) row_starts(w + r * in, rows, in, tile);
+            switch (rows) {  // the rows after the last whole tile as one smaller tile
+                case 1: tile_groups_int8<1>(q, g0, g1, w, scale, in, out, r, tile, y); break;
+                case 2: tile_groups_int8<2>(q, g0, g1, w, scale, in, out, r, tile, y); break;
+                case 3: tile_groups_int8<3>(q, g0, g1, w, scale, in, out, r, tile, y); break;
+                case 4: tile_groups_int8<4>(q, g0, g1, w, scale, in, out, r, tile, y); break;
+                case 5: tile_groups_int8<5>(q, g0, g1, w, scale, in, out, r, tile, y); break;
+                default: tile_groups_int8<R>(q, g0, g1, w, scale, in, out, r, tile, y); break;
+            }
         }
     }
     rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r0, r1, y);  // a token alone (no groups)
