@@ -123,13 +123,7 @@ class StaticDecode:
         """qkv [B, (H + 2KV) * D] -> attention output [B, H * D]; the new keys and values go into the pool."""
         m, inputs = self.model, self.inputs
         batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
-        qk = qkv[:, :(heads + kv_heads) * head_dim]
-        if m.pair_rope:  # (fp32) q and k rows in (real, imaginary) pairs: one complex product
-            pairs = torch.view_as_complex(qk.reshape(batch, heads + kv_heads, head_dim // 2, 2))
-            qk = torch.view_as_real(pairs * m.rotations[inputs.rope]).reshape(batch, heads + kv_heads, head_dim)
-        else:
-            qk = qk.view(batch, heads + kv_heads, head_dim)
-            qk = qk * m.cos[inputs.rope] + qk.roll(head_dim // 2, dims=-1) * m.sin[inputs.rope]
+        qk = m._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim), inputs.rope)
         q, k = qk.split([heads, kv_heads], dim=1)  # [B, H, D], [B, KV, D]
         v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
         cache = self.kv[index]  # [2, KV, slots, D]

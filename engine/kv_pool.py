@@ -104,8 +104,12 @@ class SequenceKV:
 
     def slot_ids(self, end: int) -> torch.Tensor:
         """Pool slots of positions [0, end), int64 on the CPU (CUDA graphs copy them into their inputs)."""
-        positions, size = torch.arange(end), self.pool.block_size
-        return self.block_table[positions // size] * size + positions % size
+        return self._slot_ids(self.block_table, 0, end)
+
+    def _slot_ids(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Pool slots of positions [start, end), from the block table on the device it is on."""
+        positions, size = torch.arange(start, end, device=table.device), self.pool.block_size
+        return table[positions // size] * size + positions % size
 
     @property
     def has_unnamed_full_block(self) -> bool:
@@ -127,8 +131,7 @@ class SequenceKV:
             return slice(first + start, first + end)
         if self._device_table is None:
             self._device_table = self.block_table.to(self.pool.kv.device)
-        positions = torch.arange(start, end, device=self.pool.kv.device)
-        return self._device_table[positions // size] * size + positions % size
+        return self._slot_ids(self._device_table, start, end)
 
     def write_kv(self, layer: int, pos: int, kv: torch.Tensor) -> None:
         """Write kv ([2, kv_heads, T, head_dim]) at positions [pos, pos+T) of one layer."""

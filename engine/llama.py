@@ -333,15 +333,24 @@ class LeanLlama:
         queries = torch.arange(pos, pos + num_tokens, device=self.device)
         return keys[None, :] <= queries[:, None]
 
+    def _rotate(self, qk: torch.Tensor, at: slice | torch.Tensor) -> torch.Tensor:
+        """q and k heads qk [T, H + KV, D] rotated at the positions `at` picks from the rotary tables (a
+        slice, or one position per row): where the rows are paired (fp32), in place as complex products;
+        else cos, sin and the half-roll, into a new tensor. Returns the rotated heads."""
+        if self.pair_rope:
+            torch.view_as_complex(qk.unflatten(-1, (-1, 2))).mul_(self.rotations[at])
+            return qk
+        return qk * self.cos[at] + qk.roll(self.head_dim // 2, dims=-1) * self.sin[at]
+
     def _attention(self, index: int, qkv: torch.Tensor, pos: int, cache: SequenceKV) -> torch.Tensor:
         """qkv: [T, (H + 2KV) * D] of one sequence at positions [pos, pos+T) of its cache -> attention
         output [T, H*D]. Rotated at their positions in the text: pos + what a sliding window dropped."""
         num_tokens = qkv.shape[0]
         rope = pos + cache.num_dropped
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.pair_rope:
-            qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim // 2, 2)
-            torch.view_as_complex(qk).mul_(self.rotations[rope:rope + num_tokens])  # rotary embedding, in place
+        qk = self._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim),
+                          slice(rope, rope + num_tokens))  # rotary embedding of q and k at once
+        if self.pair_rope:  # (in place: qkv holds the rotated q and k)
             kv = qkv[:, heads * head_dim:].view(num_tokens, 2, kv_heads, head_dim).permute(1, 2, 0, 3)
             native = self.fused is not None and self.fused.has_prefill_attention and self.attention == "auto"
             if native:  # writes k, v into the pool and reads them there, in place
@@ -350,9 +359,6 @@ class LeanLlama:
             keys, values = cache.layer_kv(index, pos + num_tokens)  # [KV, pos+T, D] each
             q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim)
         else:
-            qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
-            cos, sin = self.cos[rope:rope + num_tokens], self.sin[rope:rope + num_tokens]  # [T, 1, D]
-            qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin  # rotary embedding of q and k at once
             q, k = qk.split([heads, kv_heads], dim=1)  # [T, H, D], [T, KV, D]
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
             keys, values = cache.update(index, pos, k.transpose(0, 1), v.transpose(0, 1))
