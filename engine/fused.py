@@ -81,7 +81,8 @@ def _address(t: torch.Tensor | None) -> int:
 
 class FusedDecode:
     """Runs LeanLlama's T = 1 forward in one call, on the weights LeanLlama holds (each linear's
-    `native_layout()`: fp32 input-major [in, out], or int8 output-major [out, in] with per-row scales)."""
+    `native_layout()`: fp32 input-major [in, out], or int8 output-major [out, in] with per-row scales,
+    whose rows a library built for AVX-512 has packed 16 at a time, in place, when it loads)."""
 
     def __init__(self, lean, library: Path) -> None:
         native = ctypes.CDLL(str(library))
@@ -107,12 +108,19 @@ class FusedDecode:
         self._linear_int8.restype = None
         self._linear_int8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        self._pack_int8 = native.ps_pack_int8
+        self._pack_int8.restype = None
+        self._pack_int8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self.int8_row_group = native.ps_int8_row_group()  # 16: int8 rows packed 16 at a time (AVX-512); 0: as they are
         self._heads, self._kv_heads = lean.num_heads, lean.num_kv_heads
         self._eps = lean.eps
         self.is_int8 = lean.precision == "int8"
         hidden, intermediate = lean.embed.shape[1], lean.layers[0].down.input_features
         if self.is_int8 and (hidden % 64 or intermediate % 64 or lean.num_heads * lean.head_dim % 64):
             raise KernelUnavailable("int8 decode needs layer widths divisible by 64 (its activation blocks)")
+        if self.is_int8 and self.int8_row_group:
+            for linear in lean._linears():
+                self.pack(linear)
         self._keep: list[torch.Tensor] = []  # every tensor whose address the kernel holds
         self._layer_ptrs = torch.tensor([self._layer_row(layer) for layer in lean.layers], dtype=torch.int64)
         half = lean.head_dim // 2  # rotations: cos + i sin per position and pair
@@ -125,6 +133,14 @@ class FusedDecode:
                       lean.lm_head.output_features]
         self.num_positions = cos.shape[0]
         self.split_kv = True  # Flash Decoding: long sequences' attention cut into chunks across the threads
+
+    def pack(self, linear) -> None:
+        """An Int8Linear's rows in the layout this build's int8 matmuls read (see ps_pack_int8)."""
+        rows, group = linear.rows(), self.int8_row_group
+        out, inputs = rows.shape
+        packed = torch.empty(-(-out // group) * group * inputs, dtype=torch.uint8)
+        self._pack_int8(rows.contiguous().data_ptr(), out, inputs, torch.get_num_threads(), packed.data_ptr())
+        linear.use_packed_rows(packed, group)
 
     def _layer_row(self, layer) -> list[int]:
         """14 addresses, in the kernel's order: (weight, scale, bias) of qkv, o, gate_up, down; 2 norms."""
@@ -139,7 +155,7 @@ class FusedDecode:
 
     def _linear_ptrs(self, linear) -> list[int]:
         weight, scale, bias = linear.native_layout()
-        expected = torch.int8 if self.is_int8 else torch.float32
+        expected = (torch.uint8 if self.int8_row_group else torch.int8) if self.is_int8 else torch.float32
         assert weight.dtype == expected, (weight.dtype, expected)
         return [self._ptr(weight), self._ptr(scale), self._ptr(None if bias is None else bias.float().contiguous())]
 
@@ -167,8 +183,8 @@ class FusedDecode:
         the decode step reads, x quantized per block of 64 as there (see Int8Linear.use_kernel)."""
         weight, scale, bias = linear.native_layout()
         x = x.float().contiguous()
-        y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-        self._linear_int8(x.data_ptr(), x.shape[0], weight.shape[1], weight.shape[0], weight.data_ptr(),
+        y = torch.empty((x.shape[0], linear.output_features), dtype=torch.float32)
+        self._linear_int8(x.data_ptr(), x.shape[0], linear.input_features, linear.output_features, weight.data_ptr(),
                           scale.data_ptr(), _address(bias), torch.get_num_threads(), y.data_ptr())
         return y
 

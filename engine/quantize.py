@@ -37,7 +37,9 @@ class Int8Linear:
     """int8 weights with one fp32 scale per output channel; x stays fp32 and is quantized per call.
 
     The weights are kept as plain rows ([out, in]) for the native library, which quantizes activations
-    per block of 64 (the decode step, and prefill through use_kernel). Where the library is not built,
+    per block of 64 (the decode step, and prefill through use_kernel); a library built for AVX-512 has
+    them packed 16 rows at a time instead (use_packed_rows), in place of the plain rows. Where the
+    library is not built,
     FBGEMM runs prefill on its own packed copy of the rows (made at the first call), with one activation
     scale per tensor: less accurate, and the weights twice in memory."""
 
@@ -60,9 +62,26 @@ class Int8Linear:
     def _setup(self, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         bias = None if bias is None else bias.detach().float().cpu().contiguous()
         self._packed, self._kernel = None, None
+        self._row_group = 0  # 0: the native layout's rows are [out, in]; 16: packed (use_packed_rows)
         self.output_features, self.input_features = rows.shape
         self._nbytes = rows.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
         self._native_layout = (rows.contiguous(), scales.contiguous(), bias)
+
+    def use_packed_rows(self, packed: torch.Tensor, row_group: int) -> None:
+        """Hold the rows in the layout the native library reads (FusedDecode packs them) instead of
+        [out, in]: one copy of the weights, as before."""
+        _, scales, bias = self._native_layout
+        self._native_layout, self._row_group = (packed, scales, bias), row_group
+
+    def rows(self) -> torch.Tensor:
+        """The int8 rows [out, in], unpacked if they are held packed (a copy, then)."""
+        weights = self._native_layout[0]
+        if not self._row_group:
+            return weights
+        group, (out, inputs) = self._row_group, (self.output_features, self.input_features)
+        # packed: [row groups][inputs / 4][group rows][4] bytes, each w + 128
+        unpacked = weights.view(-1, inputs // 4, group, 4).permute(0, 2, 1, 3).reshape(-1, inputs)[:out]
+        return (unpacked.to(torch.int16) - 128).to(torch.int8)
 
     def use_kernel(self, kernel) -> None:
         """Run through the native library's int8 matmul (FusedDecode.linear_int8) from now on; None: FBGEMM.
@@ -79,7 +98,7 @@ class Int8Linear:
         if self._kernel is not None:
             return self._kernel(x, self)
         if self._packed is None:  # FBGEMM's layout, a second copy of the weights, made when first needed
-            rows, scales, bias = self._native_layout
+            (_, scales, bias), rows = self._native_layout, self.rows()
             zero_points = torch.zeros(rows.shape[0], dtype=torch.long)
             with warnings.catch_warnings():  # quantized tensor constructors are deprecated, not yet replaced
                 warnings.simplefilter("ignore")
@@ -88,7 +107,8 @@ class Int8Linear:
         return torch.ops.quantized.linear_dynamic(x, self._packed, reduce_range=fbgemm_reduces_range())
 
     def native_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(int8 W [out, in], fp32 scales [out], bias) for the native decode step."""
+        """(int8 W [out, in] or its packed form (use_packed_rows), fp32 scales [out], bias) for the native
+        decode step."""
         return self._native_layout
 
     @property
@@ -144,8 +164,7 @@ class Int8Cache:
 
         tensors = {}
         for i, linear in enumerate(self._made):
-            rows, scales, _ = linear.native_layout()
-            tensors[f"w{i}"], tensors[f"s{i}"] = rows, scales
+            tensors[f"w{i}"], tensors[f"s{i}"] = linear.rows(), linear.native_layout()[1]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model, user
 from engine import Engine, EngineConfig, SamplingParams
 from engine.llama import LeanLlama, eager_attention, score_matrix_bytes
-from engine.quantize import int8_available
+from engine.quantize import Int8Linear, int8_available
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])  # qwen2: a bias on q, k and v
@@ -59,11 +59,31 @@ def test_fbgemms_int8_matmul_is_close_to_fp32(tokenizer):
     linear.use_kernel(None)
     torch.manual_seed(0)
     x = torch.rand(11, 256) + 1  # activations near the top of the 8-bit range, where the sums saturate
-    rows, scales, _ = linear.native_layout()
+    rows, scales = linear.rows(), linear.native_layout()[1]
     exact = x @ (rows.float() * scales[:, None]).T
     assert linear.runs_on == "FBGEMM"
     error = ((linear(x) - exact).norm() / exact.norm()).item()
     assert error < 0.01, error  # 0.3 % measured with 7-bit activations; 3.9 % when they saturated
+
+
+def _check_native_int8_matmul(linear, n: int) -> None:
+    """linear over n tokens: the quantized values multiplied out, and each token's row exactly what it
+    gets alone (a decode step's row)."""
+    assert linear.runs_on == "native" and linear._packed is None  # no FBGEMM copy of the weights
+    torch.manual_seed(0)
+    inputs = linear.input_features
+    x = torch.randn(n, inputs) * torch.linspace(0.1, 30, inputs)  # an outlier column, as real activations have
+    y = linear(x)
+    # the same quantized values multiplied out in float64: x per row and block of 64, the weights per row
+    rows, scales = linear.rows(), linear.native_layout()[1]
+    blocks = x.double().view(n, -1, 64)
+    top = blocks.abs().amax(-1, keepdim=True)
+    x_q = torch.where(top > 0, blocks * (127 / top), 0.0).round()  # round half to even, as the kernel does
+    expected = torch.einsum("nkb,okb,nk->no", x_q, rows.double().view(rows.shape[0], -1, 64), (top / 127)[..., 0])
+    torch.testing.assert_close(y.double(), expected * scales.double(), rtol=1e-5, atol=1e-4)
+    alone = [linear(x[i:i + 1])[0] for i in range(n)]
+    assert all(torch.equal(y[i], alone[i]) for i in range(n))
+    assert all(torch.equal(row, alone[i]) for i, row in enumerate(linear(x[:11])))
 
 
 def test_the_native_int8_matmul_is_the_decode_steps_arithmetic(tokenizer):
@@ -71,25 +91,35 @@ def test_the_native_int8_matmul_is_the_decode_steps_arithmetic(tokenizer):
     lean = LeanLlama(loaded.model, precision="int8")
     if lean.fused is None:
         pytest.skip("the native library is not built here")
-    linear = lean.layers[0].gate_up
-    assert linear.runs_on == "native" and linear._packed is None  # no FBGEMM copy of the weights
-    torch.manual_seed(0)
-    n = 75  # 18 groups of 4 tokens and 3 alone; a chunk holds 16 groups at this width
-    x = torch.randn(n, 256) * torch.linspace(0.1, 30, 256)  # an outlier column, as real activations have
-    y = linear(x)
-    # the same quantized values multiplied out in float64: x per row and block of 64, the weights per row
-    rows, scales, _ = linear.native_layout()
-    blocks = x.double().view(n, -1, 64)
-    top = blocks.abs().amax(-1, keepdim=True)
-    x_q = torch.where(top > 0, blocks * (127 / top), 0.0).round()  # round half to even, as the kernel does
-    expected = torch.einsum("nkb,okb,nk->no", x_q, rows.double().view(rows.shape[0], -1, 64), (top / 127)[..., 0])
-    torch.testing.assert_close(y.double(), expected * scales.double(), rtol=1e-5, atol=1e-4)
-    # tiles of 6 rows and the smaller last tile of each thread's rows, two chunks of groups (or one: the
-    # first 11 tokens), a last group alone and the tokens after the groups give each row exactly what it
-    # gets alone (a decode step's row)
-    alone = [linear(x[i:i + 1])[0] for i in range(n)]
-    assert all(torch.equal(y[i], alone[i]) for i in range(n))
-    assert all(torch.equal(row, alone[i]) for i, row in enumerate(linear(x[:11])))
+    # two chunks of tokens (at most 128 each, AVX-512), tiles of 6 tokens and every smaller last tile
+    # (150 = 128 + 22: 2 and 4 left over; 11 = 6 + 5), a thread's last tile of one row group
+    _check_native_int8_matmul(lean.layers[0].gate_up, 150)
+    # 40 rows: with AVX-512 a thread's rows in groups of 16 (the second thread's 8, half a group), or the
+    # rows as they are elsewhere
+    torch.manual_seed(1)
+    odd = Int8Linear(torch.randn(40, 128))
+    if lean.fused.int8_row_group:
+        lean.fused.pack(odd)
+    odd.use_kernel(lean.fused.linear_int8)
+    _check_native_int8_matmul(odd, 23)
+
+
+def test_packed_int8_rows_unpack_to_the_rows(tokenizer):
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)
+    lean = LeanLlama(loaded.model, precision="int8")
+    if lean.fused is None or not lean.fused.int8_row_group:
+        pytest.skip("this build reads the int8 rows as they are")
+    torch.manual_seed(2)
+    weight = torch.randn(40, 128)
+    linear, plain = Int8Linear(weight), Int8Linear(weight)
+    lean.fused.pack(linear)
+    packed = linear.native_layout()[0]
+    assert packed.dtype == torch.uint8 and packed.numel() == 48 * 128  # 3 groups of 16 rows, the last padded
+    assert torch.equal(linear.rows(), plain.rows())
+    # FBGEMM's copy is made from the unpacked rows: the same results as from the plain ones
+    if int8_available():
+        x = torch.randn(5, 128)
+        assert torch.equal(linear(x), plain(x))
 
 
 @pytest.mark.model

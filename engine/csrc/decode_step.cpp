@@ -11,7 +11,8 @@
 // thread and only the matrix-vector products use the OpenMP team (torch's own libgomp, already loaded).
 //
 // Layouts (made by engine/fused.py from the LeanLlama weights):
-//   linear weights output-major W[out][in], fp32, or int8 with one fp32 scale per row;
+//   linear weights output-major W[out][in], fp32, or int8 with one fp32 scale per row (with AVX-512, int8
+//   rows packed 16 at a time: ps_pack_int8);
 //   q/k rows paired per head, (x_i, x_{i+D/2}) adjacent, so the rotary embedding is a complex product;
 //   kv pool [layers][2][kv_heads][slots][head_dim] fp32, the same tensor the PyTorch path fills; a
 //   sequence's position p lives in slot table[p / block_size] * block_size + p % block_size (paged).
@@ -55,7 +56,7 @@ inline float fast_exp(float x) {
 }
 
 struct Linear {
-    const void *weight;  // float or int8_t [out][in]
+    const void *weight;  // float or int8_t [out][in], or packed int8 rows (ps_pack_int8)
     const float *scale;  // [out] for int8, else null
     const float *bias;   // [out] or null
 };
@@ -255,43 +256,38 @@ void matvec_f32_rows(const float *x, int64_t n, const float *w, int64_t in, int6
 
 // --- int8 x int8 -----------------------------------------------------------------------------------------
 // x is quantized per step in blocks of 64 inputs, each with its own scale (like llama.cpp's Q8
-// activations), so one outlier only coarsens its own block. The integer products take unsigned x signed
-// bytes (vpdpbusd, maddubs): with VNNI x is kept as x + 128 and each sum starts from -128 * sum(w),
-// computed once per block for the whole batch; with AVX2 (whose maddubs would saturate on that) as |x|
-// and the sign of x, moved onto the weight. Each block's integer dot product is scaled into a float
-// vector accumulator, reduced once per row.
+// activations), so one outlier only coarsens its own block: each block's integer dot product is converted
+// to float and scaled by the block's scale, the row's scale applied at the end. The integer products take
+// unsigned x signed bytes (vpdpbusd, maddubs):
+// - AVX-512 (VNNI): the weights are packed 16 rows at a time and kept as w + 128 (ps_pack_int8), x as
+//   it is; each sum starts from -128 * sum(x) of the block, made once per token and block.
+// - AVX-VNNI (256-bit): x is kept as x + 128, each sum starting from -128 * sum(w) of the row's block.
+// - AVX2, scalar: x as |x| and the sign of x, moved onto the weight.
+// Within a build every (row, token) sum takes the same steps, whichever batch, tile or prefill makes it.
 // The batch is laid out block by block, [block][sequence][64], so that one pointer walks every sequence.
 constexpr int64_t kBlock = 64;
-#if defined(__AVXVNNI__) || defined(__AVX512VNNI__)
-constexpr bool kKeepsSign = false;  // x + 128 carries the sign
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PS_PACKED_ROWS 1
+constexpr int64_t kRowGroup = 16;  // rows packed together (see packed_block_int8)
+#else
+constexpr int64_t kRowGroup = 0;  // rows as they are, output-major W[out][in]
+#endif
+#if defined(PS_PACKED_ROWS) || defined(__AVXVNNI__)
+constexpr bool kKeepsSign = false;  // the unsigned operand (w + 128 or x + 128) carries the sign
 #else
 constexpr bool kKeepsSign = true;
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kGroups = true;
-#else
-constexpr bool kGroups = false;
-#endif
-constexpr int64_t kGroup = 4;  // sequences per group (AVX-512): a 16-byte quarter of each in one vector
-
-// Sequences are taken four at a time (AVX-512), a last group of fewer filled up with empty ones (zero
-// bytes, scale 0) whose sums are 0 and never written out: a group shares the arithmetic that each
-// sequence's own path repeats, so three sequences' forward took 5.3 ms on their own paths and takes 4.3
-// as a group, seven 8.0 -> 6.7 ms, nine 7.6 -> 6.9; two and five the same (alternating runs). A sequence
-// alone keeps its own path (a group of one would cost it 30 %). A sequence's sums are the same in a
-// group as alone (see below), so this changes no result.
 struct QuantizedBatch {
-    int64_t n = 0, groups = 0;   // groups of kGroup sequences in `grouped` (AVX-512), the last maybe padded
-    std::vector<uint8_t> bytes;  // [block][n][64]: x + 128 (VNNI), or |x| (AVX2, scalar)
+    int64_t n = 0;
+    std::vector<uint8_t> bytes;  // [block][n][64]: x (AVX-512: signed bytes), x + 128 (AVX-VNNI), or |x|
     std::vector<int8_t> sign;    // [block][n][64]: the sign of x (AVX2, scalar)
     std::vector<float> scale;    // [block][n]
-    std::vector<uint8_t> grouped;       // [block][group][quarter][4 sequences][16]: the same bytes, interleaved
-    std::vector<float> grouped_scale;   // [block][group][4 sequences][4]: each one's scale, once per lane
+    std::vector<int32_t> start;  // [block][n]: -128 * sum(x) (AVX-512, whose weights are w + 128)
 
     QuantizedBatch(int64_t n, int64_t in)
-        : n(n), groups(kGroups && n > 1 ? (n + kGroup - 1) / kGroup : 0), bytes(n * in), sign(kKeepsSign ? n * in : 0),
-          scale(n * (in / kBlock)), grouped(groups * kGroup * in), grouped_scale(groups * kGroup * 4 * (in / kBlock)) {}
+        : n(n), bytes(n * in), sign(kKeepsSign ? n * in : 0), scale(n * (in / kBlock)),
+          start(kRowGroup ? n * (in / kBlock) : 0) {}
 
     // block k of sequence b, from its inputs xk [64]
     void quantize(int64_t k, int64_t b, const float *xk) {
@@ -301,16 +297,19 @@ struct QuantizedBatch {
         const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
         scale[k * n + b] = top / 127.0f;
         uint8_t *out = bytes.data() + (k * n + b) * kBlock;
-#if defined(__AVXVNNI__) || defined(__AVX512VNNI__)
+#if defined(PS_PACKED_ROWS)
+        int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < kBlock; i++) {
+            const int v = int((xk[i] * inverse + 12582912.0f) - 12582912.0f);  // round to nearest even
+            out[i] = uint8_t(int8_t(v));
+            sum += v;
+        }
+        start[k * n + b] = -128 * sum;
+#elif defined(__AVXVNNI__)
 #pragma omp simd
         for (int64_t i = 0; i < kBlock; i++)
             out[i] = uint8_t(int((xk[i] * inverse + 12582912.0f) - 12582912.0f) + 128);  // round to nearest even
-        if (b < groups * kGroup) {
-            const int64_t g = b / kGroup, j = b % kGroup, at = k * groups + g;
-            for (int64_t quarter = 0; quarter < 4; quarter++)
-                std::memcpy(grouped.data() + (at * 4 + quarter) * 64 + j * 16, out + quarter * 16, 16);
-            for (int64_t lane = 0; lane < 4; lane++) grouped_scale[at * 16 + j * 4 + lane] = scale[k * n + b];
-        }
 #elif defined(__AVX2__) && defined(__FMA__)
         int8_t *signs = sign.data() + (k * n + b) * kBlock;
         const __m256 times = _mm256_set1_ps(inverse), magic = _mm256_set1_ps(12582912.0f);
@@ -338,134 +337,96 @@ struct QuantizedBatch {
     }
 };
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// With AVX-512 each (row, sequence) sum keeps one block's integer dot product in four lanes, lane i the
-// products of inputs 16q + 4i .. 16q + 4i + 3 over the four quarters q, and accumulates those four
-// lanes' scaled floats; at the end of the row, (lane 0 + lane 2) + (lane 1 + lane 3). A sequence alone
-// folds its 16 lanes into those four (fold_lanes); a group of four sequences lays their quarters side by
-// side (QuantizedBatch::grouped), so that one vector holds all four's lanes and one conversion and one
-// multiply-add per block serve them all. The integers are exact, the float steps the same: a sequence's
-// results do not depend on the path, hence not on its neighbours in the batch.
-inline __m128i fold_lanes(__m512i v) {
-    const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-    return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-}
+#if defined(PS_PACKED_ROWS)
+// The packed layout: for each group of 16 rows and each 4 inputs, 64 bytes holding those 4 inputs of the
+// 16 rows (row-major within), as w + 128; a group's in * 16 bytes are contiguous, rows past the end are
+// zeros. One vpdpbusd then adds 4 products to each of 16 rows' sums at once (lane i: row 16 g + i), the
+// 16 rows' weights against 4 bytes of one token's x broadcast, so that a block's sums are whole in their
+// lanes after 16 of them: converting and scaling the block takes one conversion and one multiply-add per
+// 16 vpdpbusd. (With the rows as they are, a lane held a quarter of one row's block and the conversion
+// came every 4 vpdpbusd. This layout made a prefill's matmuls 1.2-1.45x faster on an Intel Xeon, and
+// through the engine pp512 19 % and tg128 17 % faster, alternating in one process.)
 
-// -128 * sum(w) over one block of a row, per lane: (x + 128) . w minus this is x . w
-inline __m512i minus_bias(__m512i weights) {
-    return _mm512_sub_epi32(_mm512_setzero_si512(),
-                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(char(128)), weights));
-}
-
-inline float sum_four(__m128 lanes) {  // (lane 0 + lane 2) + (lane 1 + lane 3)
-    const __m128 pairs = _mm_add_ps(lanes, _mm_movehl_ps(lanes, lanes));
-    return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-}
-
-// out[b] = sum over blocks of scale_b[block] * (x_b . row)[block], for sequences b0 .. b0 + B, one by one
-template <int B>
-void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64_t in, float *out) {
-    const int64_t blocks = in / kBlock, n = q.n;
-    __m128 acc[B];
-    for (int b = 0; b < B; b++) acc[b] = _mm_setzero_ps();
+// y[b0 + t][16 (g + i) + lane] for the rows below r1: the 16 rows of groups g + i (i < R) against tokens
+// b0 + t (t < T), over all of x. A sum's steps (blocks in order, each multiply-added into a float sum
+// from 0, then times the row's scale) do not depend on R, T, the tile or the batch: a prefill's rows are a
+// decode step's rows, bit for bit.
+template <int R, int T>
+inline void packed_block_int8(const QuantizedBatch &q, int64_t b0, const uint8_t *w, const float *scale, int64_t in,
+                              int64_t out, int64_t g, int64_t r1, float *y) {
+    const int64_t blocks = in / kBlock, n = q.n, group_bytes = in * kRowGroup;
+    // the float sums in L1: the integer sums take the registers (the float sums there too spilled both,
+    // and ran no faster than the rows as they are)
+    alignas(64) float acc[R][T][kRowGroup] = {};
+    const uint8_t *rows = w + g * group_bytes;
     for (int64_t k = 0; k < blocks; k++) {
-        __builtin_prefetch(row + kPrefetchBytes + k * kBlock);
-        const __m512i weights = _mm512_loadu_si512(row + k * kBlock), start = minus_bias(weights);
-        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock;
-        const float *scale = q.scale.data() + k * n + b0;
-        for (int b = 0; b < B; b++) {
-            const __m128i dot = fold_lanes(_mm512_dpbusd_epi32(start, _mm512_loadu_si512(x + b * kBlock), weights));
-            acc[b] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(scale[b]), acc[b]);
+        __m512i dot[R][T];
+        for (int t = 0; t < T; t++) {
+            const __m512i start = _mm512_set1_epi32(q.start[k * n + b0 + t]);
+            for (int i = 0; i < R; i++) dot[i][t] = start;
         }
-    }
-    for (int b = 0; b < B; b++) out[b] = sum_four(acc[b]);
-}
-
-// Row r's -128 * sum(w) of every block, folded into four lanes: starts[r * blocks + block] (computed once
-// for all the groups that use the row)
-void row_starts(const int8_t *w, int64_t rows, int64_t in, __m128i *starts) {
-    const int64_t blocks = in / kBlock;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t k = 0; k < blocks; k++) {
-            __builtin_prefetch(w + r * in + k * kBlock + kPrefetchBytes);  // the rows ahead, while these compute
-            starts[r * blocks + k] = fold_lanes(minus_bias(_mm512_loadu_si512(w + r * in + k * kBlock)));
-        }
-}
-
-// sum_four of each of the four sequences' lanes in acc, all four at once, into out[0..4)
-inline void store_group_sums(__m512 acc, float *out) {
-    const __m512 pairs = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));  // lanes 0 + 2, 1 + 3
-    const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));
-    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, sums)));
-}
-
-// A prefill's tile: the same sums for R rows and the tokens of G groups g .. g + G (4 each, G <=
-// kTileGroups), out[r][4 i + j] for token j of group g + i; starts: the R rows' row_starts, made once for
-// all the groups that use the rows. Each broadcast quarter of weights serves the G groups (two groups:
-// pp512 13 % faster than one, the same sums).
-constexpr int kTileGroups = 2;
-
-template <int R, int G>
-void group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *w, int64_t in, const __m128i *starts,
-                     float out[R][kTileGroups * kGroup]) {
-    const int64_t blocks = in / kBlock;
-    __m512 acc[R][G];
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < G; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < blocks; k++) {
-        const int8_t *block = w + k * kBlock;
-        __m512i dot[R][G];
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < G; i++) dot[r][i] = _mm512_broadcast_i32x4(starts[r * blocks + k]);
-        const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;  // group g + i's at x + 256 i
-        for (int quarter = 0; quarter < 4; quarter++) {
-            __m512i xs[G];
-            for (int i = 0; i < G; i++) xs[i] = _mm512_loadu_si512(x + (i * 4 + quarter) * 64);
-            for (int r = 0; r < R; r++) {
-                const __m512i weights = _mm512_broadcast_i32x4(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + r * in + quarter * 16)));
-                for (int i = 0; i < G; i++) dot[r][i] = _mm512_dpbusd_epi32(dot[r][i], xs[i], weights);
+        const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock, *block = rows + k * kBlock * kRowGroup;
+        for (int64_t step = 0; step < kBlock; step += 4) {
+            __m512i weights[R];
+            for (int i = 0; i < R; i++) weights[i] = _mm512_loadu_si512(block + i * group_bytes + step * kRowGroup);
+            for (int t = 0; t < T; t++) {
+                int32_t four;
+                std::memcpy(&four, x + t * kBlock + step, sizeof four);
+                const __m512i xs = _mm512_set1_epi32(four);
+                for (int i = 0; i < R; i++) dot[i][t] = _mm512_dpbusd_epi32(dot[i][t], weights[i], xs);
             }
         }
-        for (int i = 0; i < G; i++) {
-            const __m512 scale = _mm512_loadu_ps(q.grouped_scale.data() + (k * q.groups + g + i) * 16);
-            for (int r = 0; r < R; r++) acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][i]), scale, acc[r][i]);
+        for (int t = 0; t < T; t++) {
+            const __m512 scale = _mm512_set1_ps(q.scale[k * n + b0 + t]);
+            for (int i = 0; i < R; i++)
+                _mm512_store_ps(acc[i][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][t]), scale, _mm512_load_ps(acc[i][t])));
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < G; i++) store_group_sums(acc[r][i], out[r] + i * kGroup);
+    for (int i = 0; i < R; i++) {  // times the rows' scales, for the rows below r1
+        const int64_t row = (g + i) * kRowGroup, count = std::min<int64_t>(kRowGroup, r1 - row);
+        const __mmask16 lanes = count >= kRowGroup ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+        const __m512 scales = _mm512_maskz_loadu_ps(lanes, scale + row);
+        for (int t = 0; t < T; t++)
+            _mm512_mask_storeu_ps(y + (b0 + t) * out + row, lanes, _mm512_mul_ps(_mm512_load_ps(acc[i][t]), scales));
+    }
 }
 
-// A decode step's row against G groups at once (g .. g + G): out[4 i + j] for sequence j of group g + i.
-// The row's -128 * sum(w) is made on the way (a separate pass over a row that serves one or two groups
-// measured slower), and it and each broadcast quarter serve all G groups: with eight sequences a decode
-// step is bound by this arithmetic, not by memory (G = 2: 10 % faster there). A group's sums take the
-// same steps whatever G is, and the same as in a prefill's tile. (Sharing the prefill tiles' template, R
-// rows x G groups, made those 12 % slower: the same instructions in another register allocation.)
-template <int G>
-void row_group_dots_int8(const QuantizedBatch &q, int64_t g, const int8_t *row, int64_t in, float out[G * kGroup]) {
-    const int64_t blocks = in / kBlock;
-    __m512 acc[G];
-    for (int i = 0; i < G; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < blocks; k++) {
-        const int8_t *block = row + k * kBlock;
-        __builtin_prefetch(block + kPrefetchBytes);
-        const __m512i start = _mm512_broadcast_i32x4(fold_lanes(minus_bias(_mm512_loadu_si512(block))));
-        __m512i dot[G];
-        for (int i = 0; i < G; i++) dot[i] = start;
-        const uint8_t *x = q.grouped.data() + (k * q.groups + g) * 4 * 64;  // group g + i's at x + 256 i
-        for (int quarter = 0; quarter < 4; quarter++) {
-            const __m512i weights = _mm512_broadcast_i32x4(
-                _mm_loadu_si128(reinterpret_cast<const __m128i *>(block + quarter * 16)));
-            for (int i = 0; i < G; i++)
-                dot[i] = _mm512_dpbusd_epi32(dot[i], _mm512_loadu_si512(x + (i * 4 + quarter) * 64), weights);
-        }
-        for (int i = 0; i < G; i++) {
-            const __m512 scale = _mm512_loadu_ps(q.grouped_scale.data() + (k * q.groups + g + i) * 16);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), scale, acc[i]);
-        }
+// Row groups g .. g + R against the tokens b0 <= b < b1, six at a time (tiles of 2 groups x 6 tokens: 3 x 4,
+// 4 x 4, 3 x 6 and 4 x 3 measured within a few percent on an Intel Xeon)
+constexpr int kPackedTokens = 6;
+
+template <int R>
+void packed_tokens_int8(const QuantizedBatch &q, int64_t b0, int64_t b1, const uint8_t *w, const float *scale,
+                        int64_t in, int64_t out, int64_t g, int64_t r1, float *y) {
+    for (; b0 + kPackedTokens <= b1; b0 += kPackedTokens)
+        packed_block_int8<R, kPackedTokens>(q, b0, w, scale, in, out, g, r1, y);
+    switch (b1 - b0) {
+        case 1: packed_block_int8<R, 1>(q, b0, w, scale, in, out, g, r1, y); break;
+        case 2: packed_block_int8<R, 2>(q, b0, w, scale, in, out, g, r1, y); break;
+        case 3: packed_block_int8<R, 3>(q, b0, w, scale, in, out, g, r1, y); break;
+        case 4: packed_block_int8<R, 4>(q, b0, w, scale, in, out, g, r1, y); break;
+        case 5: packed_block_int8<R, 5>(q, b0, w, scale, in, out, g, r1, y); break;
+        default: break;
     }
-    for (int i = 0; i < G; i++) store_group_sums(acc[i], out + i * kGroup);
+}
+
+// Tokens per chunk of a prefill's matmul: while every row group of the range passes over them, their
+// quantized x stays in cache (128 x 576 bytes: 72 KB)
+constexpr int64_t kChunkTokens = 128;
+constexpr int kTileGroups = 2;
+
+// y[b][r0:r1] = (W[r0:r1, :] . x_b) * scale[r] for every token b, W packed (r0 a multiple of 16): a
+// decode step's batch and a prefill's tokens alike
+void packed_rows_int8(const QuantizedBatch &q, const uint8_t *w, const float *scale, int64_t in, int64_t out,
+                      int64_t r0, int64_t r1, float *y) {
+    const int64_t g0 = r0 / kRowGroup, g1 = (r1 + kRowGroup - 1) / kRowGroup;
+    for (int64_t b0 = 0; b0 < q.n; b0 += kChunkTokens) {
+        const int64_t b1 = std::min(q.n, b0 + kChunkTokens);
+        int64_t g = g0;
+        for (; g + kTileGroups <= g1; g += kTileGroups)
+            packed_tokens_int8<kTileGroups>(q, b0, b1, w, scale, in, out, g, r1, y);
+        for (; g < g1; g++) packed_tokens_int8<1>(q, b0, b1, w, scale, in, out, g, r1, y);
+    }
 }
 #else
 #if defined(__AVX2__) && defined(__FMA__)
@@ -557,12 +518,12 @@ void row_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *row, int64
         out[b] = total;
     }
 }
-#endif
-#endif  // AVX-512
+#endif  // AVX2
+#endif  // packed rows (AVX-512)
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || !(defined(__AVX2__) && defined(__FMA__))
-// R rows one after the other: AVX-512 tiles by groups of sequences instead (group_dots_int8), and the
-// scalar path has no registers to share
+#if !defined(PS_PACKED_ROWS)
+#if !(defined(__AVX2__) && defined(__FMA__))
+// R rows one after the other: the scalar path has no registers to share
 template <int R, int B>
 void tile_dots_int8(const QuantizedBatch &q, int64_t b0, const int8_t *w, int64_t in, float out[R][kMaxBatch]) {
     for (int r = 0; r < R; r++) row_dots_int8<B>(q, b0, w + r * in, in, out[r]);
@@ -598,99 +559,39 @@ void rows_int8(const QuantizedBatch &q, int64_t b0, int64_t b1, const int8_t *w,
 }
 
 // y[b][r0:r1] = (W[r0:r1, :] . x_b) * scale[r] with W int8 output-major [out][in], one scale per row.
-// Each row is read once and used for every sequence while it is in L1: with AVX-512 by the groups of
-// four sequences, two groups at a time, or by a sequence alone on its own path. (Tiles of three rows,
-// as a prefill runs them, measured slower here: 0.75x alone, no gain at four sequences on a Zen 3.)
+// Each row is read once and used for every sequence while it is in L1.
 void matvec_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
                       int64_t r0, int64_t r1, float *y) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    for (int64_t r = r0; r < r1; r++) {
-        for (int64_t g = 0; g < q.groups;) {  // two groups at a time while two are left
-            float sums[2 * kGroup];
-            const int64_t count = q.groups - g >= 2 ? 2 : 1;
-            if (count == 2)
-                row_group_dots_int8<2>(q, g, w + r * in, in, sums);
-            else
-                row_group_dots_int8<1>(q, g, w + r * in, in, sums);
-            for (int64_t j = 0; j < std::min(count * kGroup, q.n - g * kGroup); j++)
-                y[(g * kGroup + j) * out + r] = sums[j] * scale[r];
-            g += count;
-        }
-        rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r, r + 1, y);  // a sequence alone (no groups)
-    }
-#else
     for (int64_t r = r0; r < r1; r++) tile_range_int8<1>(q, 0, q.n, w, scale, in, out, r, y);
-#endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// One prefill tile of R weight rows r .. r + R against the tokens of groups g0 .. g1, two groups at a time:
-// y[token][r + i] = the dot products times the rows' scales. starts: these rows' row_starts.
-template <int R>
-void tile_groups_int8(const QuantizedBatch &q, int64_t g0, int64_t g1, const int8_t *w, const float *scale, int64_t in,
-                      int64_t out, int64_t r, const __m128i *starts, float *y) {
-    float dots[R][kTileGroups * kGroup];
-    for (int64_t g = g0; g < g1;) {
-        const int64_t count = g1 - g >= kTileGroups ? kTileGroups : 1;
-        if (count == kTileGroups)
-            group_dots_int8<R, kTileGroups>(q, g, w + r * in, in, starts, dots);
-        else
-            group_dots_int8<R, 1>(q, g, w + r * in, in, starts, dots);
-        for (int i = 0; i < R; i++)
-            for (int64_t j = 0; j < std::min(count * kGroup, q.n - g * kGroup); j++)
-                y[(g * kGroup + j) * out + r + i] = dots[i][j] * scale[r + i];
-        g += count;
-    }
-}
-
-// Tokens per chunk of a prefill's matmul: their quantized x (16 KB) stays in L1 while every row of the
-// range passes over it.
-constexpr int64_t kChunkBytes = 16384;
-#endif
-
-// The same products for a prefill's many rows of x. With AVX-512: tiles of 6 weight rows x two groups of
-// 4 tokens, so that each block of weights and of activations is loaded once for the whole tile, and the
-// tokens a chunk at a time, so that the tile reads x from L1 (row tiles over all of x streamed x from L2
-// for each tile: 0.75-0.8x, and tiles of 4 rows 0.96-0.99x, on an Intel Xeon); the tokens left over as decode
-// makes them. Each (row, token) sum is made exactly as a decode step makes it: a prefill gives its numbers.
+// The same products for a prefill's many rows of x: with AVX2 matvec's tiles of rows x 4 tokens, the
+// tokens a chunk at a time so that their quantized x stays in cache while every row of the range passes
+// over it (row by row over all of x, x streamed from memory once per row). Each (row, token) sum is made
+// exactly as a decode step makes it: a prefill gives its numbers.
 void matmul_int8_rows(const QuantizedBatch &q, const int8_t *w, const float *scale, int64_t in, int64_t out,
                       int64_t r0, int64_t r1, float *y) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    constexpr int R = 6;
-    const int64_t blocks = in / kBlock;
-    const int64_t chunk = std::max<int64_t>(kTileGroups, kChunkBytes / (kGroup * in) / kTileGroups * kTileGroups);
-    // Each row tile's row_starts, made in the first chunk just before the tile uses them (its rows in L1:
-    // all of them first, in a pass of their own, read the weights from memory twice), and kept for the
-    // other chunks if there are any (with one, writing them all out cost a memory-bound LM head 15-25 %).
-    const bool keep = q.groups > chunk;
-    std::vector<__m128i> starts((keep ? r1 - r0 : R) * blocks);
-    for (int64_t g0 = 0; g0 < q.groups; g0 += chunk) {
-        const int64_t g1 = std::min(q.groups, g0 + chunk);
-        int64_t r = r0;
-        for (; r < r1; r += R) {
-            const int64_t rows = std::min<int64_t>(R, r1 - r);
-            __m128i *tile = starts.data() + (keep ? r - r0 : 0) * blocks;
-            if (g0 == 0) row_starts(w + r * in, rows, in, tile);
-            switch (rows) {  // the rows after the last whole tile as one smaller tile
-                case 1: tile_groups_int8<1>(q, g0, g1, w, scale, in, out, r, tile, y); break;
-                case 2: tile_groups_int8<2>(q, g0, g1, w, scale, in, out, r, tile, y); break;
-                case 3: tile_groups_int8<3>(q, g0, g1, w, scale, in, out, r, tile, y); break;
-                case 4: tile_groups_int8<4>(q, g0, g1, w, scale, in, out, r, tile, y); break;
-                case 5: tile_groups_int8<5>(q, g0, g1, w, scale, in, out, r, tile, y); break;
-                default: tile_groups_int8<R>(q, g0, g1, w, scale, in, out, r, tile, y); break;
-            }
-        }
-    }
-    rows_int8(q, q.groups * kGroup, q.n, w, scale, in, out, r0, r1, y);  // a token alone (no groups)
-#elif defined(__AVX2__) && defined(__FMA__)
-    // matvec's tiles of rows x 4 tokens, the tokens a chunk at a time so that their quantized x stays in
-    // cache while every row of the range passes over it (row by row over all of x, x streamed from
-    // memory once per row)
+#if defined(__AVX2__) && defined(__FMA__)
     constexpr int64_t kChunk = 64;
     for (int64_t t0 = 0; t0 < q.n; t0 += kChunk)
         rows_int8(q, t0, std::min(q.n, t0 + kChunk), w, scale, in, out, r0, r1, y);
 #else
     matvec_int8_rows(q, w, scale, in, out, r0, r1, y);
+#endif
+}
+#endif  // rows as they are
+
+// y[b][r0:r1] for every sequence b of q: a decode step's batch or (tiled) a prefill's tokens
+void int8_rows(const QuantizedBatch &q, const void *w, const float *scale, int64_t in, int64_t out, int64_t r0,
+               int64_t r1, bool tiled, float *y) {
+#if defined(PS_PACKED_ROWS)
+    (void)tiled;  // one kernel for both
+    packed_rows_int8(q, static_cast<const uint8_t *>(w), scale, in, out, r0, r1, y);
+#else
+    if (tiled)
+        matmul_int8_rows(q, static_cast<const int8_t *>(w), scale, in, out, r0, r1, y);
+    else
+        matvec_int8_rows(q, static_cast<const int8_t *>(w), scale, in, out, r0, r1, y);
 #endif
 }
 
@@ -711,10 +612,8 @@ void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t
         const int64_t per = ((out + team - 1) / team + 15) / 16 * 16;
         const int64_t c0 = std::min(out, t * per), c1 = std::min(out, c0 + per);
         if (c0 < c1) {
-            if (d.is_int8 && tiled)
-                matmul_int8_rows(q, static_cast<const int8_t *>(lin.weight), lin.scale, in, out, c0, c1, y);
-            else if (d.is_int8)
-                matvec_int8_rows(q, static_cast<const int8_t *>(lin.weight), lin.scale, in, out, c0, c1, y);
+            if (d.is_int8)
+                int8_rows(q, lin.weight, lin.scale, in, out, c0, c1, tiled, y);
             else
                 matvec_f32_rows(x, n, static_cast<const float *>(lin.weight), in, out, c0, c1, y);
             if (lin.bias)
@@ -1414,15 +1313,33 @@ extern "C" int ps_prefill_attention(const int64_t *dims, const float *qkv, int64
     return 0;
 }
 
-// y [n][out] = x [n][in] W^T * scale (+ bias) for a prefill's n rows, W int8 output-major with a scale
-// per row, x quantized per block of 64 as the decode step quantizes it: the decode step's int8 rows,
-// without a second copy of the weights in another library's layout.
-extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t out, const int8_t *w, const float *scale,
+// y [n][out] = x [n][in] W^T * scale (+ bias) for a prefill's n rows, W int8 in the layout this build
+// reads (ps_int8_row_group) with a scale per row, x quantized per block of 64 as the decode step quantizes
+// it: the decode step's int8 rows, without a second copy of the weights in another library's layout.
+extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t out, const void *w, const float *scale,
                                const float *bias, int64_t threads, float *y) {
     Dims d{};
     d.is_int8 = 1;
     d.threads = threads;
     linear(d, Linear{w, scale, bias}, x, n, in, out, y, /*tiled=*/true);
+}
+
+// How this build reads int8 weights: 16 (AVX-512), rows packed 16 at a time by ps_pack_int8; 0, the rows
+// as they are, output-major [out][in].
+extern "C" int64_t ps_int8_row_group() { return kRowGroup; }
+
+// The int8 rows w [out][in] packed for this build (see packed_tile_int8) into packed [ceil(out / 16) * 16 *
+// in] bytes: for each group of 16 rows and each 4 inputs, those 4 inputs of the 16 rows, plus 128.
+extern "C" void ps_pack_int8(const int8_t *w, int64_t out, int64_t in, int64_t threads, uint8_t *packed) {
+    const int64_t groups = (out + 15) / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t step = 0; step < in; step += 4)
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t row = g * 16 + i;
+                uint8_t *to = packed + (g * in + step) * 16 + i * 4;
+                for (int64_t j = 0; j < 4; j++) to[j] = uint8_t((row < out ? w[row * in + step + j] : 0) + 128);
+            }
 }
 
 // What sampling and the events need from a step's logits: the k largest (ids and values, largest first;
