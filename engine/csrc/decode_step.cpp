@@ -368,7 +368,11 @@ inline void packed_block_int8(const QuantizedBatch &q, int64_t b0, const uint8_t
         const uint8_t *x = q.bytes.data() + (k * n + b0) * kBlock, *block = rows + k * kBlock * kRowGroup;
         for (int64_t step = 0; step < kBlock; step += 4) {
             __m512i weights[R];
-            for (int i = 0; i < R; i++) weights[i] = _mm512_loadu_si512(block + i * group_bytes + step * kRowGroup);
+            for (int i = 0; i < R; i++) {  // the weights ahead fetched while these compute (a batch's
+                // decode step waited on memory without: four sequences 1.25x slower, alternating)
+                __builtin_prefetch(block + i * group_bytes + step * kRowGroup + kPrefetchBytes);
+                weights[i] = _mm512_loadu_si512(block + i * group_bytes + step * kRowGroup);
+            }
             for (int t = 0; t < T; t++) {
                 int32_t four;
                 std::memcpy(&four, x + t * kBlock + step, sizeof four);
