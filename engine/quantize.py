@@ -39,9 +39,8 @@ class Int8Linear:
     The weights are kept as plain rows ([out, in]) for the native library, which quantizes activations
     per block of 64 (the decode step, and prefill through use_kernel); a library built for AVX-512 has
     them packed 16 rows at a time instead (use_packed_rows), in place of the plain rows. Where the
-    library is not built,
-    FBGEMM runs prefill on its own packed copy of the rows (made at the first call), with one activation
-    scale per tensor: less accurate, and the weights twice in memory."""
+    library is not built, FBGEMM runs prefill on its own packed copy of the rows (made at the first
+    call), with one activation scale per tensor: less accurate, and the weights twice in memory."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.detach().float().cpu()

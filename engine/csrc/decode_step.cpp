@@ -1341,8 +1341,10 @@ extern "C" void ps_pack_int8(const int8_t *w, int64_t out, int64_t in, int64_t t
         for (int64_t step = 0; step < in; step += 4)
             for (int64_t i = 0; i < 16; i++) {
                 const int64_t row = g * 16 + i;
-                uint8_t *to = packed + (g * in + step) * 16 + i * 4;
-                for (int64_t j = 0; j < 4; j++) to[j] = uint8_t((row < out ? w[row * in + step + j] : 0) + 128);
+                uint32_t four = 0;  // rows past the end: w = 0
+                if (row < out) std::memcpy(&four, w + row * in + step, 4);
+                four ^= 0x80808080u;  // + 128 in each byte
+                std::memcpy(packed + (g * in + step) * 16 + i * 4, &four, 4);
             }
 }
 
