@@ -340,7 +340,7 @@ struct QuantizedBatch {
 #if defined(PS_PACKED_ROWS)
 // The packed layout: for each group of 16 rows and each 4 inputs, 64 bytes holding those 4 inputs of the
 // 16 rows (row-major within), as w + 128; a group's in * 16 bytes are contiguous, rows past the end are
-// zeros. One vpdpbusd then adds 4 products to each of 16 rows' sums at once (lane i: row 16 g + i), the
+// w = 0. One vpdpbusd then adds 4 products to each of 16 rows' sums at once (lane i: row 16 g + i), the
 // 16 rows' weights against 4 bytes of one token's x broadcast, so that a block's sums are whole in their
 // lanes after 16 of them: converting and scaling the block takes one conversion and one multiply-add per
 // 16 vpdpbusd. (With the rows as they are, a lane held a quarter of one row's block and the conversion
@@ -1332,7 +1332,7 @@ extern "C" void ps_linear_int8(const float *x, int64_t n, int64_t in, int64_t ou
 // as they are, output-major [out][in].
 extern "C" int64_t ps_int8_row_group() { return kRowGroup; }
 
-// The int8 rows w [out][in] packed for this build (see packed_tile_int8) into packed [ceil(out / 16) * 16 *
+// The int8 rows w [out][in] packed for this build (see packed_block_int8) into packed [ceil(out / 16) * 16 *
 // in] bytes: for each group of 16 rows and each 4 inputs, those 4 inputs of the 16 rows, plus 128.
 extern "C" void ps_pack_int8(const int8_t *w, int64_t out, int64_t in, int64_t threads, uint8_t *packed) {
     const int64_t groups = (out + 15) / 16;
