@@ -25,6 +25,20 @@ def test_the_page_is_built_without_importing_torch(tmp_path):
     assert out.stdout.strip() == "none"
 
 
+SKIPS_STUBS = """
+import app, gradio
+from gradio import blocks_events, component_meta
+print(component_meta.create_or_modify_pyi.__name__, blocks_events.create_or_modify_pyi.__name__)
+"""
+
+
+def test_gradio_is_imported_without_rewriting_its_type_stubs():
+    # half of `import gradio` (app/gradio_import.py); every other test builds pages with this gradio
+    out = subprocess.run([sys.executable, "-c", SKIPS_STUBS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["_no_stubs", "_no_stubs"]
+
+
 def test_the_loading_engine_waits_for_the_load_and_passes_on_its_error():
     from app.main import LoadingEngine
 

@@ -1,0 +1,45 @@
+"""`import gradio` without rewriting gradio's type stubs.
+
+Every `import gradio` regenerates the `.pyi` stub of each component class it defines: gradio's
+`component_meta.create_or_modify_pyi` reads the class's source and parses it with `ast`, 81 times. On the
+2-core machine that is 1.6 s of a 3.2 s import, before the app can serve its page, for files the gradio
+wheel already ships and only an editor reads. So `app` (its __init__) installs the finder below: once
+gradio's `component_meta` module has run, and before any component class is defined, its
+`create_or_modify_pyi` becomes a no-op. Nothing else in gradio changes.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+MODULE = "gradio.component_meta"
+
+
+def _no_stubs(*_args, **_kwargs) -> None:
+    """Stands in for gradio's create_or_modify_pyi: the stubs shipped in the wheel stay as they are."""
+
+
+class _SkipStubs(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)  # once
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            if hasattr(module, "create_or_modify_pyi"):
+                module.create_or_modify_pyi = _no_stubs
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def skip_stub_regeneration() -> None:
+    """Install the finder, unless gradio is imported already (then its import has paid the cost)."""
+    if MODULE not in sys.modules and not any(isinstance(f, _SkipStubs) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SkipStubs())
