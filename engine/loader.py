@@ -83,6 +83,31 @@ def _file_hash(path: Path) -> str:
     return digest.hexdigest()[:20]
 
 
+def _remembered_hash(path: Path, folder: Path) -> str:
+    """_file_hash, remembered in folder/hashes.json beside the file's size and modification time: reading
+    the bundled GGUF to hash it took 0.1 s of every cold start. A file changed in place gets a new size or
+    time, and so is hashed again; a memo that cannot be read or written is only slower."""
+    memo_file, stat = folder / "hashes.json", path.stat()
+    key, seen = str(path.resolve()), [stat.st_size, stat.st_mtime_ns]
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(key) if isinstance(memo, dict) else None
+    if isinstance(entry, list) and len(entry) == 3 and entry[:2] == seen:
+        return entry[2]
+    memo = memo if isinstance(memo, dict) else {}
+    digest = _file_hash(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        scratch = folder / f".hashes.json.{os.getpid()}"
+        scratch.write_text(json.dumps({**memo, key: [*seen, digest]}))
+        os.replace(scratch, memo_file)  # atomic: another process reads the old memo or the new one
+    except OSError:
+        pass
+    return digest
+
+
 def _check_gguf(path: Path) -> None:
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
@@ -92,7 +117,8 @@ def _check_gguf(path: Path) -> None:
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     """Return a folder with the GGUF's weights as safetensors, converting it on the first call."""
     _check_gguf(gguf)
-    target = cache_root(cache_dir) / "converted" / f"{gguf.stem}-{_file_hash(gguf)}"
+    converted = cache_root(cache_dir) / "converted"
+    target = converted / f"{gguf.stem}-{_remembered_hash(gguf, converted)}"
     if (target / "model.safetensors").exists():
         return target
     from safetensors.torch import save_model

@@ -153,3 +153,25 @@ def test_the_engines_tokenizer_reads_like_transformers(bundled):
         assert theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt) == \
             ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt)
     assert (theirs.eos_token_id, theirs.bos_token_id, len(theirs)) == (ours.eos_token_id, ours.bos_token_id, len(ours))
+
+
+def test_a_gguf_files_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    import os
+
+    from engine import loader
+
+    gguf, folder = tmp_path / "m.gguf", tmp_path / "converted"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    hashed = []
+    real = loader._file_hash
+    monkeypatch.setattr(loader, "_file_hash", lambda path: hashed.append(path) or real(path))
+    first = loader._remembered_hash(gguf, folder)
+    assert first == real(gguf) and len(hashed) == 1
+    assert loader._remembered_hash(gguf, folder) == first and len(hashed) == 1  # from the memo
+    gguf.write_bytes(b"GGUF" + bytes(999) + b"x")  # same size, new content and time
+    os.utime(gguf, ns=(1, 2))
+    changed = loader._remembered_hash(gguf, folder)
+    assert changed == real(gguf) != first and len(hashed) == 2
+    (folder / "hashes.json").write_text("[not a memo")
+    assert loader._remembered_hash(gguf, folder) == changed and len(hashed) == 3  # a damaged memo: hashed again
+    assert loader._remembered_hash(gguf, folder) == changed and len(hashed) == 3  # ... and remembered
