@@ -29,27 +29,33 @@ INT8_FORMAT = 1  # the layout of the cached int8 weights: raise it when LeanLlam
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _fused(make, *parts: tuple[torch.Tensor, torch.Tensor | None]):
-    """One linear computing several (weight, bias) pairs, their outputs concatenated."""
-    weight = torch.cat([w for w, _ in parts]).detach()
+def _fused(make, *parts: tuple[torch.nn.Module, int]):
+    """One linear computing several linears (modules with .weight and .bias), their outputs concatenated;
+    each part is (linear, pair_heads), see _paired. A cached int8 form is taken as it is: the fp32 rows are then never concatenated."""
+    biases = [_paired(linear.bias, heads) for linear, heads in parts]
     bias = None
-    if any(b is not None for _, b in parts):
-        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in parts]).detach()
-    return make(weight, bias)
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else linear.weight.new_zeros(linear.weight.shape[0])
+                          for b, (linear, _) in zip(biases, parts)])
+    if isinstance(make, Int8Cache):
+        shape = (sum(linear.weight.shape[0] for linear, _ in parts), parts[0][0].weight.shape[1])
+        cached = make.cached(shape, bias)
+        if cached is not None:
+            return cached
+    return make(torch.cat([_paired(linear.weight, heads) for linear, heads in parts]).detach(), bias)
 
 
-def _params(linear: torch.nn.Linear, pair_heads: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A linear's (weight, bias); with pair_heads, rows reordered within each head from the halves
-    layout (x_i, x_{i+D/2}) to adjacent pairs, so that the rotary embedding is a complex product.
+def _paired(t: torch.Tensor | None, pair_heads: int) -> torch.Tensor | None:
+    """A weight's or bias's rows as they are, or with pair_heads reordered within each head from the
+    halves layout (x_i, x_{i+D/2}) to adjacent pairs, so that the rotary embedding is a complex product.
     Q and K reordered alike leave every attention score unchanged."""
-    weight, bias = linear.weight.detach(), linear.bias
+    if t is None:
+        return None
+    t = t.detach()
     if not pair_heads:
-        return weight, bias
-
-    def reorder(t: torch.Tensor) -> torch.Tensor:  # [H*D, ...] -> [H, 2, D/2, ...] -> [H, D/2, 2, ...]
-        return t.reshape(pair_heads, 2, t.shape[0] // pair_heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
-
-    return reorder(weight), None if bias is None else reorder(bias.detach())
+        return t
+    # [H*D, ...] -> [H, 2, D/2, ...] -> [H, D/2, 2, ...]
+    return t.reshape(pair_heads, 2, t.shape[0] // pair_heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
 def eager_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -191,10 +197,10 @@ class LeanLlama:
     def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         heads, kv_heads = (self.num_heads, self.num_kv_heads) if pair_rope else (0, 0)
-        qkv = _fused(make, _params(attn.q_proj, heads), _params(attn.k_proj, kv_heads), _params(attn.v_proj))
-        return _Layer(qkv=qkv, o=_fused(make, _params(attn.o_proj)),
-                      gate_up=_fused(make, _params(mlp.gate_proj), _params(mlp.up_proj)),
-                      down=_fused(make, _params(mlp.down_proj)),
+        qkv = _fused(make, (attn.q_proj, heads), (attn.k_proj, kv_heads), (attn.v_proj, 0))
+        return _Layer(qkv=qkv, o=_fused(make, (attn.o_proj, 0)),
+                      gate_up=_fused(make, (mlp.gate_proj, 0), (mlp.up_proj, 0)),
+                      down=_fused(make, (mlp.down_proj, 0)),
                       attn_norm=layer.input_layernorm.weight.detach(),
                       mlp_norm=layer.post_attention_layernorm.weight.detach())
 

@@ -146,12 +146,20 @@ class Int8Cache:
             self._saved = {}
 
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        rows, scales = self._saved.get(f"w{len(self._made)}"), self._saved.get(f"s{len(self._made)}")
-        if rows is not None and scales is not None and rows.dtype == torch.int8 and rows.shape == weight.shape \
-                and scales.shape == weight.shape[:1]:
-            linear = Int8Linear.from_rows(rows, scales, bias)
-        else:
+        linear = self.cached(weight.shape, bias)
+        if linear is None:
             linear, self._complete = Int8Linear(weight, bias), False
+            self._made.append(linear)
+        return linear
+
+    def cached(self, shape: tuple[int, int], bias: torch.Tensor | None = None) -> Int8Linear | None:
+        """The next linear read from the file, if the file holds one of this [out, in] shape (then its
+        float weight need not be built); else None, and the next call makes it."""
+        rows, scales = self._saved.get(f"w{len(self._made)}"), self._saved.get(f"s{len(self._made)}")
+        if rows is None or scales is None or rows.dtype != torch.int8 or rows.shape != tuple(shape) \
+                or scales.shape != (shape[0],):
+            return None
+        linear = Int8Linear.from_rows(rows, scales, bias)
         self._made.append(linear)
         return linear
 
