@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("ui", "serve"):
         tune_openmp_for_the_app(args.precision)
-    from app.history.store import StoreError
+    from app.history.errors import StoreError
     from engine import ModelError
 
     try:

@@ -21,13 +21,11 @@ from sqlite_utils import Database
 
 from engine import valid_text
 
+from .errors import StoreError
+
 SQLITE_HEADER = b"SQLite format 3\x00"
 FINAL_STATUS = {"eos": "complete", "length": "complete", "stop": "complete", "cancelled": "stopped",
                 "error": "error"}
-
-
-class StoreError(Exception):
-    """A history database that cannot be used; the message is one line for the user."""
 
 
 def default_db_path() -> Path:

@@ -1,0 +1,6 @@
+"""The history's error, apart from the store: the CLI catches it without importing sqlite_utils (which
+imports pandas when it is installed: 0.4 s of `phasescope generate`'s start)."""
+
+
+class StoreError(Exception):
+    """A history database that cannot be used; the message is one line for the user."""
