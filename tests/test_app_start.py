@@ -39,6 +39,20 @@ def test_gradio_is_imported_without_rewriting_its_type_stubs():
     assert out.stdout.split() == ["_no_stubs", "_no_stubs"]
 
 
+def test_gradios_queue_looks_for_events_every_20_ms_not_every_millisecond(tmp_path):
+    # a thousand wake-ups a second took a core from decode (app.main._calm_queue); gradio's own default
+    # would be 0.001 here: this checks the attribute is still where gradio reads it
+    import gradio.queueing
+
+    from app.history.store import Store
+    from app.main import QUEUE_POLL_S, LoadingEngine, build_app
+
+    page = build_app(LoadingEngine(EngineConfig()), Store.open(tmp_path / "h.db"))
+    assert isinstance(page._queue, gradio.queueing.Queue)
+    assert page._queue.sleep_when_free == QUEUE_POLL_S == 0.02
+    assert gradio.queueing.Queue.start_processing.__code__.co_names.count("sleep_when_free") >= 1
+
+
 def test_the_loading_engine_waits_for_the_load_and_passes_on_its_error():
     from app.main import LoadingEngine
 
