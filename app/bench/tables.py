@@ -159,7 +159,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     if tensor_parallel > 1 and (loaded.device.type == "cpu" or torch.cuda.device_count() >= tensor_parallel):
         summary["tensor_parallel"] = tensor_parallel_vs_one_rank(loaded, pp, min(tg, 32), repetitions, tensor_parallel)
         log(f"  tensor parallel, fp32: {summary['tensor_parallel']}")
-    summary["cold_start_s"] = cold_start_s(model, best.runner.precision)
+    summary["cold_start_s"] = cold_start_s(model, best.runner.precision, runs=1 if quick else 3)
     log(f"  cold start: {summary['cold_start_s']}")
     summary["app_ready_s"] = app_ready_s(model, best.runner.precision)
     log(f"  phasescope ui: {summary['app_ready_s']}")
