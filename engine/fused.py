@@ -118,9 +118,12 @@ class FusedDecode:
         hidden, intermediate = lean.embed.shape[1], lean.layers[0].down.input_features
         if self.is_int8 and (hidden % 64 or intermediate % 64 or lean.num_heads * lean.head_dim % 64):
             raise KernelUnavailable("int8 decode needs layer widths divisible by 64 (its activation blocks)")
-        if self.is_int8 and self.int8_row_group:
+        if self.is_int8:  # the rows as this build reads them (the int8 cache may hold them so already)
             for linear in lean._linears():
-                self.pack(linear)
+                if self.int8_row_group and linear.row_group != self.int8_row_group:
+                    self.pack(linear)
+                elif not self.int8_row_group:
+                    linear.use_plain_rows()
         self._keep: list[torch.Tensor] = []  # every tensor whose address the kernel holds
         self._layer_ptrs = torch.tensor([self._layer_row(layer) for layer in lean.layers], dtype=torch.int64)
         half = lean.head_dim // 2  # rotations: cos + i sin per position and pair

@@ -145,8 +145,6 @@ class LeanLlama:
         self.embed = model.model.embed_tokens.weight.detach()
         self.final_norm = model.model.norm.weight.detach()
         self.lm_head = make(model.lm_head.weight.detach(), None)
-        if isinstance(make, Int8Cache):
-            make.save()
         self.cos, self.sin = self._rope_tables(model, self.context_window)
         half = self.head_dim // 2  # cos + i sin per position and pair (the stored sine's first half is negated)
         self.rotations = torch.complex(self.cos[..., :half], -self.sin[..., :half]) if self.pair_rope else None
@@ -155,6 +153,8 @@ class LeanLlama:
                      and self.precision in ("fp32", "int8"))
         self.fused = load_fused_decode(self, cache_root(cache_dir)) if is_native else None
         self._use_native_int8(self.fused)
+        if isinstance(make, Int8Cache):
+            make.save()  # after the native library has packed the rows (if it does): they are kept so
         # decode on a GPU: the step's kernels recorded once per batch and context bucket and replayed
         self.graphs = GraphDecode(self) if self.device.type == "cuda" else None
         # prefill's attention: "auto" (the native kernel where it is built, else PyTorch's fused SDPA),

@@ -58,12 +58,22 @@ class Int8Linear:
         linear._setup(rows, scales.float(), bias)
         return linear
 
-    def _setup(self, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, row_group: int, input_features: int, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> Int8Linear:
+        """The linear of rows already packed row_group at a time (as use_packed_rows holds them)."""
+        linear = cls.__new__(cls)
+        linear._setup(packed, scales.float(), bias, row_group, input_features)
+        return linear
+
+    def _setup(self, rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, row_group: int = 0,
+               input_features: int = 0) -> None:
         bias = None if bias is None else bias.detach().float().cpu().contiguous()
         self._packed, self._kernel = None, None
-        self._row_group = 0  # 0: the native layout's rows are [out, in]; 16: packed (use_packed_rows)
-        self.output_features, self.input_features = rows.shape
-        self._nbytes = rows.numel() + scales.numel() * 4 + (0 if bias is None else bias.numel() * 4)
+        self._row_group = row_group  # 0: the native layout's rows are [out, in]; 16: packed (use_packed_rows)
+        self.output_features, self.input_features = (scales.numel(), input_features) if row_group else rows.shape
+        self._nbytes = self.output_features * self.input_features + scales.numel() * 4 + (
+            0 if bias is None else bias.numel() * 4)
         self._native_layout = (rows.contiguous(), scales.contiguous(), bias)
 
     def use_packed_rows(self, packed: torch.Tensor, row_group: int) -> None:
@@ -71,6 +81,17 @@ class Int8Linear:
         [out, in]: one copy of the weights, as before."""
         _, scales, bias = self._native_layout
         self._native_layout, self._row_group = (packed, scales, bias), row_group
+
+    @property
+    def row_group(self) -> int:
+        """How the rows are held: 0 as [out, in], else packed that many rows at a time."""
+        return self._row_group
+
+    def use_plain_rows(self) -> None:
+        """Hold the rows as [out, in] again (a library that reads them so, or none)."""
+        if self._row_group:
+            _, scales, bias = self._native_layout
+            self._native_layout, self._row_group = (self.rows().contiguous(), scales, bias), 0
 
     def rows(self) -> torch.Tensor:
         """The int8 rows [out, in], unpacked if they are held packed (a copy, then)."""
@@ -130,14 +151,17 @@ def fbgemm_reduces_range() -> bool:
 class Int8Cache:
     """Makes Int8Linears as the class does, but keeps their int8 rows and scales in a safetensors file
     on the first load and reads them back on later loads of the same weights: quantizing took ~0.5 s of
-    a cold start. Linears are matched by the order they are made in (LeanLlama makes them in a fixed
-    order); a file that does not match (another layout, a damaged file) is made again."""
+    a cold start. The rows are kept as the native library last held them (packed 16 at a time on
+    AVX-512 builds: packing took 0.05-0.08 s of a cold start), with the row group beside them, so that a
+    file written on another machine is still read (FusedDecode packs or unpacks what does not fit).
+    Linears are matched by the order they are made in (LeanLlama makes them in a fixed order); a file
+    that does not match (another layout, a damaged file) is made again."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._saved: dict[str, torch.Tensor] = {}
         self._made: list[Int8Linear] = []
-        self._complete = True  # every linear so far came from the file
+        self._read_groups: list[int] = []  # the row group each linear read from the file had
         try:
             from safetensors.torch import load_file
 
@@ -148,30 +172,43 @@ class Int8Cache:
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         linear = self.cached(weight.shape, bias)
         if linear is None:
-            linear, self._complete = Int8Linear(weight, bias), False
+            linear = Int8Linear(weight, bias)
             self._made.append(linear)
         return linear
 
     def cached(self, shape: tuple[int, int], bias: torch.Tensor | None = None) -> Int8Linear | None:
         """The next linear read from the file, if the file holds one of this [out, in] shape (then its
         float weight need not be built); else None, and the next call makes it."""
-        rows, scales = self._saved.get(f"w{len(self._made)}"), self._saved.get(f"s{len(self._made)}")
-        if rows is None or scales is None or rows.dtype != torch.int8 or rows.shape != tuple(shape) \
-                or scales.shape != (shape[0],):
+        i, (out, inputs) = len(self._made), shape
+        rows, scales, group = self._saved.get(f"w{i}"), self._saved.get(f"s{i}"), self._saved.get(f"g{i}")
+        group = int(group.item()) if group is not None and group.numel() == 1 else 0
+        if len(self._read_groups) != i or rows is None or scales is None or scales.shape != (out,):
             return None
-        linear = Int8Linear.from_rows(rows, scales, bias)
+        if not group and rows.dtype == torch.int8 and rows.shape == (out, inputs):
+            linear = Int8Linear.from_rows(rows, scales, bias)
+        elif group > 0 and rows.dtype == torch.uint8 and rows.shape == (-(-out // group) * group * inputs,) \
+                and inputs % 4 == 0:
+            linear = Int8Linear.from_packed(rows, group, inputs, scales, bias)
+        else:
+            return None
         self._made.append(linear)
+        self._read_groups.append(group)
         return linear
 
     def save(self) -> None:
-        """Write the file if any linear was quantized now; a cache that cannot be written is skipped."""
-        if self._complete and len(self._saved) == 2 * len(self._made):
+        """Write the file if any linear was quantized now, or is held in another layout than the file's;
+        a cache that cannot be written is skipped."""
+        groups = [linear.row_group for linear in self._made]
+        in_file = sum(1 for name in self._saved if name.startswith("w"))
+        if groups == self._read_groups and in_file == len(self._made):
             return
         from safetensors.torch import save_file
 
         tensors = {}
         for i, linear in enumerate(self._made):
-            tensors[f"w{i}"], tensors[f"s{i}"] = linear.rows(), linear.native_layout()[1]
+            tensors[f"w{i}"], tensors[f"s{i}"], _ = linear.native_layout()
+            if linear.row_group:
+                tensors[f"g{i}"] = torch.tensor([linear.row_group])
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")

@@ -122,6 +122,38 @@ def test_packed_int8_rows_unpack_to_the_rows(tokenizer):
         assert torch.equal(linear(x), plain(x))
 
 
+def test_the_int8_cache_keeps_rows_packed_and_reads_them_on_any_build(tmp_path):
+    from engine.quantize import Int8Cache
+
+    torch.manual_seed(3)
+    weights = [torch.randn(40, 128), torch.randn(64, 64)]
+    first = Int8Cache(tmp_path / "w.safetensors")
+    made = [first(w) for w in weights]
+    rows = [linear.rows().clone() for linear in made]
+    group = 16  # as an AVX-512 build packs them (FusedDecode.pack), done here by hand for any machine
+    for linear in made:
+        out, inputs = linear.output_features, linear.input_features
+        packed = torch.zeros(-(-out // group) * group, inputs, dtype=torch.int16)
+        packed[:out] = linear.rows().to(torch.int16)
+        packed = (packed + 128).to(torch.uint8).view(-1, group, inputs // 4, 4).permute(0, 2, 1, 3).reshape(-1)
+        linear.use_packed_rows(packed.contiguous(), group)
+        assert torch.equal(linear.rows(), rows[made.index(linear)])
+    first.save()  # quantized now: written, packed
+    again = Int8Cache(tmp_path / "w.safetensors")
+    read = [again.cached(tuple(w.shape)) for w in weights]
+    assert [linear.row_group for linear in read] == [group, group]  # read packed: nothing to pack at load
+    assert all(torch.equal(linear.rows(), r) for linear, r in zip(read, rows))
+    mtime = (tmp_path / "w.safetensors").stat().st_mtime_ns
+    again.save()
+    assert (tmp_path / "w.safetensors").stat().st_mtime_ns == mtime  # as the file holds them: not rewritten
+    read[1].use_plain_rows()  # a build that reads plain rows (FusedDecode without AVX-512), or FBGEMM
+    assert read[1].row_group == 0 and torch.equal(read[1].native_layout()[0], rows[1])
+    again.save()  # held otherwise than the file: written so
+    third = Int8Cache(tmp_path / "w.safetensors")
+    assert [third.cached(tuple(w.shape)).row_group for w in weights] == [group, 0]
+    assert Int8Cache(tmp_path / "w.safetensors").cached((40, 64)) is None  # another shape: made anew
+
+
 @pytest.mark.model
 def test_bundled_int8_prefill_has_the_decode_steps_quality(bundled):
     from app.bench.extras import prefill_quality
