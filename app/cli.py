@@ -290,7 +290,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if engine.config.tensor_parallel > 1 and not args.json:
         print(tensor_parallel_line(seen), file=sys.stderr)
     engine.close()
+    _skip_the_last_sweep()
     return 0
+
+
+def _skip_the_last_sweep() -> None:
+    """Exit without the interpreter's last garbage collection over every object torch made at import
+    (0.3 s of the command's 1.9 s): they move to gc's permanent generation. For commands that hold
+    nothing that must be finalized (no history database open)."""
+    import gc
+
+    gc.freeze()
 
 
 def _recorded(events, seen: list):
