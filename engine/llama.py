@@ -31,7 +31,8 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
 
 def _fused(make, *parts: tuple[torch.nn.Module, int]):
     """One linear computing several linears (modules with .weight and .bias), their outputs concatenated;
-    each part is (linear, pair_heads), see _paired. A cached int8 form is taken as it is: the fp32 rows are then never concatenated."""
+    each part is (linear, pair_heads), see _paired. A cached int8 form is taken as it is: the fp32 rows
+    are then never reordered or concatenated."""
     biases = [_paired(linear.bias, heads) for linear, heads in parts]
     bias = None
     if any(b is not None for b in biases):

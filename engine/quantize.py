@@ -154,8 +154,9 @@ class Int8Cache:
     a cold start. The rows are kept as the native library last held them (packed 16 at a time on
     AVX-512 builds: packing took 0.05-0.08 s of a cold start), with the row group beside them, so that a
     file written on another machine is still read (FusedDecode packs or unpacks what does not fit).
-    Linears are matched by the order they are made in (LeanLlama makes them in a fixed order); a file
-    that does not match (another layout, a damaged file) is made again."""
+    Linears are matched by the order they are made in (LeanLlama makes them in a fixed order); from the
+    first that does not match (another layout, a damaged file) on, they are quantized again and the file
+    is written anew."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
