@@ -28,7 +28,8 @@ def test_the_page_is_built_without_importing_torch(tmp_path):
 SKIPS_STUBS = """
 import app, gradio
 from gradio import blocks_events, component_meta
-print(component_meta.create_or_modify_pyi.__name__, blocks_events.create_or_modify_pyi.__name__)
+for module in (component_meta, blocks_events):  # a later gradio without the step has nothing to skip
+    print(getattr(getattr(module, "create_or_modify_pyi", None), "__name__", "_no_stubs"))
 """
 
 
