@@ -268,24 +268,30 @@ COLD_START = textwrap.dedent("""
 """)
 
 
+def _last_line(stderr: str) -> str:
+    """What a failed subprocess said last (its error), for the bench's report."""
+    return stderr.strip().splitlines()[-1] if stderr.strip() else "failed"
+
+
 def _generate_first_token_s(model: str | None, precision: str) -> float:
     """`phasescope generate` started as a user starts it: seconds until the first token is printed."""
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "app.cli", "generate", "--prompt", "Hi", "--max-new-tokens", "1",
                                 "--precision", precision, *(["--model", model] if model else [])],
-                               cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                               cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     first = process.stdout.read(1)
     seconds = time.perf_counter() - start
     _, err = process.communicate(timeout=300)
     if process.returncode != 0 or not first:
-        raise RuntimeError(err.decode(errors="replace").strip().splitlines()[-1] if err.strip() else "failed")
+        raise RuntimeError(_last_line(err))
     return seconds
 
 
 def cold_start_s(model: str | None, precision: str, runs: int = 3) -> dict:
     """From the converted cache, each a fresh process: `phasescope generate` until its first token is
     printed (the median of runs: one start varies by a few tenths of a second with the machine's load),
-    and one start through the engine's API split into imports and model load (+ int8 packing)."""
+    and one start through the engine's API split into imports and model load."""
     try:
         starts = [_generate_first_token_s(model, precision) for _ in range(runs)]
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -293,7 +299,7 @@ def cold_start_s(model: str | None, precision: str, runs: int = 3) -> dict:
     out = subprocess.run([sys.executable, "-c", COLD_START, model or "", precision], capture_output=True,
                          text=True, timeout=300)
     if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
+        return {"error": _last_line(out.stderr)}
     imports, load, total = (float(v) for v in out.stdout.split())
     return {"to_first_token_s": round(statistics.median(starts), 2), "runs_s": [round(s, 2) for s in starts],
             "imports_s": imports, "load_s": load, "engine_first_token_s": total, "precision": precision}
