@@ -23,6 +23,7 @@ import torch
 
 from .events import FORWARD_STAGES as STAGES
 from .kv_pool import SequenceKV
+from .quantize import packed_numel
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 # -ffp-contract=fast: a * b + c is one FMA everywhere, so every path rounds alike
@@ -141,7 +142,7 @@ class FusedDecode:
         """An Int8Linear's rows in the layout this build's int8 matmuls read (see ps_pack_int8)."""
         rows, group = linear.rows(), self.int8_row_group
         out, inputs = rows.shape
-        packed = torch.empty(-(-out // group) * group * inputs, dtype=torch.uint8)
+        packed = torch.empty(packed_numel(out, inputs, group), dtype=torch.uint8)
         self._pack_int8(rows.contiguous().data_ptr(), out, inputs, torch.get_num_threads(), packed.data_ptr())
         linear.use_packed_rows(packed, group)
 

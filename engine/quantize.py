@@ -33,6 +33,11 @@ class DenseLinear:
         return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
 
+def packed_numel(out: int, inputs: int, row_group: int) -> int:
+    """Bytes of an [out, inputs] int8 matrix packed row_group rows at a time (the last group padded)."""
+    return -(-out // row_group) * row_group * inputs
+
+
 class Int8Linear:
     """int8 weights with one fp32 scale per output channel; x stays fp32 and is quantized per call.
 
@@ -187,7 +192,7 @@ class Int8Cache:
             return None
         if not group and rows.dtype == torch.int8 and rows.shape == (out, inputs):
             linear = Int8Linear.from_rows(rows, scales, bias)
-        elif group > 0 and rows.dtype == torch.uint8 and rows.shape == (-(-out // group) * group * inputs,) \
+        elif group > 0 and rows.dtype == torch.uint8 and rows.shape == (packed_numel(out, inputs, group),) \
                 and inputs % 4 == 0:
             linear = Int8Linear.from_packed(rows, group, inputs, scales, bias)
         else:
