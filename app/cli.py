@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
+from .startup import pause_collector, settle
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 
@@ -206,6 +208,7 @@ def engine_config(args: argparse.Namespace):
 def _engine(args: argparse.Namespace):
     from engine import Engine
 
+    settle()  # torch is imported (see app/startup.py)
     return Engine.from_config(engine_config(args))
 
 
@@ -290,17 +293,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if engine.config.tensor_parallel > 1 and not args.json:
         print(tensor_parallel_line(seen), file=sys.stderr)
     engine.close()
-    _skip_the_last_sweep()
     return 0
-
-
-def _skip_the_last_sweep() -> None:
-    """Exit without the interpreter's last garbage collection over every object torch made at import
-    (0.3 s of the command's 1.9 s): they move to gc's permanent generation. For commands that hold
-    nothing that must be finalized (no history database open)."""
-    import gc
-
-    gc.freeze()
 
 
 def _recorded(events, seen: list):
@@ -636,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["ui", *argv]  # `phasescope` alone starts the app
     args = parser.parse_args(argv)
+    if args.command in ("generate", "ui", "serve"):
+        pause_collector()  # until the engine's modules are imported (see app/startup.py)
     if args.command in ("ui", "serve"):
         tune_openmp_for_the_app(args.precision)
     from app.history.errors import StoreError

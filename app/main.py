@@ -20,6 +20,7 @@ from .ui.language import Texts
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
 from .history.store import Store
+from .startup import settle
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -121,6 +122,8 @@ def start_engine(config: EngineConfig) -> Engine:
     OpenMP team does all the work (see EngineThread)."""
     print("Loading the model…", file=sys.stderr, flush=True)
     from engine import Engine  # here: torch loads with it
+
+    settle()  # the imports are done (see app/startup.py)
 
     runner = EngineThread().start()
     engine = runner.call(lambda: Engine.from_config(config))
