@@ -421,16 +421,6 @@ def _server_note(server: dict | None) -> str:
             f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
 
 
-def tune_openmp_for_the_app(precision: str) -> None:
-    """The browser drawing the page shares the CPU with the model. OpenMP threads that spin briefly
-    between parallel regions leave it room: fp32 decode in the browser measured 29.8 vs 23.7 tok/s
-    with libgomp's default spin. int8's steps are short and back to back; for it the default did as
-    well or better (106.9 vs 101.0), and auto means int8 on CPU. Must run before torch is loaded; a value
-    you set yourself wins."""
-    if precision in ("fp32", "fp16", "bf16"):
-        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-
-
 def cmd_ui(args: argparse.Namespace) -> int:
     from app.main import launch
     from app.serve.access import check_exposure, parse_auth
@@ -631,8 +621,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("generate", "ui", "serve"):
         pause_collector()  # until the engine's modules are imported (see app/startup.py)
-    if args.command in ("ui", "serve"):
-        tune_openmp_for_the_app(args.precision)
     from app.history.errors import StoreError
     from engine import ModelError
 
