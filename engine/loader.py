@@ -93,10 +93,11 @@ def _remembered_hash(path: Path, folder: Path) -> str:
         memo = json.loads(memo_file.read_text())
     except (OSError, ValueError):
         memo = {}
-    entry = memo.get(key) if isinstance(memo, dict) else None
+    if not isinstance(memo, dict):
+        memo = {}
+    entry = memo.get(key)
     if isinstance(entry, list) and len(entry) == 3 and entry[:2] == seen:
         return entry[2]
-    memo = memo if isinstance(memo, dict) else {}
     digest = _file_hash(path)
     try:
         folder.mkdir(parents=True, exist_ok=True)
