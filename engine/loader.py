@@ -99,14 +99,21 @@ def _remembered_hash(path: Path, folder: Path) -> str:
     if isinstance(entry, list) and len(entry) == 3 and entry[:2] == seen:
         return entry[2]
     digest = _file_hash(path)
+    write_atomically(memo_file, lambda scratch: scratch.write_text(json.dumps({**memo, key: [*seen, digest]})))
+    return digest
+
+
+def write_atomically(path: Path, write) -> None:
+    """write(scratch) to a file beside path, then put it in path's place: another process reads the old
+    file or the new one, never half of one. For the caches: one that cannot be written (OSError) is only
+    slower next time, so the error is dropped."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        scratch = folder / f".hashes.json.{os.getpid()}"
-        scratch.write_text(json.dumps({**memo, key: [*seen, digest]}))
-        os.replace(scratch, memo_file)  # atomic: another process reads the old memo or the new one
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f".{path.name}.{os.getpid()}")
+        write(scratch)
+        os.replace(scratch, path)
     except OSError:
         pass
-    return digest
 
 
 def _check_gguf(path: Path) -> None:

@@ -6,12 +6,13 @@ A handler makes the quantized weights once, at load, and is then called like F.l
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .loader import write_atomically
 
 
 class DenseLinear:
@@ -215,13 +216,7 @@ class Int8Cache:
             tensors[f"w{i}"], tensors[f"s{i}"], _ = linear.native_layout()
             if linear.row_group:
                 tensors[f"g{i}"] = torch.tensor([linear.row_group])
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            save_file(tensors, str(scratch))
-            os.replace(scratch, self.path)  # atomic: another process reads the old file or the new one
-        except OSError:
-            pass
+        write_atomically(self.path, lambda scratch: save_file(tensors, str(scratch)))
 
 
 def int8_available() -> bool:
