@@ -17,6 +17,8 @@ import torch
 
 from engine import Engine, SamplingParams
 
+from .browser import ROOT, start_app
+
 T = TypeVar("T")
 
 QUALITY_TEXTS = [
@@ -278,7 +280,7 @@ def _generate_first_token_s(model: str | None, precision: str) -> float:
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "app.cli", "generate", "--prompt", "Hi", "--max-new-tokens", "1",
                                 "--precision", precision, *(["--model", model] if model else [])],
-                               cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     first = process.stdout.read(1)
     seconds = time.perf_counter() - start
@@ -308,8 +310,6 @@ def cold_start_s(model: str | None, precision: str, runs: int = 3) -> dict:
 def app_ready_s(model: str | None, precision: str) -> dict:
     """`phasescope ui` started as a user starts it: seconds until its page answers, and until the model
     behind the page serves (the page comes first, see app.main.launch)."""
-    from .browser import start_app
-
     start = time.perf_counter()
     process, _ = start_app("--precision", precision, *(["--model", model] if model else []))
     page = time.perf_counter() - start
