@@ -1,16 +1,16 @@
 // PhaseScope's streaming front end. While a reply streams, the server sends only what is new (the reply's
 // new text, the charts' new points, the live panel's changed pieces) in a stream of its own that the
 // reply's live span names (follow); this script applies it in place: text is set on the live span (no
-// Markdown re-render of the whole reply), points are added with Plotly.extendTraces (no new figure), the
-// panel's pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at the start of a
+// Markdown re-render of the whole reply), points are added to the drawn figure (no new figure: see
+// flush), the panel's pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at the start of a
 // reply, and through the hidden textbox #ps-stream at its end, on a new chat and when a saved chat is
 // opened. The message format is app/ui/live.py's.
 (() => {
   const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
   // While a reply streams, a chart is redrawn at most every CHART_EVERY_MS, and less often when its
-  // redraws are slow: Plotly redraws a whole figure for a few new points (10-20 ms of a 2-core machine's
-  // CPU each, 30-50 ms the first time, taken from the decode it shows), so that a chart's redraws take at
-  // most CHART_SHARE of the time, waiting no longer than CHART_LATEST_MS. A reply shorter than a second
+  // redraws are slow: Plotly.extendTraces replots a whole figure for a few new points (10-25 ms of a
+  // 2-core machine's CPU each, 30-50 ms the first time, taken from the decode it shows), so that a
+  // chart's redraws take at most CHART_SHARE of the time, waiting no longer than CHART_LATEST_MS. A reply shorter than a second
   // is drawn whole when it ends. Text goes at once.
   const CHART_EVERY_MS = 1000;
   const CHART_LATEST_MS = 1500;
@@ -92,13 +92,58 @@
     }
     chart.queue = null;
     if (!queued || !div || !window.Plotly || !div.data || !div.data[queued.trace]) return;
+    const trace = div.data[queued.trace];
+    if (queued.mode === trace.mode && inRange(div, queued.points)) {
+      timed(chart, () => movePoints(div, queued));
+      return;
+    }
     const update = Object.fromEntries(Object.entries(queued.points).map(([key, values]) => [key, [values]]));
+    widenX(div, queued.points.x);
     timed(chart, () => {
       window.Plotly.extendTraces(div, update, [queued.trace]);
-      if (queued.mode && div.data[queued.trace].mode !== queued.mode) {
+      if (queued.mode && trace.mode !== queued.mode) {
         window.Plotly.restyle(div, {mode: queued.mode}, [queued.trace]);  // markers off on long replies
       }
     });
+  }
+
+  // Whether points fall inside the axes as drawn: then only the trace moves (Plotly.animate without a
+  // redraw: 9 ms against extendTraces' 25 for a whole replot, in a quiet page); else extendTraces replots.
+  function inRange(div, points) {
+    const layout = div._fullLayout;
+    if (!layout || !layout.xaxis || !layout.yaxis) return false;
+    const inside = (axis, values) => {
+      const [lo, hi] = axis.range, scale = axis.type === "log" ? Math.log10 : (v) => v;
+      return values.every((v) => v > 0 || axis.type !== "log") && values.every((v) => {
+        const at = scale(v);
+        return at >= Math.min(lo, hi) && at <= Math.max(lo, hi);
+      });
+    };
+    return inside(layout.xaxis, points.x || []) && inside(layout.yaxis, points.y || []);
+  }
+
+  function movePoints(div, queued) {
+    const trace = div.data[queued.trace], frame = {};
+    for (const [key, values] of Object.entries(queued.points)) {
+      const path = key.split(".");
+      let source = trace, target = frame;
+      for (const part of path.slice(0, -1)) {
+        source = (source || {})[part];
+        target = target[part] = target[part] || {};
+      }
+      const last = path[path.length - 1];
+      target[last] = ((source || {})[last] || []).concat(values);
+    }
+    window.Plotly.animate(div, {data: [frame], traces: [queued.trace]},
+                          {mode: "immediate", transition: {duration: 0}, frame: {duration: 0, redraw: false}});
+  }
+
+  // While a reply streams, the x axis runs ahead of its points (twice as far as they go), so that the next
+  // seconds' points fit without a replot; the reply's whole figure at its end has the axis fitted.
+  function widenX(div, xs) {
+    if (!xs || !xs.length || !div.layout || !div._fullLayout) return;
+    const [lo] = div._fullLayout.xaxis.range, hi = Math.max(...xs);
+    div.layout.xaxis = {...div.layout.xaxis, autorange: false, range: [lo, hi + Math.max(16, hi - lo)]};
   }
 
   function showText() {

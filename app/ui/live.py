@@ -9,7 +9,7 @@ script applies them in place. A message is a JSON object with any of:
   reset   whole figures, {"latency": spec, "kv": spec}: drawn anew (start and end of a reply, a new
           chat, a chat opened from the history, and whenever a figure gains a trace)
   append  new points, {"latency" | "kv": {"trace": index, "points": {attribute: [values]}, "mode": ...}}:
-          added to that trace with Plotly.extendTraces
+          added to that trace (Plotly.animate while they fit the axes as drawn, else Plotly.extendTraces)
   panels  the live panel's HTML pieces that changed, {element id: html} (phase, tiles, time split, pool):
           set in place of what Gradio drew there last
   seq     a counter, so that every message differs from the last (the page reacts to changes)
