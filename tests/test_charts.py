@@ -216,6 +216,20 @@ def _replay(messages: list[str]) -> tuple[dict, dict, str]:
     return figures["latency"], figures["kv"], text
 
 
+def test_a_streaming_figure_has_no_tpot_line_until_the_reply_ends():
+    """The figure a streaming reply starts from may come after several tokens; a TPOT line drawn from
+    them would stay at that value while points are added. The whole figure at the end has it."""
+    done = fake_reply(num_steps=6)
+    streaming = ReplyTrace(turn=1)
+    for event in done.events:  # six tokens in, not finished yet
+        streaming.add(event)
+    started = json.loads(LiveReply("chat-1", [streaming]).update())["reset"]["latency"]
+    assert 6 == len(started["data"][charts.DECODE_TRACE]["x"])
+    assert not any(trace["name"].startswith("TPOT") for trace in started["data"])
+    ended = charts.latency_figure(done.events).to_dict()
+    assert any(trace["name"].startswith("TPOT") for trace in ended["data"])
+
+
 @pytest.mark.parametrize("cached", [0, 16])
 def test_streamed_points_rebuild_the_final_figures(cached):
     """The page draws whole figures once the first token came, then only appends points; what it then

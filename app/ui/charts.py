@@ -61,11 +61,13 @@ def decode_points(steps: Sequence[DecodeStep]) -> dict[str, list]:
             "customdata": [[repr(s.text), s.kv_tokens] for s in steps]}
 
 
-def latency_figure(events: Sequence[Event], lang: str = DEFAULT) -> go.Figure:
+def latency_figure(events: Sequence[Event], lang: str = DEFAULT, tpot_line: bool = True) -> go.Figure:
     """Per-step latency: a bar per prefill chunk, then one point per generated token.
 
     Prefill chunks sit at x <= 0 (the last chunk at 0); token k of the reply sits at x = k. Token 1
-    comes from the prefill's logits, so its latency is the TTFT; later tokens show their ITL.
+    comes from the prefill's logits, so its latency is the TTFT; later tokens show their ITL. The TPOT
+    line (tpot_line): the mean ITL of the steps so far, left out of a streaming reply's figure, where it
+    would stay at its first value while points are added.
     """
     chunks = [e for e in events if isinstance(e, PrefillChunk)]
     steps = [e for e in events if isinstance(e, DecodeStep)]
@@ -82,7 +84,7 @@ def latency_figure(events: Sequence[Event], lang: str = DEFAULT) -> go.Figure:
         hovertemplate=t(lang, "chart.token_hover") + "<extra></extra>",
     )]
     shapes, annotations = [], []
-    if len(steps) >= 2:
+    if tpot_line and len(steps) >= 2:
         tpot = (steps[-1].t_ms - steps[0].t_ms) / (len(steps) - 1)
         data.append(dict(type="scatter", mode="lines", name=f"TPOT {tpot:.1f} ms", x=[1, steps[-1].step + 1],
                          y=[tpot, tpot], line=dict(color=DECODE_COLOR, dash="dash", width=1.5), hoverinfo="skip"))

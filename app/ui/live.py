@@ -41,8 +41,10 @@ def _spec(figure: go.Figure) -> dict:
     return json.loads(figure.to_json())
 
 
-def _figures(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], lang: str) -> dict:
-    return {"latency": _spec(charts.latency_figure(latency_events, lang)), "kv": _spec(charts.kv_figure(turns, lang))}
+def _figures(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], lang: str,
+             streaming: bool = False) -> dict:
+    return {"latency": _spec(charts.latency_figure(latency_events, lang, tpot_line=not streaming)),
+            "kv": _spec(charts.kv_figure(turns, lang))}
 
 
 def reset(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], reply: str | None = None,
@@ -88,7 +90,8 @@ class LiveReply:
         if shape != self._shape:  # a new trace or bar: the whole figures, still small at this point
             self._shape = shape
             return message(**fields, text=text,
-                           reset=_figures(trace.events, [t.events for t in self.traces], self.lang))
+                           reset=_figures(trace.events, [t.events for t in self.traces], self.lang,
+                                          streaming=True))
         if not new:
             return message(**fields)
         return message(**fields, text=text, append={
