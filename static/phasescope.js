@@ -2,16 +2,16 @@
 // new text, the charts' new points, the live panel's changed pieces) in a stream of its own that the
 // reply's live span names (follow); this script applies it in place: text is set on the live span (no
 // Markdown re-render of the whole reply), points are added to the drawn figure (no new figure: see
-// flush), the panel's pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at the start of a
-// reply, and through the hidden textbox #ps-stream at its end, on a new chat and when a saved chat is
-// opened. The message format is app/ui/live.py's.
+// flush), the panel's pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at
+// the start of a reply, and through the hidden textbox #ps-stream at its end, on a new chat and when a
+// saved chat is opened. The message format is app/ui/live.py's.
 (() => {
   const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
   // While a reply streams, a chart is redrawn at most every CHART_EVERY_MS, and less often when its
   // redraws are slow: Plotly.extendTraces replots a whole figure for a few new points (10-25 ms of a
   // 2-core machine's CPU each, 30-50 ms the first time, taken from the decode it shows), so that a
-  // chart's redraws take at most CHART_SHARE of the time, waiting no longer than CHART_LATEST_MS. A reply shorter than a second
-  // is drawn whole when it ends. Text goes at once.
+  // chart's redraws take at most CHART_SHARE of the time, waiting no longer than CHART_LATEST_MS. A
+  // reply shorter than a second is drawn whole when it ends. Text goes at once.
   const CHART_EVERY_MS = 1000;
   const CHART_LATEST_MS = 1500;
   const CHART_SHARE = 0.03;
@@ -52,17 +52,24 @@
     schedule(name);
   }
 
+  // a trace's values under a Plotly attribute ("x", "marker.color"), and the same with new ones added at
+  // the end, set in `into` (the trace itself, or an update of it)
+  function valuesOf(trace, key) {
+    return key.split(".").reduce((holder, part) => (holder || {})[part], trace) || [];
+  }
+
+  function setExtended(into, trace, key, values) {
+    const path = key.split("."), last = path.pop();
+    let target = into;
+    for (const part of path) target = target[part] = target[part] || {};
+    target[last] = valuesOf(trace, key).concat(values);
+  }
+
   // ext's points added to a figure not yet drawn, as Plotly.extendTraces adds them to a drawn one
   function extendSpec(spec, ext) {
     const trace = spec.data[ext.trace];
     if (!trace) return;
-    for (const [key, values] of Object.entries(ext.points)) {
-      const path = key.split(".");  // "marker.color"
-      let target = trace;
-      for (const part of path.slice(0, -1)) target = target[part] = target[part] || {};
-      const last = path[path.length - 1];
-      target[last] = (target[last] || []).concat(values);
-    }
+    for (const [key, values] of Object.entries(ext.points)) setExtended(trace, trace, key, values);
     if (ext.mode) trace.mode = ext.mode;
   }
 
@@ -112,30 +119,19 @@
   function inRange(div, points) {
     const layout = div._fullLayout;
     if (!layout || !layout.xaxis || !layout.yaxis) return false;
-    const inside = (axis, values) => {
-      const [lo, hi] = axis.range, scale = axis.type === "log" ? Math.log10 : (v) => v;
-      return values.every((v) => v > 0 || axis.type !== "log") && values.every((v) => {
-        const at = scale(v);
-        return at >= Math.min(lo, hi) && at <= Math.max(lo, hi);
-      });
-    };
+    const inside = (axis, values) => values.every((v) => {
+      const log = axis.type === "log", [lo, hi] = axis.range;  // a log axis's range is in powers of ten
+      const at = log ? Math.log10(v) : v;  // v <= 0 on a log axis: -Infinity or NaN, outside
+      return at >= Math.min(lo, hi) && at <= Math.max(lo, hi);
+    });
     return inside(layout.xaxis, points.x || []) && inside(layout.yaxis, points.y || []);
   }
 
   function movePoints(div, queued) {
     const trace = div.data[queued.trace], frame = {};
-    for (const [key, values] of Object.entries(queued.points)) {
-      const path = key.split(".");
-      let source = trace, target = frame;
-      for (const part of path.slice(0, -1)) {
-        source = (source || {})[part];
-        target = target[part] = target[part] || {};
-      }
-      const last = path[path.length - 1];
-      target[last] = ((source || {})[last] || []).concat(values);
-    }
-    window.Plotly.animate(div, {data: [frame], traces: [queued.trace]},
-                          {mode: "immediate", transition: {duration: 0}, frame: {duration: 0, redraw: false}});
+    for (const [key, values] of Object.entries(queued.points)) setExtended(frame, trace, key, values);
+    const now = {mode: "immediate", transition: {duration: 0}, frame: {duration: 0, redraw: false}};
+    window.Plotly.animate(div, {data: [frame], traces: [queued.trace]}, now);
   }
 
   // While a reply streams, the x axis runs ahead of its points (twice as far as they go), so that the next
