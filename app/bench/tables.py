@@ -152,7 +152,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
-    _decode_side(summary, engines, pp, tg, repetitions, log, long_text_tokens=96 if quick else 3000, quick=quick)
+    _decode_side(summary, engines, pp, tg, repetitions, log, long_text_tokens=48 if quick else 3000, quick=quick)
     lengths = (pp // 2, pp) if pp < 256 else (256, 1024, 2048, 4096)  # --quick: a taste
     summary["prefill_attention"] = {name: attention_impls(e, lengths, vocab) for name, e in _native(engines).items()}
     log(f"  prefill attention, native vs sdpa vs eager: {summary['prefill_attention']}")
