@@ -98,10 +98,10 @@ def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page
     streaming = plot_traces(page, "ps-latency").get("decode", 0)
     # new points join the drawn figure; its x axis runs ahead of them, so that the next ones only move the
     # trace (no replot)
-    decode_trace = ("document.querySelector('#ps-latency .js-plotly-plot').data.find(t => t.name === 'decode')")
+    plot = "document.querySelector('#ps-latency .js-plotly-plot')"
+    decode_trace = f"{plot}.data.find(t => t.name === 'decode')"
     page.wait_for_function(f"() => {decode_trace}.x.length > {streaming}", polling=100, timeout=60_000)
-    last_x, axis_end = page.evaluate(f"() => [Math.max(...{decode_trace}.x), "
-                                     "document.querySelector('#ps-latency .js-plotly-plot')._fullLayout.xaxis.range[1]]")
+    last_x, axis_end = page.evaluate(f"() => [Math.max(...{decode_trace}.x), {plot}._fullLayout.xaxis.range[1]]")
     ended = "done" == page.get_attribute("#ps-phase [data-phase]", "data-phase")  # then the figure is fitted
     assert last_x + 8 <= axis_end or ended
     assert "done" == wait_phase(page, "done")
