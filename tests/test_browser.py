@@ -279,6 +279,7 @@ def test_browser_bench_measures_the_page_against_the_cli(browser):
     result = stream_vs_cli("int8", rounds=1, max_new_tokens=16, log=lambda line: None, browser=browser)
     assert result["cli_decode_tokens_per_s"] > 0 and result["browser_decode_tokens_per_s"] > 0
     assert 0 < result["browser_vs_cli"] < 10
+    assert 0 < result["chromium_cpu_share"] < 2  # the share of a core the page took while it decoded (two here)
 
 
 def _choose_precision(page, precision: str) -> None:

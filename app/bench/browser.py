@@ -136,7 +136,26 @@ def _cli_decode(precision: str, max_new_tokens: int) -> float:
     return json.loads(out.splitlines()[-1])["metrics"]["decode_tokens_per_s"]
 
 
-def _page_decode(page, max_new_tokens: int) -> float:
+def chromium_cpu_s() -> float | None:
+    """CPU seconds used so far by the Chromium processes alive (every one on the machine), from Linux's
+    /proc; None elsewhere."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if text[text.index("(") + 1:text.rindex(")")] == "chromium":
+            fields = text[text.rindex(")") + 2:].split()
+            ticks += int(fields[11]) + int(fields[12])  # user and system time
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _page_decode(page, max_new_tokens: int) -> tuple[float, float | None]:
+    """A greedy reply in the page: its decode tok/s (the page's tile), and the share of a core Chromium
+    used from the click to the reply's end (None where it cannot be read)."""
     page.click("#ps-new")
     page.wait_for_selector("#ps-phase .ps-idle")
     set_setting(page, "ps-temperature", 0)
@@ -145,34 +164,42 @@ def _page_decode(page, max_new_tokens: int) -> float:
     # settings (Gradio events, ~0.3 s of the page's CPU), which sent at once ran into the decode measured
     page.fill("#ps-message textarea", PROMPT)
     page.wait_for_timeout(1000)
+    cpu_before, start = chromium_cpu_s(), time.monotonic()
     page.click("#ps-send")
     # poll twice a second: Playwright's default polls every frame, which makes the page draw all the time
     page.wait_for_function("() => !!document.querySelector('#ps-phase [data-phase=done]')", polling=500,
                            timeout=300_000)
-    return float(kpi(page, "decode_tps").split()[0].replace(",", ""))
+    cpu_after, wall = chromium_cpu_s(), time.monotonic() - start
+    share = None if cpu_before is None or cpu_after is None else (cpu_after - cpu_before) / wall
+    return float(kpi(page, "decode_tps").split()[0].replace(",", "")), share
 
 
 def stream_vs_cli(precision: str, rounds: int = 3, max_new_tokens: int = 128, log=print, browser=None) -> dict:
     """Decode tok/s of a greedy reply streamed to the page vs the same reply from `phasescope generate`
-    (same tokens), in alternating rounds after a warm-up; medians and their ratio. browser: a Playwright
-    browser to use (else one is launched)."""
+    (same tokens), in alternating rounds after a warm-up; medians and their ratio, and the share of a core
+    Chromium used from each click to the reply's end (what decode competes with for the cores). browser:
+    a Playwright browser to use (else one is launched)."""
     process, url = start_app("--precision", precision)
-    cli, page_speeds = [], []
+    cli, page_speeds, shares = [], [], []
     try:
         with _browser(browser) as chromium:
             page = open_chat(chromium, url)
             _page_decode(page, 8)
             for _ in range(rounds):
                 cli.append(_cli_decode(precision, max_new_tokens))
-                page_speeds.append(_page_decode(page, max_new_tokens))
-                log(f"  browser {precision}: CLI {cli[-1]:.1f} tok/s, page {page_speeds[-1]:.1f} tok/s")
+                speed, share = _page_decode(page, max_new_tokens)
+                page_speeds.append(speed)
+                shares += [] if share is None else [share]
+                log(f"  browser {precision}: CLI {cli[-1]:.1f} tok/s, page {speed:.1f} tok/s"
+                    + ("" if share is None else f", Chromium {share:.2f} of a core"))
             page.close()
     finally:
         process.terminate()
         process.wait(timeout=30)
     cli_tps, page_tps = statistics.median(cli), statistics.median(page_speeds)
     return {"cli_decode_tokens_per_s": round(cli_tps, 1), "browser_decode_tokens_per_s": round(page_tps, 1),
-            "browser_vs_cli": round(page_tps / cli_tps, 3), "rounds": rounds, "tokens": max_new_tokens}
+            "browser_vs_cli": round(page_tps / cli_tps, 3), "rounds": rounds, "tokens": max_new_tokens,
+            "chromium_cpu_share": round(statistics.median(shares), 3) if shares else None}
 
 
 @contextmanager
