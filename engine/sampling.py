@@ -40,17 +40,46 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: Sequence[int], pena
     return logits
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+NUCLEUS_FIRST = 64  # top-p looks for its tokens among this many of the most likely first, then 16x more
+
+
+def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The tokens top-k and then top-p keep (ids, probabilities; most likely first), or None for all of
+    them. Top-p keeps a token while the tokens above it hold less than top_p of what top-k kept (the
+    fewest most likely tokens that reach top_p, as transformers' ascending rule does). Without sorting
+    the whole vocabulary: the nucleus is looked for among the most likely tokens, more only when they
+    hold less than top_p."""
+    vocab = probs.shape[0]
+    if 0 < top_k < vocab:
+        values, ids = probs.topk(top_k)
+        limit = top_p * float(values.sum())
+    elif top_p < 1.0:
+        limit, n = top_p * float(probs.sum()), NUCLEUS_FIRST
+        while True:
+            values, ids = probs.topk(min(n, vocab))
+            if n >= vocab or float(values.sum()) >= limit:  # the next token's tokens above reach top_p: it goes
+                break
+            n *= 16
+    else:
+        return None
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative <= 1 - top_p
-        remove[-1] = False  # always keep the most likely token
-        logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    return logits
+        above = torch.cat([values.new_zeros(1), values.cumsum(0)[:-1]])  # what the tokens above each hold
+        kept = max(1, int((above < limit).sum()))  # a prefix: `above` only grows; the most likely always stays
+        values, ids = values[:kept], ids[:kept]
+    return ids, values
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """An index drawn with probability proportional to weights (>= 0, some > 0): one uniform number
+    against the cumulative sum. (torch.multinomial draws an exponential number per entry: 1.3 ms for a
+    49,152-token vocabulary, against a 5-ms int8 decode step.) A zero weight is never drawn: its
+    cumulative sum equals the previous one, which searchsorted(right=True) passes."""
+    cumulative = weights.cumsum(0)
+    u = torch.rand((), generator=generator, dtype=cumulative.dtype)
+    index = min(int(torch.searchsorted(cumulative, u * cumulative[-1], right=True)), len(weights) - 1)
+    if weights[index] <= 0:  # u * total rounded up to the total: the last token with a chance
+        index = int(weights.nonzero().max())
+    return index
 
 
 def top_logits(logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
@@ -89,13 +118,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]
     else:
         # float64: a tiny temperature (or penalty) would overflow float32 to inf, and softmax to NaN
-        scaled = _filter_top_k_top_p(scores.double() / params.temperature, params.top_k, params.top_p)
-        distribution = scaled.nan_to_num(nan=float("-inf")).softmax(-1)
-        if torch.isfinite(distribution).all() and distribution.sum() > 0:
-            token_id = int(torch.multinomial(distribution, 1, generator=generator))
+        probs = (scores.double() / params.temperature).nan_to_num(nan=float("-inf")).softmax(-1)
+        if torch.isfinite(probs).all() and probs.sum() > 0:
+            kept = _kept(probs, params.top_k, params.top_p)
+            ids, weights = kept if kept is not None else (None, probs)
+            index = _draw(weights, generator)
+            token_id = index if ids is None else int(ids[index])
+            distribution = weights / weights.sum()
+            if ids is not None:  # the rule's chances over the whole vocabulary: none outside what it kept
+                distribution = probs.new_zeros(probs.shape).index_put_((ids,), distribution)
         else:  # nothing left to sample from (every score overflowed): the most likely token, as greedy would
             token_id = int(scores.argmax())
-            distribution = torch.zeros_like(distribution)
+            distribution = torch.zeros_like(probs)
             distribution[token_id] = 1.0
         sample_probs = distribution[top_ids].tolist()
     logit = top_values[top_ids.index(token_id)] if token_id in top_ids else float(logits[token_id])

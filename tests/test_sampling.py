@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.sampling import apply_repetition_penalty, make_generator, sample
+from engine.sampling import _draw, _kept, apply_repetition_penalty, make_generator, sample
 from engine.text import IncrementalDetokenizer, TextStream
 
 
@@ -57,6 +57,50 @@ def test_top_k_and_top_p_limit_the_choices(top_k, top_p, allowed):
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
     picked = {sample(logits, params, generator).token_id for _ in range(200)}
     assert picked == allowed
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> set[int]:
+    """transformers' top-p: sort ascending, drop the tokens whose cumulative probability is <= 1 - top_p."""
+    ascending, order = torch.sort(probs)
+    remove = ascending.cumsum(-1) <= 1 - top_p
+    remove[-1] = False
+    return set(order[~remove].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+def test_top_p_keeps_what_a_full_sort_keeps(scale, top_p):
+    # flat logits (scale 0.1) need thousands of tokens to reach top_p: the search grows past its first 64
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * scale
+    probs = logits.softmax(-1)
+    ids, values = _kept(probs, 0, top_p)
+    assert set(ids.tolist()) == _nucleus_by_full_sort(probs, top_p)
+    assert values.tolist() == sorted(values.tolist(), reverse=True) and torch.equal(values, probs[ids])
+
+
+def test_top_k_then_top_p_measures_top_p_within_the_top_k():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    assert [0, 1, 2] == _kept(probs, 3, 1.0)[0].tolist()
+    assert [0, 1] == _kept(probs, 3, 0.7)[0].tolist()  # 0.4 / 0.9 < 0.7 <= 0.7 / 0.9
+    assert _kept(probs, 0, 1.0) is None and _kept(probs, 4, 1.0) is None  # nothing to cut
+
+
+def test_draws_follow_the_weights_and_never_pick_a_zero():
+    weights = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0], dtype=torch.float64)
+    generator = make_generator(3)
+    counts = torch.bincount(torch.tensor([_draw(weights, generator) for _ in range(20000)]), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    assert (counts / 20000 - weights).abs().max() < 0.015  # about 4 standard deviations of the largest
+
+
+def test_sampled_tokens_follow_temperature_and_top_k():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    generator = make_generator(5)
+    params = SamplingParams(temperature=0.7, top_k=3)
+    counts = torch.bincount(torch.tensor([sample(logits, params, generator).token_id for _ in range(20000)]),
+                            minlength=5)
+    expected = torch.cat([logits[:3].div(0.7).softmax(-1), torch.zeros(2)])
+    assert (counts / 20000 - expected).abs().max() < 0.015
 
 
 def test_repetition_penalty_discourages_seen_tokens():
