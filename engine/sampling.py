@@ -119,7 +119,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     else:
         # float64: a tiny temperature (or penalty) would overflow float32 to inf, and softmax to NaN
         probs = (scores.double() / params.temperature).nan_to_num(nan=float("-inf")).softmax(-1)
-        if torch.isfinite(probs).all() and probs.sum() > 0:
+        total = float(probs.sum())  # NaN when any is (an infinite score): softmax's are never infinite
+        if math.isfinite(total) and total > 0:
             kept = _kept(probs, params.top_k, params.top_p)
             ids, weights = kept if kept is not None else (None, probs)
             index = _draw(weights, generator)
