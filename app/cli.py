@@ -333,10 +333,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
         if finished is not None:
             note = "" if finished.reason in ("eos", "stop") else f" · ended: {finished.reason}"
-            print(f"\033[2m{summary_line(finished.metrics)}{note}\033[0m")
+            print(_dim(f"{summary_line(finished.metrics)}{note}"))
             if finished.speculation:
-                print(f"\033[2m{speculation_line(finished.speculation)}\033[0m")
+                print(_dim(speculation_line(finished.speculation)))
     return 0
+
+
+def _dim(text: str) -> str:
+    """A timing line, dimmed on a terminal; plain where the output goes to a file or a pipe, or with NO_COLOR."""
+    if sys.stdout.isatty() and not os.environ.get("NO_COLOR"):
+        return f"\033[2m{text}\033[0m"
+    return text
 
 
 def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
@@ -390,7 +397,7 @@ def _chat_with_endpoint(args: argparse.Namespace, sampling) -> int:
         if finished is not None:
             if finished.error:
                 print(f"error: {finished.error}")
-            print(f"\033[2m{_remote_line(finished.metrics)}{_server_note(finished.server)}\033[0m")
+            print(_dim(f"{_remote_line(finished.metrics)}{_server_note(finished.server)}"))
     return 0
 
 

@@ -113,3 +113,4 @@ def test_cli_chat_keeps_the_conversation_until_clear():
     (first, _), (second, cached), (third, _) = [(int(p), int(c)) for p, c in lines]
     assert second > first and cached > 0  # the second turn carries the first, from the cache
     assert third < second  # after /clear the conversation starts again
+    assert "\033[" not in out.stdout  # to a pipe: no terminal styling
