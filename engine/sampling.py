@@ -57,7 +57,7 @@ def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, 
         limit, n = top_p * float(probs.sum()), NUCLEUS_FIRST
         while True:
             values, ids = probs.topk(min(n, vocab))
-            if n >= vocab or float(values.sum()) >= limit:  # the next token's tokens above reach top_p: it goes
+            if n >= vocab or float(values.sum()) >= limit:  # a token past these has >= limit above it: dropped
                 break
             n *= 16
     else:
