@@ -45,7 +45,7 @@ NUCLEUS_FIRST = 64  # top-p looks for its tokens among this many of the most lik
 
 def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The tokens top-k and then top-p keep (ids, probabilities; most likely first), or None for all of
-    them. Top-p keeps a token while the tokens above it hold less than top_p of what top-k kept (the
+    them (or for NaN probabilities, which _draw refuses). Top-p keeps a token while the tokens above it hold less than top_p of what top-k kept (the
     fewest most likely tokens that reach top_p, as transformers' ascending rule does). Without sorting
     the whole vocabulary: the nucleus is looked for among the most likely tokens, more only when they
     hold less than top_p."""
@@ -55,6 +55,8 @@ def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, 
         limit = top_p * float(values.sum())
     elif top_p < 1.0:
         limit, n = top_p * float(probs.sum()), NUCLEUS_FIRST
+        if not math.isfinite(limit):  # NaN probabilities: nothing to draw from (see sample)
+            return None
         while True:
             values, ids = probs.topk(min(n, vocab))
             if n >= vocab or float(values.sum()) >= limit:  # a token past these has >= limit above it: dropped
@@ -69,17 +71,21 @@ def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, 
     return ids, values
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """An index drawn with probability proportional to weights (>= 0, some > 0): one uniform number
-    against the cumulative sum. (torch.multinomial draws an exponential number per entry: 1.3 ms for a
-    49,152-token vocabulary, against a 5-ms int8 decode step.) A zero weight is never drawn: its
-    cumulative sum equals the previous one, which searchsorted(right=True) passes."""
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> tuple[int, float] | None:
+    """An index drawn with probability proportional to weights (>= 0), and their sum; None where there
+    is nothing to draw from (a sum of 0, or NaN where any weight is). One uniform number against the
+    cumulative sum. (torch.multinomial draws an exponential number per entry: 1.3 ms for a 49,152-token
+    vocabulary, against a 5-ms int8 decode step.) A zero weight is never drawn: its cumulative sum equals
+    the previous one, which searchsorted(right=True) passes."""
     cumulative = weights.cumsum(0)
+    total = float(cumulative[-1])
+    if not (math.isfinite(total) and total > 0):
+        return None
     u = torch.rand((), generator=generator, dtype=cumulative.dtype)
-    index = min(int(torch.searchsorted(cumulative, u * cumulative[-1], right=True)), len(weights) - 1)
+    index = min(int(torch.searchsorted(cumulative, u * total, right=True)), len(weights) - 1)
     if weights[index] <= 0:  # u * total rounded up to the total: the last token with a chance
         index = int(weights.nonzero().max())
-    return index
+    return index, total
 
 
 def top_logits(logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
@@ -119,19 +125,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     else:
         # float64: a tiny temperature (or penalty) would overflow float32 to inf, and softmax to NaN
         probs = (scores.double() / params.temperature).nan_to_num(nan=float("-inf")).softmax(-1)
-        total = float(probs.sum())  # NaN when any is (an infinite score): softmax's are never infinite
-        if math.isfinite(total) and total > 0:
-            kept = _kept(probs, params.top_k, params.top_p)
-            ids, weights = kept if kept is not None else (None, probs)
-            index = _draw(weights, generator)
+        kept = _kept(probs, params.top_k, params.top_p)
+        ids, weights = kept if kept is not None else (None, probs)
+        drawn = _draw(weights, generator)
+        if drawn is not None:
+            index, total = drawn
             token_id = index if ids is None else int(ids[index])
-            distribution = weights / weights.sum()
-            if ids is not None:  # the rule's chances over the whole vocabulary: none outside what it kept
-                distribution = probs.new_zeros(probs.shape).index_put_((ids,), distribution)
+            kept_ids = None if ids is None else set(ids.tolist())  # the rule's cut: usually a few dozen
+            chances = (probs[torch.tensor(top_ids)] / total).tolist()  # each top token's chance under the rule
+            sample_probs = [p if kept_ids is None or i in kept_ids else 0.0 for i, p in zip(top_ids, chances)]
         else:  # nothing left to sample from (every score overflowed): the most likely token, as greedy would
             token_id = int(scores.argmax())
-            distribution = torch.zeros_like(probs)
-            distribution[token_id] = 1.0
-        sample_probs = distribution[top_ids].tolist()
+            sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]
     logit = top_values[top_ids.index(token_id)] if token_id in top_ids else float(logits[token_id])
     return Sample(token_id, math.exp(logit - lse), top_ids, top_probs, sample_probs)

@@ -88,9 +88,11 @@ def test_top_k_then_top_p_measures_top_p_within_the_top_k():
 def test_draws_follow_the_weights_and_never_pick_a_zero():
     weights = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0], dtype=torch.float64)
     generator = make_generator(3)
-    counts = torch.bincount(torch.tensor([_draw(weights, generator) for _ in range(20000)]), minlength=6)
+    counts = torch.bincount(torch.tensor([_draw(weights, generator)[0] for _ in range(20000)]), minlength=6)
     assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
     assert (counts / 20000 - weights).abs().max() < 0.015  # about 4 standard deviations of the largest
+    assert _draw(torch.zeros(3, dtype=torch.float64), generator) is None  # nothing to draw from
+    assert _draw(torch.tensor([0.5, float("nan")], dtype=torch.float64), generator) is None
 
 
 def test_sampled_tokens_follow_temperature_and_top_k():
