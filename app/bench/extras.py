@@ -148,6 +148,26 @@ def native_vs_ops(engine: Engine, prompt: list[int], num_gen: int, repetitions: 
             "speedup": round(medians["native"] / medians["ops"], 2)}
 
 
+SAMPLING_RULES = {"greedy": (0.0, 1.0), "temperature 0.7": (0.7, 1.0), "temperature 0.7, top-p 0.9": (0.7, 0.9)}
+
+
+def sampling_cost(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) -> dict:
+    """TPOT under the chat's sampling rules (the page's default is temperature 0.7) and under greedy,
+    same engine and prompt, interleaved: what choosing the token costs beside the forward, as each
+    rule's ms per token over greedy's."""
+    def tpot_ms(temperature: float, top_p: float) -> float:
+        sampling = SamplingParams(max_new_tokens=num_gen, temperature=temperature, top_p=top_p, seed=1,
+                                  ignore_eos=True)
+        *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling))
+        return finished.metrics.tpot_ms
+
+    samples = interleaved({name: (lambda rule=rule: tpot_ms(*rule)) for name, rule in SAMPLING_RULES.items()},
+                          repetitions)
+    tpot = {name: statistics.median(values) for name, values in samples.items()}
+    return {name: {"tpot_ms": round(ms, 2), "over_greedy_ms": round(ms - tpot["greedy"], 2)}
+            for name, ms in tpot.items()}
+
+
 @torch.inference_mode()
 def decode_logits(runner, tokenizer, keep: bool = False) -> list[torch.Tensor]:
     """The runner's logits at every position of QUALITY_TEXTS, one decode step each. keep: remember them

@@ -23,7 +23,7 @@ from engine.config import PRECISION_DTYPES
 from engine.hf_runner import in_dtype, make_runner
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
-                     native_vs_ops, quality_vs, random_prompt)
+                     native_vs_ops, quality_vs, random_prompt, sampling_cost)
 from .decode_side import (at_depth, flash_decoding, kv_quality, kv_variants, long_text_ids, no_cache, prefill_at_depth,
                           speculation, teacher_forced, weights_quality)
 from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
@@ -137,6 +137,8 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         name: native_vs_ops(e, bench_prompt(0, vocab, bos), tg, repetitions)
         for name, e in engines.items() if getattr(e.runner, "fused", None) is not None}
     log(f"  native decode step vs PyTorch ops: {summary['native_decode_vs_pytorch_ops']}")
+    summary["sampling"] = sampling_cost(best, bench_prompt(0, vocab, bos), tg, repetitions)
+    log(f"  TPOT by sampling rule, {best_name}: {summary['sampling']}")
     if "lean-llama fp32" in engines:
         reference = engines["lean-llama fp32"].runner
         summary["quality_vs_fp32"] = {engine.runner.precision: quality_vs(reference, engine.runner, loaded.tokenizer)
