@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -276,10 +277,22 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
 def test_browser_bench_measures_the_page_against_the_cli(browser):
     from app.bench.browser import stream_vs_cli
 
+    folders_before = set(Path(tempfile.gettempdir()).glob("phasescope-bench-*"))
     result = stream_vs_cli("int8", rounds=1, max_new_tokens=16, log=lambda line: None, browser=browser)
     assert result["cli_decode_tokens_per_s"] > 0 and result["browser_decode_tokens_per_s"] > 0
     assert 0 < result["browser_vs_cli"] < 10
     assert 0 < result["chromium_cpu_share"] < 2  # the share of a core the page took while it decoded (two here)
+    # each side's stalls, the page's read back from the app's own history file, which is gone with the bench
+    for side in ("page", "cli"):
+        assert 0 <= result["stalls"][side]["count"] < 16 and 0 <= result["stalls"][side]["share"] < 1
+    assert set(Path(tempfile.gettempdir()).glob("phasescope-bench-*")) <= folders_before
+
+
+def test_stalls_are_the_gaps_of_twice_the_median_and_the_time_they_add():
+    from app.bench.browser import stalls
+
+    assert stalls([5.0] * 9 + [20.0]) == {"count": 1, "share": round(15 / 65, 3)}
+    assert stalls([5.0, 6.0, 5.5]) == {"count": 0, "share": 0.0}
 
 
 def _choose_precision(page, precision: str) -> None:

@@ -11,6 +11,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -129,11 +130,44 @@ def history_titles(page) -> list[str]:
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _cli_decode(precision: str, max_new_tokens: int) -> float:
+def _cli_decode(precision: str, max_new_tokens: int) -> tuple[float, list[float]]:
+    """The reply from `phasescope generate`: its decode tok/s and the gaps between its tokens (ms)."""
     out = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--prompt", PROMPT, "--temperature", "0",
                           "--max-new-tokens", str(max_new_tokens), "--precision", precision, "--json"],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return json.loads(out.splitlines()[-1])["metrics"]["decode_tokens_per_s"]
+    metrics = json.loads(out.splitlines()[-1])["metrics"]
+    return metrics["decode_tokens_per_s"], metrics["itl_ms"]
+
+
+def _page_gaps(db: Path, min_tokens: int) -> list[list[float]]:
+    """The gaps between the tokens (ms) of each reply of at least min_tokens the page's app saved in db."""
+    from ..history.store import Store
+
+    store = Store.open(db)
+    replies = []
+    for session in store.sessions():
+        for message in store.messages(session["id"]):
+            ends = [(row["start_ns"] + row["latency_ns"]) / 1e6 for row in store.steps(message["id"])
+                    if row["phase"] == "decode"]
+            if len(ends) >= min_tokens:
+                replies.append([b - a for a, b in zip(ends, ends[1:])])
+    return replies
+
+
+def stalls(gaps_ms: list[float]) -> dict:
+    """The gaps between tokens at least twice the reply's median gap: how many, and the share of the decode
+    time they took beyond the median (on two cores, each page update that takes a core stalls the decode
+    step it lands in: that share is most of what the page costs decode)."""
+    typical = statistics.median(gaps_ms)
+    slow = [gap for gap in gaps_ms if gap >= 2 * typical]
+    return {"count": len(slow), "share": round(sum(gap - typical for gap in slow) / sum(gaps_ms), 3)}
+
+
+def _median_stalls(replies: list[list[float]]) -> dict | None:
+    found = [stalls(gaps) for gaps in replies if gaps]
+    if not found:
+        return None
+    return {"count": statistics.median(s["count"] for s in found), "share": statistics.median(s["share"] for s in found)}
 
 
 def chromium_cpu_s() -> float | None:
@@ -177,29 +211,37 @@ def _page_decode(page, max_new_tokens: int) -> tuple[float, float | None]:
 def stream_vs_cli(precision: str, rounds: int = 3, max_new_tokens: int = 128, log=print, browser=None) -> dict:
     """Decode tok/s of a greedy reply streamed to the page vs the same reply from `phasescope generate`
     (same tokens), in alternating rounds after a warm-up; medians and their ratio, and the share of a core
-    Chromium used from each click to the reply's end (what decode competes with for the cores). browser:
-    a Playwright browser to use (else one is launched)."""
-    process, url = start_app("--precision", precision)
-    cli, page_speeds, shares = [], [], []
-    try:
-        with _browser(browser) as chromium:
-            page = open_chat(chromium, url)
-            _page_decode(page, 8)
-            for _ in range(rounds):
-                cli.append(_cli_decode(precision, max_new_tokens))
-                speed, share = _page_decode(page, max_new_tokens)
-                page_speeds.append(speed)
-                shares += [] if share is None else [share]
-                log(f"  browser {precision}: CLI {cli[-1]:.1f} tok/s, page {speed:.1f} tok/s"
-                    + ("" if share is None else f", Chromium {share:.2f} of a core"))
-            page.close()
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    Chromium used from each click to the reply's end (what decode competes with for the cores), and the
+    stalls of each side's decode (see stalls). The app keeps its history in a file of its own, deleted
+    after: the bench's chats stay out of the user's History. browser: a Playwright browser to use (else
+    one is launched)."""
+    cli, cli_gaps, page_speeds, shares = [], [], [], []
+    with tempfile.TemporaryDirectory(prefix="phasescope-bench-") as folder:
+        db = Path(folder) / "history.db"
+        process, url = start_app("--precision", precision, "--db", str(db))
+        try:
+            with _browser(browser) as chromium:
+                page = open_chat(chromium, url)
+                _page_decode(page, 8)
+                for _ in range(rounds):
+                    speed, gaps = _cli_decode(precision, max_new_tokens)
+                    cli.append(speed)
+                    cli_gaps.append(gaps)
+                    speed, share = _page_decode(page, max_new_tokens)
+                    page_speeds.append(speed)
+                    shares += [] if share is None else [share]
+                    log(f"  browser {precision}: CLI {cli[-1]:.1f} tok/s, page {speed:.1f} tok/s"
+                        + ("" if share is None else f", Chromium {share:.2f} of a core"))
+                page.close()
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        page_gaps = _page_gaps(db, max_new_tokens)
     cli_tps, page_tps = statistics.median(cli), statistics.median(page_speeds)
     return {"cli_decode_tokens_per_s": round(cli_tps, 1), "browser_decode_tokens_per_s": round(page_tps, 1),
             "browser_vs_cli": round(page_tps / cli_tps, 3), "rounds": rounds, "tokens": max_new_tokens,
-            "chromium_cpu_share": round(statistics.median(shares), 3) if shares else None}
+            "chromium_cpu_share": round(statistics.median(shares), 3) if shares else None,
+            "stalls": {"page": _median_stalls(page_gaps), "cli": _median_stalls(cli_gaps)}}
 
 
 @contextmanager
