@@ -145,12 +145,15 @@ def _page_gaps(db: Path, min_tokens: int) -> list[list[float]]:
 
     store = Store.open(db)
     replies = []
-    for session in store.sessions():
-        for message in store.messages(session["id"]):
-            ends = [(row["start_ns"] + row["latency_ns"]) / 1e6 for row in store.steps(message["id"])
-                    if row["phase"] == "decode"]
-            if len(ends) >= min_tokens:
-                replies.append([b - a for a, b in zip(ends, ends[1:])])
+    try:
+        for session in store.sessions():
+            for message in store.messages(session["id"]):
+                ends = [(row["start_ns"] + row["latency_ns"]) / 1e6 for row in store.steps(message["id"])
+                        if row["phase"] == "decode"]
+                if len(ends) >= min_tokens:
+                    replies.append([b - a for a, b in zip(ends, ends[1:])])
+    finally:
+        store.db.conn.close()
     return replies
 
 
@@ -167,7 +170,8 @@ def _median_stalls(replies: list[list[float]]) -> dict | None:
     found = [stalls(gaps) for gaps in replies if gaps]
     if not found:
         return None
-    return {"count": statistics.median(s["count"] for s in found), "share": statistics.median(s["share"] for s in found)}
+    return {"count": statistics.median(s["count"] for s in found),
+            "share": statistics.median(s["share"] for s in found)}
 
 
 def chromium_cpu_s() -> float | None:
