@@ -141,20 +141,17 @@ def _cli_decode(precision: str, max_new_tokens: int) -> tuple[float, list[float]
 
 def _page_gaps(db: Path, min_tokens: int) -> list[list[float]]:
     """The gaps between the tokens (ms) of each reply of at least min_tokens the page's app saved in db."""
+    from ..history.recorder import message_metrics
     from ..history.store import Store
 
     store = Store.open(db)
-    replies = []
     try:
-        for session in store.sessions():
-            for message in store.messages(session["id"]):
-                ends = [(row["start_ns"] + row["latency_ns"]) / 1e6 for row in store.steps(message["id"])
-                        if row["phase"] == "decode"]
-                if len(ends) >= min_tokens:
-                    replies.append([b - a for a, b in zip(ends, ends[1:])])
+        metrics = [message_metrics(message, store.steps(message["id"]))
+                   for session in store.sessions() for message in store.messages(session["id"])
+                   if message["role"] == "assistant"]
     finally:
-        store.db.conn.close()
-    return replies
+        store.close()
+    return [m.itl_ms for m in metrics if m.num_generated_tokens >= min_tokens]
 
 
 def stalls(gaps_ms: list[float]) -> dict:

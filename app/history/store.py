@@ -141,6 +141,10 @@ class Store:
                 raise
             self.db.execute("COMMIT")
 
+    def close(self) -> None:
+        with self._lock:
+            self.db.conn.close()
+
     @classmethod
     def memory(cls) -> Store:
         store = cls(Database(sqlite3.connect(":memory:", check_same_thread=False)))
