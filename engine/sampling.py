@@ -45,10 +45,10 @@ NUCLEUS_FIRST = 64  # top-p looks for its tokens among this many of the most lik
 
 def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The tokens top-k and then top-p keep (ids, probabilities; most likely first), or None for all of
-    them (or for NaN probabilities, which _draw refuses). Top-p keeps a token while the tokens above it hold less than top_p of what top-k kept (the
-    fewest most likely tokens that reach top_p, as transformers' ascending rule does). Without sorting
-    the whole vocabulary: the nucleus is looked for among the most likely tokens, more only when they
-    hold less than top_p."""
+    them (or for NaN probabilities, which _draw refuses). Top-p keeps a token while the tokens above it
+    hold less than top_p of what top-k kept (the fewest most likely tokens that reach top_p, as
+    transformers' ascending rule does). Without sorting the whole vocabulary: the nucleus is looked for
+    among the most likely tokens, more only when they hold less than top_p."""
     vocab = probs.shape[0]
     if 0 < top_k < vocab:
         values, ids = probs.topk(top_k)
