@@ -303,40 +303,72 @@ def _recorded(events, seen: list):
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    """The terminal chat, with the local engine or (--endpoint) a remote server measured from here; each
+    conversation is saved in the history as the browser's chats are (`phasescope sessions`, `export`)."""
+    from app.history.recorder import make_recorder
+    from app.history.store import Store
+    from app.i18n import t
+    from app.ui.session import ChatSession
+    from app.ui.trace import ReplyTrace
+
     sampling = _sampling(args)
-    if args.endpoint:
-        return _chat_with_endpoint(args, sampling)
-    engine = _engine(args)
-    info = engine.info
-    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}). "
-          "Type /clear for a new chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
-    messages = _conversation(args.system)
+    store = Store.open(args.db)  # first: a bad --db fails before the model loads
+    endpoint = _endpoint(args) if args.endpoint else None
+    engine = None if endpoint else _engine(args)
+    if endpoint:
+        about = endpoint.info
+        print(f"{endpoint.model} at {endpoint.url} (client-side timings; history: {store.path}).", end=" ")
+    else:
+        about = lambda: engine.info  # noqa: E731
+        info = engine.info
+        print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}; "
+              f"history: {store.path}).", end=" ")
+    print(f"{CHAT_COMMANDS}; Ctrl-C stops a reply.")
+    record = make_recorder(store, about)
+    session = ChatSession()
 
     def clear() -> None:
-        nonlocal messages
-        messages = _conversation(args.system)
+        nonlocal session
+        session = ChatSession()
 
     for text in _user_lines(clear):
+        messages = _conversation(args.system) + session.messages + [{"role": "user", "content": text}]
         try:
-            request = engine.new_request(messages + [{"role": "user", "content": text}], sampling)
-        except ValueError as exc:
+            request = None if endpoint else engine.new_request(messages, sampling)
+        except ValueError as exc:  # empty, or longer than the context window: nothing is saved
             print(f"error: {exc}")
             continue
-        events = engine.run(request)
+        trace = ReplyTrace(turn=len(session.traces) + 1)
+        session.traces.append(trace)
+        hooks = [trace.add]
+        try:
+            hooks.append(record(session, messages, sampling, trace))
+        except Exception as exc:  # a full disk or a broken database must not stop the chat
+            session.warn(t(session.lang, "warning.not_saved", detail=exc))
+        events = _through(endpoint.stream(messages, sampling), hooks) if endpoint else engine.run(request, hooks)
         try:
             finished = print_reply(events)
         except KeyboardInterrupt:
-            events.close()  # cancels the request; what was generated is kept
+            events.close()  # cancels the request (a remote one: closes the connection); the text so far is kept
             print()
-            finished = None
-        reply = finished.text if finished else request.text
-        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+            finished = trace.finished
+        for warning in session.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        session.warnings.clear()
+        if finished is not None and finished.error:
+            print(f"error: {finished.error}")
+        else:
+            session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
         if finished is not None:
-            note = "" if finished.reason in ("eos", "stop") else f" · ended: {finished.reason}"
-            print(_dim(f"{summary_line(finished.metrics)}{note}"))
-            if finished.speculation:
-                print(_dim(speculation_line(finished.speculation)))
+            print(_dim(_remote_line(finished) if endpoint else _local_line(finished)))
     return 0
+
+
+def _local_line(finished) -> str:
+    """The engine's timing line after a reply, and what speculative decoding did."""
+    note = "" if finished.reason in ("eos", "stop") else f" · ended: {finished.reason}"
+    line = f"{summary_line(finished.metrics)}{note}"
+    return f"{line}\n{speculation_line(finished.speculation)}" if finished.speculation else line
 
 
 def _dim(text: str) -> str:
@@ -344,6 +376,9 @@ def _dim(text: str) -> str:
     if sys.stdout.isatty() and not os.environ.get("NO_COLOR"):
         return f"\033[2m{text}\033[0m"
     return text
+
+
+CHAT_COMMANDS = "Type /clear for a new chat, /bye or Ctrl-D to leave, /? for help"
 
 
 def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
@@ -359,46 +394,10 @@ def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
         if text == "/clear":
             clear()
             print("(new chat)")
+        elif text in ("/?", "/help"):
+            print(f"{CHAT_COMMANDS}; Ctrl-C stops a reply. Any other line is sent to the model.")
         elif text:
             yield text
-
-
-def _chat_with_endpoint(args: argparse.Namespace, sampling) -> int:
-    """The terminal chat against a remote server, measured from here and saved in the history."""
-    from app.history.recorder import make_recorder
-    from app.history.store import Store
-    from app.ui.session import ChatSession
-    from app.ui.trace import ReplyTrace
-
-    store = Store.open(args.db)
-    endpoint = _endpoint(args)
-    record = make_recorder(store, endpoint.info)
-    session = ChatSession()
-    print(f"{endpoint.model} at {endpoint.url} (client-side timings; history: {store.path}). Type /clear for a new "
-          "chat, /bye or Ctrl-D to leave; Ctrl-C stops a reply.")
-
-    def clear() -> None:
-        nonlocal session
-        session = ChatSession()
-
-    for text in _user_lines(clear):
-        messages = _conversation(args.system) + session.messages + [{"role": "user", "content": text}]
-        trace = ReplyTrace(turn=len(session.traces) + 1)
-        session.traces.append(trace)
-        hooks = [trace.add, record(session, messages, sampling, trace)]
-        events = _through(endpoint.stream(messages, sampling), hooks)
-        try:
-            finished = print_reply(events)
-        except KeyboardInterrupt:
-            events.close()  # closes the connection: the server stops the request
-            print()
-            finished = None
-        session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
-        if finished is not None:
-            if finished.error:
-                print(f"error: {finished.error}")
-            print(_dim(f"{_remote_line(finished.metrics)}{_server_note(finished.server)}"))
-    return 0
 
 
 def _through(events, hooks):
@@ -412,19 +411,18 @@ def _through(events, hooks):
         events.close()
 
 
-def _remote_line(m) -> str:
-    """A remote reply's timing line: what was measured here (the server's cache is not visible)."""
+def _remote_line(finished) -> str:
+    """A remote reply's timing line: what was measured here (the server's cache is not visible), and
+    the server's own timings where it sends them (llama.cpp's server does)."""
+    m = finished.metrics
     chunks = m.num_generated_tokens  # one per streamed chunk with text
-    return (f"prompt {m.num_prompt_tokens} tok (cached {m.num_cached_tokens}) · TTFT {_num(m.ttft_ms, 0)} ms · "
+    line = (f"prompt {m.num_prompt_tokens} tok (cached {m.num_cached_tokens}) · TTFT {_num(m.ttft_ms, 0)} ms · "
             f"TPOT {_num(m.tpot_ms, 2)} ms · decode {_num(m.decode_tokens_per_s)} tok/s ({chunks} chunks) · "
             f"E2E {_num(m.e2e_ms, 0)} ms (client-side)")
-
-
-def _server_note(server: dict | None) -> str:
-    timings = (server or {}).get("timings")
+    timings = (finished.server or {}).get("timings")
     if not timings:
-        return ""
-    return (f" · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
+        return line
+    return (f"{line} · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
             f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from app.history.store import Store
 from engine import DecodeStep, Engine, EngineConfig, PrefillChunk, SamplingParams, render_prompt
 
 pytestmark = pytest.mark.model
@@ -103,14 +104,21 @@ def test_cli_errors_are_one_line(args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_cli_chat_keeps_the_conversation_until_clear():
-    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6"],
-                         input="My name is Ada.\nWhat is my name?\n/clear\nHello\n/bye\n", capture_output=True,
-                         text=True, timeout=300)
+def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
+    db = tmp_path / "history.db"
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
+                          "--db", str(db)], input="My name is Ada.\n/?\nWhat is my name?\n/clear\nHello\n/bye\n",
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
-    assert len(lines) == 3 and "(new chat)" in out.stdout
+    assert len(lines) == 3 and "(new chat)" in out.stdout and "Any other line is sent to the model" in out.stdout
     (first, _), (second, cached), (third, _) = [(int(p), int(c)) for p, c in lines]
     assert second > first and cached > 0  # the second turn carries the first, from the cache
     assert third < second  # after /clear the conversation starts again
+    store = Store.open(db)  # each conversation saved as the browser's are: messages, metrics, every step
+    assert [(s["title"], s["turns"]) for s in store.sessions()] == [("Hello", 1), ("My name is Ada.", 2)]
+    for session in store.sessions():
+        replies = [m for m in store.messages(session["id"]) if m["role"] == "assistant"]
+        assert all(m["status"] == "complete" and m["ttft_ms"] > 0 for m in replies)
+        assert [len(store.steps(m["id"])) for m in replies] == [1 + m["generated_tokens"] for m in replies]
     assert "\033[" not in out.stdout  # to a pipe: no terminal styling
