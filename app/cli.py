@@ -316,14 +316,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     endpoint = _endpoint(args) if args.endpoint else None
     engine = None if endpoint else _engine(args)
     if endpoint:
-        about = endpoint.info
-        print(f"{endpoint.model} at {endpoint.url} (client-side timings; history: {store.path}).", end=" ")
+        about, what = endpoint.info, f"{endpoint.model} at {endpoint.url} (client-side timings"
     else:
-        about = lambda: engine.info  # noqa: E731
         info = engine.info
-        print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}; "
-              f"history: {store.path}).", end=" ")
-    print(f"{CHAT_COMMANDS}; Ctrl-C stops a reply.")
+        about = lambda: engine.info  # noqa: E731  (a session is about the model running when it starts)
+        what = f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}"
+    print(f"{what}; history: {store.path}). {CHAT_COMMANDS}; Ctrl-C stops a reply.")
     record = make_recorder(store, about)
     session = ChatSession()
 
