@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat, max_new_tokens=512)
     _add_endpoint_options(chat)
     _add_db_option(chat)
+    chat.add_argument("--session", type=int, metavar="ID",
+                      help="continue a saved conversation (see `phasescope sessions`); its new turns are saved in it")
 
     sessions = commands.add_parser("sessions", help="list the chat sessions in the history")
     _add_db_option(sessions)
@@ -305,14 +307,16 @@ def _recorded(events, seen: list):
 def cmd_chat(args: argparse.Namespace) -> int:
     """The terminal chat, with the local engine or (--endpoint) a remote server measured from here; each
     conversation is saved in the history as the browser's chats are (`phasescope sessions`, `export`)."""
-    from app.history.recorder import make_recorder
+    from app.history.recorder import load_chat, make_recorder
     from app.history.store import Store
     from app.i18n import t
     from app.ui.session import ChatSession
     from app.ui.trace import ReplyTrace
 
     sampling = _sampling(args)
-    store = Store.open(args.db)  # first: a bad --db fails before the model loads
+    store = Store.open(args.db)  # first: a bad --db or --session fails before the model loads
+    if args.session is not None and not store.has_session(args.session):
+        raise ValueError(f"no session with id {args.session} in {store.path} (see `phasescope sessions`)")
     endpoint = _endpoint(args) if args.endpoint else None
     engine = None if endpoint else _engine(args)
     if endpoint:
@@ -323,7 +327,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         what = f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}"
     print(f"{what}; history: {store.path}). {CHAT_COMMANDS}; Ctrl-C stops a reply.")
     record = make_recorder(store, about)
-    session = ChatSession()
+    session = ChatSession() if args.session is None else load_chat(store, args.session)
+    for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far
+        print(f"\n>>> {user['content']}\n{reply['content']}")
 
     def clear() -> None:
         nonlocal session

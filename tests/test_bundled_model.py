@@ -121,4 +121,12 @@ def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
         replies = [m for m in store.messages(session["id"]) if m["role"] == "assistant"]
         assert all(m["status"] == "complete" and m["ttft_ms"] > 0 for m in replies)
         assert [len(store.steps(m["id"])) for m in replies] == [1 + m["generated_tokens"] for m in replies]
+    ada = store.sessions()[1]["id"]  # continued in a new process: the conversation so far is shown and sent
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
+                          "--db", str(db), "--session", str(ada)], input="And again?\n/bye\n", capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ">>> My name is Ada." in out.stdout and ">>> What is my name?" in out.stdout
+    [(prompt, _)] = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
+    assert int(prompt) > second and [s["turns"] for s in store.sessions() if s["id"] == ada] == [3]
     assert "\033[" not in out.stdout  # to a pipe: no terminal styling
