@@ -4,8 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from .startup import pause_collector, settle
 
@@ -349,11 +352,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
             hooks.append(record(session, messages, sampling, trace))
         except Exception as exc:  # a full disk or a broken database must not stop the chat
             session.warn(t(session.lang, "warning.not_saved", detail=exc))
-        events = _through(endpoint.stream(messages, sampling), hooks) if endpoint else engine.run(request, hooks)
+        if endpoint:
+            stopped = threading.Event()
+            events, stop = _through(endpoint.stream(messages, sampling, cancelled=stopped.is_set), hooks), stopped.set
+        else:
+            events, stop = engine.run(request, hooks), request.cancel
         try:
-            finished = print_reply(events)
-        except KeyboardInterrupt:
-            events.close()  # cancels the request (a remote one: closes the connection); the text so far is kept
+            with _ctrl_c_calls(stop):
+                finished = print_reply(events)
+        except KeyboardInterrupt:  # a second Ctrl-C: a remote server that sends nothing
+            events.close()  # closes the connection
             print()
             finished = trace.finished
         for warning in session.warnings:
@@ -366,6 +374,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if finished is not None:
             print(_dim(_remote_line(finished) if endpoint else _local_line(finished)))
     return 0
+
+
+@contextmanager
+def _ctrl_c_calls(stop: Callable[[], None]):
+    """While a reply streams, Ctrl-C calls stop, as the page's Stop does: the reply ends with its text so
+    far, saved as stopped, within a step (or a chunk, from a remote server). A second Ctrl-C interrupts."""
+    def first(signum, frame) -> None:
+        signal.signal(signal.SIGINT, previous)
+        stop()
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _local_line(finished) -> str:

@@ -4,6 +4,7 @@ with a clear message, the partial reply kept and nothing hanging."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -73,6 +74,15 @@ class Faulty(BaseHTTPRequestHandler):
             self.wfile.write(_chunk("first"))
             self.wfile.flush()
             time.sleep(3)  # longer than the client's read timeout
+        elif fault == "endless":  # a word every 20 ms until the client goes (or 30 s)
+            self._start_stream()
+            try:
+                for _ in range(1500):
+                    self.wfile.write(_chunk(" word"))
+                    self.wfile.flush()
+                    time.sleep(0.02)
+            except OSError:
+                pass
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +126,26 @@ def test_each_fault_is_one_clear_line_with_the_partial_reply(faulty, fault, mess
 def test_connection_refused_is_said_at_once():
     events, seconds = reply(f"http://127.0.0.1:{free_port()}")
     assert "connection refused" in events[-1].error and seconds < 10
+
+
+def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_saves_it_as_stopped(faulty, tmp_path):
+    db = tmp_path / "h.db"
+    chat = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "--endpoint", f"{faulty}/endless",
+                             "--endpoint-model", "m", "--db", str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    chat.stdin.write("Hi\n")
+    chat.stdin.flush()
+    seen = ""
+    while seen.count(" word") < 3:  # the reply streams
+        seen += chat.stdout.read(1)
+    chat.send_signal(signal.SIGINT)
+    out, err = chat.communicate("/bye\n", timeout=60)
+    assert chat.returncode == 0, err
+    assert "(client-side)" in out  # the reply ended, with its timing line, and the chat went on
+    [session] = Store.open(db).sessions()
+    [reply] = [m for m in Store.open(db).messages(session["id"]) if m["role"] == "assistant"]
+    assert reply["status"] == "stopped" and reply["content"].startswith(" word word word")
+    assert len(Store.open(db).steps(reply["id"])) == reply["generated_tokens"] < 1500
 
 
 @pytest.fixture(scope="module")
