@@ -360,8 +360,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             with _ctrl_c_calls(stop):
                 finished = print_reply(events)
-        except KeyboardInterrupt:  # a second Ctrl-C: a remote server that sends nothing
-            events.close()  # closes the connection
+        except KeyboardInterrupt:  # a second Ctrl-C, or one a tensor-parallel forward held until it ended
+            events.close()  # cancels the request, or closes the remote connection
             print()
             finished = trace.finished
         for warning in session.warnings:
