@@ -328,7 +328,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         info = engine.info
         about = lambda: engine.info  # noqa: E731  (a session is about the model running when it starts)
         what = f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}"
-    print(f"{what}; history: {store.path}). {CHAT_COMMANDS}; Ctrl-C stops a reply.")
+    print(f"{what}; history: {store.path}). {CHAT_COMMANDS}.")
     record = make_recorder(store, about)
     session = ChatSession() if args.session is None else load_chat(store, args.session)
     for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far
@@ -405,7 +405,7 @@ def _dim(text: str) -> str:
     return text
 
 
-CHAT_COMMANDS = "Type /clear for a new chat, /bye or Ctrl-D to leave, /? for help"
+CHAT_COMMANDS = "Type /clear for a new chat, /bye or Ctrl-D to leave, /? for help; Ctrl-C stops a reply"
 
 
 def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
@@ -422,7 +422,7 @@ def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
             clear()
             print("(new chat)")
         elif text in ("/?", "/help"):
-            print(f"{CHAT_COMMANDS}; Ctrl-C stops a reply. Any other line is sent to the model.")
+            print(f"{CHAT_COMMANDS}. Any other line is sent to the model.")
         elif text:
             yield text
 
