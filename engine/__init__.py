@@ -19,6 +19,7 @@ from .info import ModelInfo, PoolUsage
 from .metrics import RequestMetrics, percentiles, session_summary
 from .prompt import PromptTooLong, check_messages, render_prompt, valid_text
 from .request import Request, Status
+from .tokenizer import token_bytes
 
 _WITH_TORCH = {  # name: its module, imported when the name is first used
     "Engine": ".engine", "KVPool": ".kv_pool", "SequenceKV": ".kv_pool", "kv_bytes_formula": ".kv_pool",
@@ -37,5 +38,6 @@ __all__ = [
     "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk",
     "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
-    "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary", "valid_text",
+    "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary", "token_bytes",
+    "valid_text",
 ]

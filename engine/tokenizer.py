@@ -9,7 +9,9 @@ plain tokenizers-backed folders only; tests check it against transformers' token
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 
 
@@ -73,3 +75,33 @@ def _compile(source: str):
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return environment.from_string(source)
+
+
+# --- a token's bytes ----------------------------------------------------------------------------------
+
+@cache
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's bytes_to_unicode), reversed."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for, also when they are only part of a character (its text alone is then
+    U+FFFD): a byte-level piece read back, a SentencePiece byte (<0xE6>), or else its text in UTF-8."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    table = _byte_of_char()
+    if piece and all(ch in table for ch in piece):
+        return bytes(table[ch] for ch in piece)
+    if piece and (byte := _BYTE_PIECE.fullmatch(piece)):
+        return bytes([int(byte.group(1), 16)])
+    return tokenizer.decode([token_id]).encode("utf-8")

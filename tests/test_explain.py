@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_model, user
-from engine import DecodeStep, Engine, EngineConfig, SamplingParams
+from engine import DecodeStep, Engine, EngineConfig, SamplingParams, token_bytes
 from app.i18n import LANGUAGES
 from app.ui.explain import demos, views
 from app.ui.trace import ReplyTrace
@@ -90,7 +90,7 @@ def test_every_view_renders_in_each_language(engine, lang):
     tokens = views.tokens_html(engine.tokenizer, PROMPT, lang)
     ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     assert f'data-tokens="{len(ids)}"' in tokens and "ps-tok-partial" in tokens  # 我 takes two byte tokens
-    assert b"".join(views.token_bytes(engine.tokenizer, i) for i in ids) == PROMPT.encode()
+    assert b"".join(token_bytes(engine.tokenizer, i) for i in ids) == PROMPT.encode()
     last = walk.trace.steps[-1]
     for figure in (views.candidates_figure(engine.tokenizer, last, walk.request.sampling, lang),
                    views.kv_grid_figure(engine, walk, lang)):

@@ -105,11 +105,21 @@ def test_completions_logprobs_and_stop(client):
     logprobs = answer.choices[0].logprobs
     assert len(logprobs.tokens) == answer.usage.completion_tokens == len(logprobs.token_logprobs)
     assert all(lp <= 0 for lp in logprobs.token_logprobs) and all(len(top) == 3 for top in logprobs.top_logprobs)
+    # the candidates are text as the tokens are (" Paris", not the tokenizer's piece "ĠParis"): greedy took the first
+    assert all(token == next(iter(top)) for token, top in zip(logprobs.tokens, logprobs.top_logprobs))
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count: 1, 2, 3, 4"}],
                                           temperature=0, max_tokens=20, logprobs=True, top_logprobs=2, stop=["7"])
     content = chat.choices[0].logprobs.content
     assert content and all(len(entry.top_logprobs) == 2 for entry in content)
     assert "7" not in chat.choices[0].message.content
+    # a character split over several tokens: each token's bytes are its own, and together they spell the reply
+    chinese = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "用中文说你好"}],
+                                             temperature=0, max_tokens=12, logprobs=True, top_logprobs=1)
+    entries, text = chinese.choices[0].logprobs.content, chinese.choices[0].message.content
+    spelled = b"".join(bytes(entry.bytes) for entry in entries)
+    assert any(entry.token == "\ufffd" for entry in entries) and spelled.startswith(text.encode())
+    assert all(entry.bytes == entry.top_logprobs[0].bytes for entry in entries)
     streamed = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
                                               stream=True))
     assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1

@@ -162,8 +162,14 @@ class _Answer:
             if not self.job.is_finished:
                 self.job.cancel()
 
-    def _token_text(self, step: DecodeStep) -> str:
-        return self.engine.tokenizer.decode([step.token_id])
+    def _logprobs(self, steps: list[DecodeStep], offset: int = 0) -> dict | None:
+        """The steps' logprobs as the API shapes them; offset: the characters of text streamed before."""
+        if self.top is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        if self.chat:
+            return {"content": [chat_logprob(step, tokenizer, self.top) for step in steps]}
+        return completion_logprobs(steps, tokenizer, self.top, offset)
 
     def _choice(self, **fields) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -173,13 +179,11 @@ class _Answer:
     async def chunks(self, include_usage: bool) -> AsyncIterator[dict]:
         if self.chat:
             yield self._choice(delta={"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
+        streamed = 0  # characters of text sent
         async for event in self.events():
             if isinstance(event, DecodeStep) and (event.text or self.top is not None):
-                logprobs = None
-                if self.top is not None:
-                    text = self._token_text(event)
-                    logprobs = ({"content": [chat_logprob(event, text, self.top)]} if self.chat
-                                else completion_logprobs([(event, text)], self.top))
+                logprobs = self._logprobs([event], streamed)
+                streamed += len(event.text)
                 if self.chat:
                     yield self._choice(delta={"content": event.text}, logprobs=logprobs, finish_reason=None)
                 else:
@@ -207,11 +211,7 @@ class _Answer:
             return JSONResponse({}, status_code=499)
         if finished.reason == "error":
             raise APIError(500, finished.error or "the engine failed", "server_error")
-        logprobs = None
-        if self.top is not None:
-            pairs = [(s, self._token_text(s)) for s in steps]
-            logprobs = ({"content": [chat_logprob(s, text, self.top) for s, text in pairs]} if self.chat
-                        else completion_logprobs(pairs, self.top))
+        logprobs = self._logprobs(steps)
         kind = "chat.completion" if self.chat else "text_completion"
         content = {"message": {"role": "assistant", "content": finished.text}} if self.chat else {"text": finished.text}
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import DecodeStep, Finished, SamplingParams
+from engine import DecodeStep, Finished, SamplingParams, token_bytes
 
 MAX_TOP_LOGPROBS = 5  # the engine reports each step's five most likely tokens
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
@@ -131,20 +131,29 @@ def _logprob(prob: float) -> float:
     return math.log(prob) if prob > 0 else -9999.0
 
 
-def chat_logprob(step: DecodeStep, token_text: str, top: int) -> dict:
-    entry = {"token": token_text, "logprob": _logprob(step.prob), "bytes": list(token_text.encode("utf-8"))}
-    entry["top_logprobs"] = [{"token": t.text, "logprob": _logprob(t.prob), "bytes": list(t.text.encode("utf-8"))}
-                             for t in step.top[:top]]
-    return entry
+def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and its bytes: the bytes are exact also for a token that is only part of a
+    character (most Chinese characters take two or three tokens), whose text alone is U+FFFD."""
+    return tokenizer.decode([token_id]), list(token_bytes(tokenizer, token_id))
 
 
-def completion_logprobs(steps: list[tuple[DecodeStep, str]], top: int) -> dict:
-    offsets, at = [], 0
-    for _, text in steps:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": [text for _, text in steps], "token_logprobs": [_logprob(s.prob) for s, _ in steps],
-            "top_logprobs": [{t.text: _logprob(t.prob) for t in s.top[:top]} for s, _ in steps],
+def chat_logprob(step: DecodeStep, tokenizer, top: int) -> dict:
+    def entry(token_id: int, prob: float) -> dict:
+        text, raw = _token(tokenizer, token_id)
+        return {"token": text, "logprob": _logprob(prob), "bytes": raw}
+
+    return {**entry(step.token_id, step.prob), "top_logprobs": [entry(t.token_id, t.prob) for t in step.top[:top]]}
+
+
+def completion_logprobs(steps: list[DecodeStep], tokenizer, top: int, offset: int = 0) -> dict:
+    """Logprobs of a completion's tokens; text_offset counts characters of the text, which a token that
+    completes a character enters whole (offset: the characters streamed before these steps)."""
+    offsets = []
+    for step in steps:
+        offsets.append(offset)
+        offset += len(step.text)
+    return {"tokens": [_token(tokenizer, s.token_id)[0] for s in steps], "token_logprobs": [_logprob(s.prob) for s in steps],
+            "top_logprobs": [{_token(tokenizer, t.token_id)[0]: _logprob(t.prob) for t in s.top[:top]} for s in steps],
             "text_offset": offsets}
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from engine import DecodeStep, Request, SamplingParams
+from engine import DecodeStep, Request, SamplingParams, token_bytes
 
 from ...i18n import t
 from .. import charts
@@ -61,28 +61,6 @@ class Shape:
 
 
 # --- tokens --------------------------------------------------------------------------------------
-
-@cache
-def _byte_of_char() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's bytes_to_unicode), reversed."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-def token_bytes(tokenizer, token_id: int) -> bytes:
-    """The bytes a token stands for: its byte-level piece read back, or else its text in UTF-8."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    table = _byte_of_char()
-    if piece and all(ch in table for ch in piece):
-        return bytes(table[ch] for ch in piece)
-    return tokenizer.decode([token_id]).encode("utf-8")
-
 
 def shown(tokenizer, token_id: int) -> str:
     """A token as a reader sees it: its text, or its bytes when it is part of a character (most Chinese
