@@ -71,7 +71,12 @@ def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) 
     parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divides the logits of tokens in the prompt or the reply (1: off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="minus this times a token's count in the reply, from its logit (-2 to 2)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="minus this from the logit of a token already in the reply (-2 to 2)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per prefill pass (0: all)")
@@ -221,8 +226,9 @@ def _sampling(args: argparse.Namespace):
     from engine import SamplingParams
 
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          stop=tuple(args.stop))
+                          top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                          seed=args.seed, stop=tuple(args.stop))
 
 
 def _conversation(system: str | None) -> list[dict]:

@@ -38,7 +38,9 @@ class SamplingParams:
     temperature: float = 0.7
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # 1.0 disables top-p
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # CTRL's, over the prompt and the reply (transformers, vLLM)
+    frequency_penalty: float = 0.0  # OpenAI's, over the reply: minus this times a token's count so far
+    presence_penalty: float = 0.0  # OpenAI's, over the reply: minus this once a token has appeared
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
@@ -51,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
@@ -60,6 +64,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalizes_reply(self) -> bool:
+        """Whether the frequency or presence penalty reads the tokens generated so far."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)

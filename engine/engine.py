@@ -608,7 +608,7 @@ class Engine:
         if top is not None:
             top_fn = lambda *_: top  # noqa: E731
         picked = sample(logits, r.sampling, r.generator, r.prompt_ids + r.generated_ids if penalize else (),
-                        top_fn=top_fn)
+                        top_fn=top_fn, generated_ids=r.generated_ids if r.sampling.penalizes_reply else ())
         now_ns = self._now_ns()
         stage_ms = None
         if r.explain:  # the forward's stages (none for token 1: the prefill's were reported), and sampling

@@ -120,7 +120,7 @@ class TopToken:
     token_id: int
     text: str
     prob: float  # the model's probability (softmax of the raw logits)
-    # its probability under the rule that picked the token (after repetition penalty, temperature, top-k
+    # its probability under the rule that picked the token (after the penalties, temperature, top-k
     # and top-p; greedy: 1 for the one taken, else 0)
     sample_prob: float | None = None
 

@@ -1,5 +1,5 @@
-"""Choosing the next token from the logits: greedy, or temperature / top-k / top-p sampling,
-with a repetition penalty, in the order transformers applies them."""
+"""Choosing the next token from the logits: greedy, or temperature / top-k / top-p sampling, after a
+repetition penalty and OpenAI's frequency and presence penalties, in the order vLLM applies them."""
 from __future__ import annotations
 
 import math
@@ -37,6 +37,17 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: Sequence[int], pena
     picked = logits[ids]
     logits = logits.clone()
     logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def apply_reply_penalties(logits: torch.Tensor, generated_ids: Sequence[int], frequency: float,
+                          presence: float) -> torch.Tensor:
+    """OpenAI's: each token generated so far loses frequency × its count plus presence from its logit."""
+    if not generated_ids or (frequency == 0.0 and presence == 0.0):
+        return logits
+    ids, counts = torch.tensor(generated_ids, dtype=torch.long).unique(return_counts=True)
+    logits = logits.clone()
+    logits[ids] -= frequency * counts.to(logits.dtype) + presence
     return logits
 
 
@@ -109,16 +120,20 @@ TopLogits = Callable[[torch.Tensor, int], tuple[list[int], list[float], float]]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-           seen_ids: Sequence[int] = (), num_top: int = 5, top_fn: TopLogits = top_logits) -> Sample:
-    """logits: [vocab] for one position; seen_ids: prompt and generated ids, for the penalty."""
+           seen_ids: Sequence[int] = (), num_top: int = 5, top_fn: TopLogits = top_logits,
+           generated_ids: Sequence[int] = ()) -> Sample:
+    """logits: [vocab] for one position; seen_ids: prompt and generated ids, for the repetition penalty;
+    generated_ids: the reply's, for the frequency and presence penalties."""
     logits = logits.float()
     top_ids, top_values, lse = top_fn(logits, num_top)
     top_probs = [math.exp(v - lse) for v in top_values]
-    if params.is_greedy and (params.repetition_penalty == 1.0 or not seen_ids):
+    penalized = (params.repetition_penalty != 1.0 and seen_ids) or (params.penalizes_reply and generated_ids)
+    if params.is_greedy and not penalized:
         # the most likely token, read from the top alone: logits on a GPU are not copied over, row by row
         return Sample(top_ids[0], top_probs[0], top_ids, top_probs, [1.0 if i == top_ids[0] else 0.0 for i in top_ids])
     logits = logits.cpu()
     scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    scores = apply_reply_penalties(scores, generated_ids, params.frequency_penalty, params.presence_penalty)
     if params.is_greedy:  # penalized (unpenalized greedy returned above)
         token_id = int(scores.argmax())
         sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]

@@ -80,6 +80,35 @@ def test_transformers_fallback_gives_the_same_tokens(tiny):
     assert lean.metrics.kv_bytes == fallback.metrics.kv_bytes
 
 
+def test_penalties_give_the_tokens_of_a_plain_greedy_loop_that_applies_them(tiny):
+    """OpenAI's frequency and presence penalties over the reply, CTRL's repetition penalty over prompt and
+    reply, then argmax: transformers' model step by step against the engine (the lean forward)."""
+    # a random model seldom repeats itself: a negative presence penalty makes it, and the frequency
+    # penalty then counts the repeats
+    sampling = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.0,
+                              presence_penalty=-1.5, repetition_penalty=1.2)
+    prompt = tiny.tokenizer("a b a b a b a b", add_special_tokens=False)["input_ids"]
+    ids, reply = list(prompt), []
+    with torch.no_grad():
+        for _ in range(sampling.max_new_tokens):
+            logits = tiny.model(torch.tensor([ids])).logits[0, -1]
+            seen = torch.tensor(sorted(set(ids)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.2, logits[seen] * 1.2)
+            for token in set(reply):
+                logits[token] -= 1.0 * reply.count(token) - 1.5
+            reply.append(int(logits.argmax()))
+            ids.append(reply[-1])
+    engine = Engine(tiny, EngineConfig(precision="fp32"))  # transformers' numbers
+
+    def tokens(params: SamplingParams) -> list[int]:
+        request = engine.new_request_from_ids(prompt, params)
+        return [e.token_id for e in engine.run(request) if isinstance(e, DecodeStep)]
+
+    assert tokens(sampling) == reply
+    assert len(set(reply)) < len(reply) - 4  # it repeated itself, as plain greedy decoding does not here:
+    assert len(set(tokens(SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)))) == len(reply)
+
+
 def test_first_token_breakdown_adds_up(tiny_engine):
     events = list(tiny_engine.stream(user("Hi"), GREEDY))
     first = next(e for e in events if isinstance(e, FirstToken))

@@ -28,7 +28,7 @@ NUMBER = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.fl
 
 
 @given(max_new_tokens=NUMBER, temperature=NUMBER, top_k=NUMBER, top_p=NUMBER, repetition_penalty=NUMBER,
-       seed=NUMBER)
+       frequency_penalty=NUMBER, presence_penalty=NUMBER, seed=NUMBER)
 @FAST
 def test_sampling_parameters_are_accepted_or_refused_with_a_value_error(**values):
     try:

@@ -40,8 +40,10 @@ class Faulty(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
 
+    received: list[dict] = []  # the requests' bodies
+
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.received.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
         fault = self.path.split("/")[1]
         if fault == "ok":
             self._start_stream()
@@ -93,10 +95,10 @@ def faulty():
     server.shutdown()
 
 
-def reply(url: str, **options):
+def reply(url: str, sampling: SamplingParams = SAMPLING, **options):
     endpoint = Endpoint(url, "m", read_timeout_s=1.0, scrape_metrics=False, **options)
     start = time.monotonic()
-    events = list(endpoint.stream([{"role": "user", "content": "hi"}], SAMPLING))
+    events = list(endpoint.stream([{"role": "user", "content": "hi"}], sampling))
     return events, time.monotonic() - start
 
 
@@ -107,6 +109,18 @@ def test_a_good_stream_becomes_the_engines_events(faulty):
     assert (finished.reason, finished.text, finished.error) == ("eos", "Hello there", None)
     assert finished.metrics.num_prompt_tokens == 5 and finished.metrics.ttft_ms > 0
     assert len(finished.metrics.itl_ms) == 1
+
+
+def test_the_request_carries_the_sampling_settings(faulty):
+    reply(f"{faulty}/ok", SamplingParams(max_new_tokens=7, temperature=0.5, top_k=20, seed=3, stop=("END",),
+                                         frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.1))
+    body = Faulty.received[-1]
+    assert {k: body[k] for k in ("max_tokens", "temperature", "top_k", "seed", "stop", "frequency_penalty",
+                                 "presence_penalty", "repetition_penalty")} == {
+        "max_tokens": 7, "temperature": 0.5, "top_k": 20, "seed": 3, "stop": ["END"], "frequency_penalty": 0.5,
+        "presence_penalty": -0.25, "repetition_penalty": 1.1}
+    reply(f"{faulty}/ok")  # the defaults are left to the server
+    assert not {"frequency_penalty", "presence_penalty", "repetition_penalty", "top_k"} & set(Faulty.received[-1])
 
 
 @pytest.mark.parametrize("fault, message, partial", [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.sampling import _draw, _kept, apply_repetition_penalty, make_generator, sample
+from engine.sampling import _draw, _kept, apply_reply_penalties, apply_repetition_penalty, make_generator, sample
 from engine.text import IncrementalDetokenizer, TextStream
 
 
@@ -19,6 +19,8 @@ from engine.text import IncrementalDetokenizer, TextStream
     ("top_p", 0.0, r"\(0.0, 1.0\]"),
     ("top_p", 1.5, r"\(0.0, 1.0\]"),
     ("repetition_penalty", 0, r"\(0.0, 10.0\]"),
+    ("frequency_penalty", 2.5, r"\[-2.0, 2.0\]"),
+    ("presence_penalty", -3, r"\[-2.0, 2.0\]"),
     ("seed", -3, ">= 0"),
 ])
 def test_invalid_sampling_values_name_field_and_range(field, value, allowed):
@@ -108,6 +110,20 @@ def test_sampled_tokens_follow_temperature_and_top_k():
 def test_repetition_penalty_discourages_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0])
     assert [1.0, -4.0, 1.0] == apply_repetition_penalty(logits, [0, 1], 2.0).tolist()
+
+
+def test_frequency_and_presence_penalties_count_the_reply():
+    logits = torch.zeros(6)
+    assert [0, 0, 0, -1.25, 0, -0.75] == apply_reply_penalties(logits, [3, 5, 3], 0.5, 0.25).tolist()
+    assert [0, 0, 0, 1.0, 0, 0.5] == apply_reply_penalties(logits, [3, 5, 3], -0.5, 0.0).tolist()  # negative: favoured
+    assert logits.eq(0).all()  # the caller's logits stay as they were
+    top = torch.tensor([5.0, 4.0, 0.0])
+    assert 0 == sample(top, SamplingParams(temperature=0), make_generator(0), generated_ids=[0]).token_id
+    penalized = sample(top, SamplingParams(temperature=0, presence_penalty=1.5), make_generator(0), generated_ids=[0])
+    assert (1, [0.0, 1.0, 0.0]) == (penalized.token_id, penalized.top_sample_probs)
+    assert penalized.top_probs == pytest.approx(top.softmax(-1).tolist())  # the model's own, unchanged
+    sampled = sample(top, SamplingParams(temperature=1, frequency_penalty=2), make_generator(0), generated_ids=[0, 0])
+    assert sampled.top_sample_probs == pytest.approx(torch.tensor([1.0, 4.0, 0.0]).softmax(-1).tolist())
 
 
 TEXTS = ["Hello, world!", "你好，世界！今天天气很好。", "Emoji 🌍🚀 and café — naïve", "日本語のテキスト", "🇫🇷 flags 👩‍👩‍👧"]

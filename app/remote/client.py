@@ -134,6 +134,10 @@ class _Stream:
             body["stop"] = list(s.stop)
         if s.top_k:
             body["top_k"] = s.top_k
+        if s.frequency_penalty or s.presence_penalty:
+            body.update(frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
+        if s.repetition_penalty != 1.0:
+            body["repetition_penalty"] = s.repetition_penalty  # vLLM's, SGLang's and PhaseScope's extension
         if s.ignore_eos:
             body["ignore_eos"] = True  # vLLM's and llama.cpp's extension (load sweeps: exact output lengths)
         return body

@@ -62,6 +62,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: exactly max_tokens (load tests)
 
@@ -75,7 +77,8 @@ class _Common(BaseModel):
                            param="max_tokens")
         return SamplingParams(max_new_tokens=max_tokens or limit, temperature=self.temperature,
                               top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
-                              repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos)
+                              repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:
