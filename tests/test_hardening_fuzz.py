@@ -156,9 +156,10 @@ def test_the_api_never_answers_500_to_any_schema_generated_request(api_app):
 
 @given(temperature=st.one_of(st.sampled_from([1e-320, 1e-300, 1e-45, 1e-8]), st.floats(1e-6, 10)),
        penalty=st.one_of(st.sampled_from([1e-300, 1e-40, 10.0]), st.floats(0.01, 10)),
-       top_k=st.integers(0, 300), top_p=st.floats(1e-6, 1.0), scale=st.sampled_from([1.0, 1e30, 3e38]))
+       top_k=st.integers(0, 300), top_p=st.floats(1e-6, 1.0), scale=st.sampled_from([1.0, 1e30, 3e38]),
+       reply_penalty=st.floats(-2, 2))
 @FAST
-def test_sampling_never_fails_on_extreme_numbers(temperature, penalty, top_k, top_p, scale):
+def test_sampling_never_fails_on_extreme_numbers(temperature, penalty, top_k, top_p, scale, reply_penalty):
     """A schemathesis run found this: a tiny temperature overflowed to inf, softmax gave NaN, and
     torch.multinomial raised on the engine's thread, which stopped serving."""
     import torch
@@ -166,8 +167,9 @@ def test_sampling_never_fails_on_extreme_numbers(temperature, penalty, top_k, to
     from engine.sampling import make_generator, sample
 
     logits = torch.randn(300, generator=torch.Generator().manual_seed(0)) * scale
-    params = SamplingParams(temperature=temperature, repetition_penalty=penalty, top_k=top_k, top_p=top_p, seed=1)
-    picked = sample(logits, params, make_generator(1), seen_ids=[1, 2, 3])
+    params = SamplingParams(temperature=temperature, repetition_penalty=penalty, top_k=top_k, top_p=top_p, seed=1,
+                            frequency_penalty=reply_penalty, presence_penalty=-reply_penalty)
+    picked = sample(logits, params, make_generator(1), seen_ids=[1, 2, 3], generated_ids=[2, 3, 3])
     assert 0 <= picked.token_id < 300
 
 
