@@ -125,6 +125,40 @@ def test_completions_logprobs_and_stop(client):
     assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1
 
 
+def test_several_choices_and_prompts_in_one_request(client):
+    """n choices for each prompt run as one request each, decoded together: greedy ones equal the one
+    answer alone; sampled ones differ and repeat with the seed; each prompt is counted once in usage."""
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    alone = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.message.content for c in greedy.choices} == {alone.choices[0].message.content}
+    assert greedy.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert greedy.usage.completion_tokens == sum(c.model_extra["timings"]["predicted_n"] for c in greedy.choices)
+
+    def sampled(**options) -> dict[int, str]:
+        answer = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=10,
+                                                n=3, seed=11, **options)
+        if not options:
+            return {c.index: c.message.content for c in answer.choices}
+        texts: dict[int, str] = {}
+        for chunk in answer:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        return texts
+
+    whole = sampled()
+    assert len(set(whole.values())) > 1 and sampled(stream=True) == whole
+
+    prompts = ["The sky is", "Water boils at"]
+    each = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    both = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.text for c in both.choices] == [e.choices[0].text for e in each for _ in range(2)]
+    assert both.usage.prompt_tokens == sum(e.usage.prompt_tokens for e in each)
+    status, error = post(f"{client.base_url}completions", {"model": MODEL, "prompt": ["a"] * 9, "n": 2})
+    assert status == 400 and "at most 16 choices" in error["error"]["message"]
+
+
 def test_concurrent_clients_get_their_own_answers(client):
     prompts = {i: f"Repeat exactly: {word}" for i, word in enumerate(["apple", "river", "castle", "orange"])}
     alone = {i: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], temperature=0,
@@ -174,7 +208,7 @@ def test_metrics_count_what_was_asked(server, client):
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**30}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 50, "logprobs": True}, 400),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, 400),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404),
@@ -187,30 +221,37 @@ def test_bad_requests_get_openai_errors(server, body, status):
 
 def test_bad_completion_prompts_and_a_missing_key(server):
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [10**9]})[0] == 400
-    assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": ["a", "b"]})[0] == 400
+    assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [[5, 6], [10**9]]})[0] == 400
+    assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": []})[0] == 400
     code, answer = post(f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=None)
     assert code == 401 and answer["error"]["code"] == "invalid_api_key"
 
 
-def test_a_client_that_leaves_cancels_its_request(server):
+@pytest.mark.parametrize("stream, n", [(True, 1), (False, 1), (False, 2)])
+def test_a_client_that_leaves_cancels_its_request(server, stream, n):
     import http.client
 
     host, port = server.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story."}],
-                       "max_tokens": 5000, "stream": True, "temperature": 0})
-    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json",
-                                                              "Authorization": f"Bearer {KEY}"})
-    answer = connection.getresponse()
-    answer.readline()  # the stream has started
+                       "max_tokens": 5000, "stream": stream, "temperature": 0, "ignore_eos": True, "n": n})
     cancelled = 'phasescope:request_success_total{finished_reason="cancelled"}'
     before = metrics(server).get(cancelled, 0)
-    connection.close()  # the client goes away mid-stream
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {KEY}"})
+    if stream:
+        connection.getresponse().readline()  # the stream has started
+    else:  # the tokens have started to come (a whole answer sends nothing until the end)
+        deadline = time.monotonic() + 30
+        while metrics(server)["phasescope:num_requests_running"] < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+    connection.close()  # the client goes away mid-answer
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and metrics(server).get(cancelled, 0) == before:
+    while time.monotonic() < deadline and metrics(server).get(cancelled, 0) < before + n:
         time.sleep(0.1)
     now = metrics(server)
-    assert now.get(cancelled, 0) == before + 1 and now["phasescope:num_requests_running"] == 0
+    assert now.get(cancelled, 0) == before + n and now["phasescope:num_requests_running"] == 0
 
 
 @pytest.mark.parametrize("command", [["ui", "--host", "0.0.0.0"], ["serve", "--host", "0.0.0.0"],

@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP API over a serving engine: /v1/chat/completions, /v1/completions (streamed
 as server-sent events or whole), /v1/models, /health and /metrics.
 
-Each completion is one engine request; its events come from the engine's thread into the request's
-asyncio queue. A client that goes away cancels its request (the engine stops it within a step).
+Each choice of a completion (n for each prompt) is one engine request; their events come from the
+engine's thread into the answer's asyncio queue. A client that goes away cancels its requests (the engine
+stops them within a step).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +27,8 @@ from .metrics import ServerMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_logprob, completion_logprobs, finish_reason,
                        now, timings, usage)
 
-WAIT_S = 0.25  # how often a whole (non-streamed) answer checks that its client is still there
+WAIT_S = 0.25  # how often an answer checks that its client is still there
+MAX_CHOICES = 16  # choices in one answer: n, times the prompts of a completion
 
 
 def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -64,19 +68,30 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
             raise APIError(404, f"the model {name!r} does not exist here; this server runs {model!r}",
                            "not_found_error", param="model", code="model_not_found")
 
-    def submit(new_request, sampling_body, max_tokens) -> tuple[EngineRequest, asyncio.Queue]:
+    def submit(new_requests: list, body, max_tokens) -> tuple[list[EngineRequest], asyncio.Queue]:
+        """One engine request per choice: n for each prompt (seeds seed, seed + 1, ...), submitted
+        together, so that the scheduler decodes them as one batch. Their events come into one queue,
+        each with its choice's index; all or none are submitted."""
+        if len(new_requests) * body.n > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts × n)", param="n")
+        sampling = body.sampling(max_tokens, engine.config.limits.max_new_tokens)
         try:
-            request = new_request(sampling_body.sampling(max_tokens, engine.config.limits.max_new_tokens))
+            jobs = [new_request(sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i))
+                    for new_request in new_requests for i in range(body.n)]
         except PromptTooLong as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
         except (KVPoolTooSmall, ValueError) as exc:
             raise APIError(400, str(exc)) from None
         loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
         try:
-            engine.submit(request, [lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event)])
+            for index, job in enumerate(jobs):
+                engine.submit(job, [lambda event, index=index: loop.call_soon_threadsafe(inbox.put_nowait,
+                                                                                           (index, event))])
         except QueueFull as exc:
+            for job in jobs:
+                job.cancel()
             raise APIError(429, str(exc), "rate_limit_error", code="server_busy") from None
-        return request, inbox
+        return jobs, inbox
 
     @api.get("/health")
     async def health():
@@ -98,9 +113,10 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
         check_model(body.model)
         messages = body.chat()  # the engine refuses an empty or ill-formed conversation (400 below)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job, inbox = submit(lambda sampling: engine.new_request(messages, sampling), body,
-                            body.max_completion_tokens or body.max_tokens)
-        answer = _Answer(engine, job, inbox, request, f"chatcmpl-{uuid.uuid4().hex}", model, chat=True, top=top)
+        jobs, inbox = submit([lambda sampling: engine.new_request(messages, sampling)], body,
+                             body.max_completion_tokens or body.max_tokens)
+        answer = _Answer(engine, jobs, inbox, request, f"chatcmpl-{uuid.uuid4().hex}", model, chat=True, top=top,
+                         n=body.n)
         if body.stream:
             return _sse(answer.chunks(body.include_usage))
         return await answer.whole()
@@ -109,18 +125,16 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     async def completions(body: CompletionRequest, request: Request):
         check_key(request)
         check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request here (n = 1)", param="prompt")
-            prompt = prompt[0]
-        ids = prompt if isinstance(prompt, list) else engine.tokenizer(valid_text(prompt),
-                                                                        add_special_tokens=False)["input_ids"]
-        if any(not 0 <= i < len(engine.tokenizer) for i in ids):
+        prompts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
+        ids = [prompt if isinstance(prompt, list) else engine.tokenizer(valid_text(prompt),
+                                                                         add_special_tokens=False)["input_ids"]
+               for prompt in prompts]
+        if any(not 0 <= i < len(engine.tokenizer) for prompt in ids for i in prompt):
             raise APIError(400, "prompt token ids must be within the vocabulary", param="prompt")
-        job, inbox = submit(lambda sampling: engine.new_request_from_ids(ids, sampling), body, body.max_tokens)
-        answer = _Answer(engine, job, inbox, request, f"cmpl-{uuid.uuid4().hex}", model, chat=False,
-                         top=body.logprobs)
+        jobs, inbox = submit([lambda sampling, prompt=prompt: engine.new_request_from_ids(prompt, sampling)
+                              for prompt in ids], body, body.max_tokens)
+        answer = _Answer(engine, jobs, inbox, request, f"cmpl-{uuid.uuid4().hex}", model, chat=False,
+                         top=body.logprobs, n=body.n)
         if body.stream:
             return _sse(answer.chunks(body.include_usage))
         return await answer.whole()
@@ -137,30 +151,36 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 class _Answer:
-    """One completion's events turned into OpenAI's answer: chunk by chunk, or whole at the end."""
+    """A completion's choices (one engine request each) turned into OpenAI's answer: chunk by chunk, or
+    whole at the end."""
 
-    def __init__(self, engine: Engine, job: EngineRequest, inbox: asyncio.Queue, http: Request, answer_id: str,
-                 model: str, chat: bool, top: int | None) -> None:
-        self.engine, self.job, self.inbox, self.http = engine, job, inbox, http
-        self.id, self.model, self.chat, self.top = answer_id, model, chat, top
+    def __init__(self, engine: Engine, jobs: list[EngineRequest], inbox: asyncio.Queue, http: Request,
+                 answer_id: str, model: str, chat: bool, top: int | None, n: int = 1) -> None:
+        self.engine, self.jobs, self.inbox, self.http = engine, jobs, inbox, http
+        self.id, self.model, self.chat, self.top, self.n = answer_id, model, chat, top, n
         self.created = now()
 
-    async def events(self) -> AsyncIterator[Event]:
-        """The request's events until Finished; cancels it if the client leaves or the caller stops."""
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """The choices' events, each with its index, until every one has finished; cancels those still
+        running if the client leaves or the caller stops."""
+        running, check_at = len(self.jobs), time.monotonic() + WAIT_S
         try:
-            while True:
+            while running:
                 try:
-                    event = await asyncio.wait_for(self.inbox.get(), WAIT_S)
+                    index, event = await asyncio.wait_for(self.inbox.get(), WAIT_S)
                 except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() >= check_at:  # also while tokens flow: a whole answer's client may go
                     if await self.http.is_disconnected():
                         return
-                    continue
-                yield event
-                if isinstance(event, Finished):
-                    return
+                    check_at = time.monotonic() + WAIT_S
+                if event is not None:
+                    yield index, event
+                    running -= isinstance(event, Finished)
         finally:
-            if not self.job.is_finished:
-                self.job.cancel()
+            for job in self.jobs:
+                if not job.is_finished:
+                    job.cancel()
 
     def _logprobs(self, steps: list[DecodeStep], offset: int = 0) -> dict | None:
         """The steps' logprobs as the API shapes them; offset: the characters of text streamed before."""
@@ -171,49 +191,56 @@ class _Answer:
             return {"content": [chat_logprob(step, tokenizer, self.top) for step in steps]}
         return completion_logprobs(steps, tokenizer, self.top, offset)
 
-    def _choice(self, **fields) -> dict:
+    def _chunk(self, *choices: dict) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, **fields}]}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": list(choices)}
 
     async def chunks(self, include_usage: bool) -> AsyncIterator[dict]:
         if self.chat:
-            yield self._choice(delta={"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
-        streamed = 0  # characters of text sent
-        async for event in self.events():
+            yield self._chunk(*({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None} for index in range(len(self.jobs))))
+        streamed = [0] * len(self.jobs)  # characters of text sent, for each choice
+        finished: list[Finished | None] = [None] * len(self.jobs)
+        async for index, event in self.events():
             if isinstance(event, DecodeStep) and (event.text or self.top is not None):
-                logprobs = self._logprobs([event], streamed)
-                streamed += len(event.text)
-                if self.chat:
-                    yield self._choice(delta={"content": event.text}, logprobs=logprobs, finish_reason=None)
-                else:
-                    yield self._choice(text=event.text, logprobs=logprobs, finish_reason=None)
+                logprobs = self._logprobs([event], streamed[index])
+                streamed[index] += len(event.text)
+                text = {"delta": {"content": event.text}} if self.chat else {"text": event.text}
+                yield self._chunk({"index": index, **text, "logprobs": logprobs, "finish_reason": None})
             elif isinstance(event, Finished):
                 if event.reason == "error":
                     yield {"error": APIError(500, event.error or "the engine failed", "server_error").body()["error"]}
                     return
+                finished[index] = event
                 end = {"delta": {}} if self.chat else {"text": ""}
-                chunk = self._choice(**end, logprobs=None, finish_reason=finish_reason(event))
-                chunk["timings"] = timings(event)
+                chunk = self._chunk({"index": index, **end, "logprobs": None, "finish_reason": finish_reason(event)})
+                chunk["timings"] = timings(event)  # this choice's
                 yield chunk
-                if include_usage:
-                    yield {**self._choice(), "choices": [], "usage": usage(event)}
+        if include_usage and all(finished):
+            yield {**self._chunk(), "usage": usage(finished, self.n)}
 
     async def whole(self) -> dict:
-        steps: list[DecodeStep] = []
-        finished = None
-        async for event in self.events():
+        steps: list[list[DecodeStep]] = [[] for _ in self.jobs]
+        finished: list[Finished | None] = [None] * len(self.jobs)
+        async for index, event in self.events():
             if isinstance(event, DecodeStep):
-                steps.append(event)
+                steps[index].append(event)
             elif isinstance(event, Finished):
-                finished = event
-        if finished is None:  # the client left; nobody reads this
+                finished[index] = event
+        if not all(finished):  # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        if finished.reason == "error":
-            raise APIError(500, finished.error or "the engine failed", "server_error")
-        logprobs = self._logprobs(steps)
-        kind = "chat.completion" if self.chat else "text_completion"
-        content = {"message": {"role": "assistant", "content": finished.text}} if self.chat else {"text": finished.text}
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [{"index": 0, **content, "logprobs": logprobs, "finish_reason": finish_reason(finished)}],
-                "usage": usage(finished), "timings": timings(finished)}
+        if error := next((f for f in finished if f.reason == "error"), None):
+            raise APIError(500, error.error or "the engine failed", "server_error")
+        choices = []
+        for index, (done, its_steps) in enumerate(zip(finished, steps)):
+            content = {"message": {"role": "assistant", "content": done.text}} if self.chat else {"text": done.text}
+            choices.append({"index": index, **content, "logprobs": self._logprobs(its_steps),
+                            "finish_reason": finish_reason(done)})
+        answer = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                  "created": self.created, "model": self.model, "choices": choices, "usage": usage(finished, self.n)}
+        if len(choices) == 1:
+            answer["timings"] = timings(finished[0])  # llama.cpp's, for its one request
+        else:
+            for choice, done in zip(choices, finished):
+                choice["timings"] = timings(done)
+        return answer

@@ -61,7 +61,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=16)  # choices for each prompt
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
@@ -96,7 +96,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # one prompt, or several
     max_tokens: int | None = Field(16, ge=1, le=10_000_000)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
@@ -119,11 +119,15 @@ def timings(finished: Finished) -> dict:
             "predicted_per_second": round(m.decode_tokens_per_s or 0.0, 3), "cache_n": m.num_cached_tokens}
 
 
-def usage(finished: Finished) -> dict:
-    m = finished.metrics
-    return {"prompt_tokens": m.num_prompt_tokens, "completion_tokens": m.num_generated_tokens,
-            "total_tokens": m.num_prompt_tokens + m.num_generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": m.num_cached_tokens}}
+def usage(finished: list[Finished], n: int = 1) -> dict:
+    """The tokens of an answer's choices, in order (n for each prompt): each prompt counted once, as
+    OpenAI bills it, with its first choice's cached tokens; every choice's generated tokens."""
+    prompts = [f.metrics for f in finished[::n]]
+    prompt_tokens = sum(m.num_prompt_tokens for m in prompts)
+    completion_tokens = sum(f.metrics.num_generated_tokens for f in finished)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(m.num_cached_tokens for m in prompts)}}
 
 
 def finish_reason(finished: Finished) -> str:
