@@ -198,6 +198,10 @@ def test_metrics_count_what_was_asked(server, client):
     models = json.loads(urllib.request.urlopen(urllib.request.Request(
         f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}), timeout=10).read())
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    from openai import NotFoundError
+    with pytest.raises(NotFoundError, match="this server runs"):
+        client.models.retrieve("gpt-9")
 
 
 @pytest.mark.parametrize("body, status", [

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API over a serving engine: /v1/chat/completions, /v1/completions (streamed
-as server-sent events or whole), /v1/models, /health and /metrics.
+as server-sent events or whole), /v1/models (and /v1/models/NAME), /health and /metrics.
 
 Each choice of a completion (n for each prompt) is one engine request; their events come from the
 engine's thread into the answer's asyncio queue. A client that goes away cancels its requests (the engine
@@ -101,11 +101,20 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": model, "object": "model", "created": now(), "owned_by": "phasescope",
+                "max_model_len": engine.context_window}
+
     @api.get("/v1/models")
     async def models(request: Request):
         check_key(request)
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": now(), "owned_by": "phasescope",
-                                            "max_model_len": engine.context_window}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{name:path}")
+    async def one_model(name: str, request: Request):
+        check_key(request)
+        check_model(name)
+        return model_card()
 
     @api.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
