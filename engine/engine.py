@@ -192,6 +192,9 @@ class Engine:
         if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
             raise PromptTooLong(len(prompt_ids), limits.max_prompt_tokens)
         sampling = sampling or SamplingParams()
+        vocab = self.loaded.model.config.vocab_size
+        if any(token_id >= vocab for token_id, _ in sampling.logit_bias):
+            raise ValueError(f"logit_bias names a token outside the vocabulary of {vocab:,}")
         if sampling.max_new_tokens > limits.max_new_tokens:
             raise ValueError(f"{sampling.max_new_tokens:,} new tokens asked for; the limit is "
                              f"{limits.max_new_tokens:,}")

@@ -1,5 +1,6 @@
 """Choosing the next token from the logits: greedy, or temperature / top-k / top-p sampling, after a
-repetition penalty and OpenAI's frequency and presence penalties, in the order vLLM applies them."""
+repetition penalty and OpenAI's frequency and presence penalties (in the order vLLM applies them), then
+OpenAI's logit bias."""
 from __future__ import annotations
 
 import math
@@ -48,6 +49,16 @@ def apply_reply_penalties(logits: torch.Tensor, generated_ids: Sequence[int], fr
     ids, counts = torch.tensor(generated_ids, dtype=torch.long).unique(return_counts=True)
     logits = logits.clone()
     logits[ids] -= frequency * counts.to(logits.dtype) + presence
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """OpenAI's logit_bias: added to the named tokens' logits (-100 bans a token, 100 all but forces it)."""
+    if not bias:
+        return logits
+    logits = logits.clone()
+    for token_id, value in bias:
+        logits[token_id] += value
     return logits
 
 
@@ -127,14 +138,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     top_ids, top_values, lse = top_fn(logits, num_top)
     top_probs = [math.exp(v - lse) for v in top_values]
-    penalized = (params.repetition_penalty != 1.0 and seen_ids) or (params.penalizes_reply and generated_ids)
-    if params.is_greedy and not penalized:
+    adjusted = ((params.repetition_penalty != 1.0 and seen_ids) or (params.penalizes_reply and generated_ids)
+                or params.logit_bias)
+    if params.is_greedy and not adjusted:
         # the most likely token, read from the top alone: logits on a GPU are not copied over, row by row
         return Sample(top_ids[0], top_probs[0], top_ids, top_probs, [1.0 if i == top_ids[0] else 0.0 for i in top_ids])
     logits = logits.cpu()
     scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     scores = apply_reply_penalties(scores, generated_ids, params.frequency_penalty, params.presence_penalty)
-    if params.is_greedy:  # penalized (unpenalized greedy returned above)
+    scores = apply_logit_bias(scores, params.logit_bias)
+    if params.is_greedy:  # adjusted (plain greedy returned above)
         token_id = int(scores.argmax())
         sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]
     else:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.sampling import _draw, _kept, apply_reply_penalties, apply_repetition_penalty, make_generator, sample
+from engine.sampling import (_draw, _kept, apply_logit_bias, apply_reply_penalties, apply_repetition_penalty,
+                             make_generator, sample)
 from engine.text import IncrementalDetokenizer, TextStream
 
 
@@ -21,10 +22,12 @@ from engine.text import IncrementalDetokenizer, TextStream
     ("repetition_penalty", 0, r"\(0.0, 10.0\]"),
     ("frequency_penalty", 2.5, r"\[-2.0, 2.0\]"),
     ("presence_penalty", -3, r"\[-2.0, 2.0\]"),
+    ("logit_bias", ((5, 100.5),), r"logit_bias of token 5 must be in \[-100.0, 100.0\]"),
+    ("logit_bias", ((-1, 1.0),), "logit_bias takes token ids >= 0"),
     ("seed", -3, ">= 0"),
 ])
 def test_invalid_sampling_values_name_field_and_range(field, value, allowed):
-    with pytest.raises(ValueError, match=f"{field} must .*{allowed}"):
+    with pytest.raises(ValueError, match=f"{field} must .*{allowed}" if field != "logit_bias" else allowed):
         SamplingParams(**{field: value})
 
 
@@ -124,6 +127,15 @@ def test_frequency_and_presence_penalties_count_the_reply():
     assert penalized.top_probs == pytest.approx(top.softmax(-1).tolist())  # the model's own, unchanged
     sampled = sample(top, SamplingParams(temperature=1, frequency_penalty=2), make_generator(0), generated_ids=[0, 0])
     assert sampled.top_sample_probs == pytest.approx(torch.tensor([1.0, 4.0, 0.0]).softmax(-1).tolist())
+
+
+def test_logit_bias_bans_and_forces():
+    logits = torch.tensor([5.0, 4.0, 0.0])
+    assert [5.0, -96.0, 0.5] == apply_logit_bias(logits, ((1, -100.0), (2, 0.5))).tolist()
+    banned = SamplingParams(temperature=0, logit_bias=((0, -100.0),))
+    assert 1 == sample(logits, banned, make_generator(0)).token_id
+    forced = SamplingParams(temperature=1.0, logit_bias=((2, 100.0),))
+    assert {2} == {sample(logits, forced, make_generator(i)).token_id for i in range(20)}
 
 
 TEXTS = ["Hello, world!", "你好，世界！今天天气很好。", "Emoji 🌍🚀 and café — naïve", "日本語のテキスト", "🇫🇷 flags 👩‍👩‍👧"]

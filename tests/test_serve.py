@@ -125,6 +125,17 @@ def test_completions_logprobs_and_stop(client):
     assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1
 
 
+def test_logit_bias_bans_and_forces_a_token(client, tokenizer):
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+    [token] = tokenizer(greedy, add_special_tokens=False)["input_ids"]  # " Paris"
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={str(token): -100}).choices[0].text
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=1.0, seed=1,
+                                       logit_bias={str(token): 100}).choices[0].text
+    assert banned and banned != greedy and forced == greedy * 3
+
+
 def test_several_choices_and_prompts_in_one_request(client):
     """n choices for each prompt run as one request each, decoded together: greedy ones equal the one
     answer alone; sampled ones differ and repeat with the seed; each prompt is counted once in usage."""
@@ -216,6 +227,14 @@ def test_metrics_count_what_was_asked(server, client):
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, 400),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, 400),
+    # what would change the reply is refused rather than ignored
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "weather"}}]}, 400),
 ])
 def test_bad_requests_get_openai_errors(server, body, status):
     code, answer = post(f"{server}/v1/chat/completions", body)

@@ -74,8 +74,8 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
         each with its choice's index; all or none are submitted."""
         if len(new_requests) * body.n > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts × n)", param="n")
-        sampling = body.sampling(max_tokens, engine.config.limits.max_new_tokens)
         try:
+            sampling = body.sampling(max_tokens, engine.config.limits.max_new_tokens)
             jobs = [new_request(sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i))
                     for new_request in new_requests for i in range(body.n)]
         except PromptTooLong as exc:
@@ -120,6 +120,7 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     async def chat_completions(body: ChatRequest, request: Request):
         check_key(request)
         check_model(body.model)
+        body.check_supported()
         messages = body.chat()  # the engine refuses an empty or ill-formed conversation (400 below)
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs, inbox = submit([lambda sampling: engine.new_request(messages, sampling)], body,

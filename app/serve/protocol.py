@@ -65,6 +65,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's keys are) -> -100 to 100
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: exactly max_tokens (load tests)
 
     def sampling(self, max_tokens: int | None, limit: int) -> SamplingParams:
@@ -75,10 +76,14 @@ class _Common(BaseModel):
         if max_tokens is not None and max_tokens > limit:
             raise APIError(400, f"max_tokens {max_tokens:,} is over this server's limit of {limit:,}",
                            param="max_tokens")
-        return SamplingParams(max_new_tokens=max_tokens or limit, temperature=self.temperature,
-                              top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
+        try:
+            bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
+        except ValueError:
+            raise APIError(400, "logit_bias takes token ids as its keys", param="logit_bias") from None
+        return SamplingParams(max_new_tokens=max_tokens or limit, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-                              presence_penalty=self.presence_penalty, ignore_eos=self.ignore_eos)
+                              presence_penalty=self.presence_penalty, logit_bias=bias, ignore_eos=self.ignore_eos)
 
     @property
     def include_usage(self) -> bool:
@@ -90,6 +95,17 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, le=10_000_000)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # asked for, these would change what comes back; refused rather than ignored (check_supported)
+    response_format: dict | None = None
+    tools: list | None = None
+
+    def check_supported(self) -> None:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported here: replies are plain text",
+                           param="response_format")
+        if self.tools:
+            raise APIError(400, "tools are not supported here: this server does not call tools", param="tools")
 
     def chat(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
