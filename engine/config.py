@@ -41,7 +41,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL's, over the prompt and the reply (transformers, vLLM)
     frequency_penalty: float = 0.0  # OpenAI's, over the reply: minus this times a token's count so far
     presence_penalty: float = 0.0  # OpenAI's, over the reply: minus this once a token has appeared
-    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, added to its logit), -100 to 100
+    # OpenAI's: (token id, added to its logit) pairs, or a dict; -100 to 100
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
@@ -56,11 +57,12 @@ class SamplingParams:
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        for token_id, bias in self.logit_bias:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        for token_id, value in bias:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"logit_bias takes token ids >= 0, got {token_id!r}")
-            _check_range(f"logit_bias of token {token_id}", bias, -100.0, 100.0)
-        object.__setattr__(self, "logit_bias", tuple((int(i), float(b)) for i, b in self.logit_bias))
+            _check_range(f"logit_bias of token {token_id}", value, -100.0, 100.0)
+        object.__setattr__(self, "logit_bias", tuple((int(i), float(b)) for i, b in bias))
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):

@@ -175,8 +175,9 @@ def completion_logprobs(steps: list[DecodeStep], tokenizer, top: int, offset: in
     for step in steps:
         offsets.append(offset)
         offset += len(step.text)
-    return {"tokens": [_token(tokenizer, s.token_id)[0] for s in steps], "token_logprobs": [_logprob(s.prob) for s in steps],
-            "top_logprobs": [{_token(tokenizer, t.token_id)[0]: _logprob(t.prob) for t in s.top[:top]} for s in steps],
+    text = tokenizer.decode
+    return {"tokens": [text([s.token_id]) for s in steps], "token_logprobs": [_logprob(s.prob) for s in steps],
+            "top_logprobs": [{text([t.token_id]): _logprob(t.prob) for t in s.top[:top]} for s in steps],
             "text_offset": offsets}
 
 
