@@ -246,6 +246,9 @@ def test_bad_completion_prompts_and_a_missing_key(server):
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [10**9]})[0] == 400
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [[5, 6], [10**9]]})[0] == 400
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": []})[0] == 400
+    code, answer = post(f"{server}/v1/completions", {"model": MODEL, "prompt": "def f(", "suffix": "return 1"})
+    assert code == 400 and answer["error"]["param"] == "suffix"
+    assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3})[0] == 400
     code, answer = post(f"{server}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=None)
     assert code == 401 and answer["error"]["code"] == "invalid_api_key"
 

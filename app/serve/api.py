@@ -135,6 +135,7 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     async def completions(body: CompletionRequest, request: Request):
         check_key(request)
         check_model(body.model)
+        body.check_supported()
         prompts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
         ids = [prompt if isinstance(prompt, list) else engine.tokenizer(valid_text(prompt),
                                                                          add_special_tokens=False)["input_ids"]

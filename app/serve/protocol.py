@@ -116,6 +116,15 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=1, le=10_000_000)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
+    # asked for, these would change what comes back; refused rather than ignored (check_supported)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported here: the model only continues the prompt", param="suffix")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "best_of is not supported here: ask for n choices instead", param="best_of")
 
 
 # --- answers ------------------------------------------------------------------------------------------
