@@ -176,7 +176,11 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     from app.ui.chat_tab import SETTINGS, make_finish, make_respond
     from app.ui.session import ChatSession, EngineThread
 
+    asked = []
+
     def recorder(session, messages, sampling, trace):
+        asked.append(sampling)
+
         def hook(event):
             if isinstance(event, DecodeStep) and event.step == 2:
                 raise RuntimeError("hook broke")
@@ -185,7 +189,7 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     runner = EngineThread().start().serve(tiny_engine)
     session = ChatSession()
     session.accept("Hi")
-    session.settings = dict(zip(SETTINGS, ("", 50, 0, 1.0, 0, -1, 0)))  # as accept keeps them
+    session.settings = dict(zip(SETTINGS, ("", 50, 0, 1.0, 0, 1.15, -1, 0)))  # as accept keeps them
     active, streams = ActiveRequests(), Streams()
     streams.open(session.reply_id)
     # outside a browser request, gr.Warning is a Python warning; the page is drawn whole when respond ends
@@ -197,6 +201,7 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     assert [] == session.warnings  # delivered to the page
     assert "cancelled" == session.traces[-1].finished.reason  # the engine ended it; the thread lives on
     assert "" == session.pending
+    assert [(50, 0.0, 1.15)] == [(s.max_new_tokens, s.temperature, s.repetition_penalty) for s in asked]
 
 
 def _replay(messages: list[str]) -> tuple[dict, dict, str]:

@@ -93,17 +93,17 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, chatb
             session)
 
 
-def _settings(max_new_tokens, temperature, top_p, top_k, seed) -> SamplingParams:
+def _settings(max_new_tokens, temperature, top_p, top_k, seed, repetition_penalty=1.0) -> SamplingParams:
     seed = None if seed in (None, "") or int(seed) < 0 else int(seed)
     return SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
-                          top_k=int(top_k), seed=seed)
+                          top_k=int(top_k), seed=seed, repetition_penalty=float(repetition_penalty))
 
 
 def _backend_choices(lang: str) -> list[tuple[str, str]]:
     return [(t(lang, "chat.backend_local"), "local"), (t(lang, "chat.backend_endpoint"), "endpoint")]
 
 
-SETTINGS = ("system", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "prefill_chunk")
+SETTINGS = ("system", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "prefill_chunk")
 
 
 def make_accept(active: ActiveRequests, streams: live.Streams):
@@ -138,11 +138,12 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         finally:
             streams.close(session.reply_id)
 
-    def _respond(session, text, system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk):
+    def _respond(session, text, system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
+                 prefill_chunk):
         system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
         messages = system_messages + session.messages + [{"role": "user", "content": text}]
         try:
-            sampling = _settings(max_new_tokens, temperature, top_p, top_k, seed)
+            sampling = _settings(max_new_tokens, temperature, top_p, top_k, seed, repetition_penalty)
             request = None if session.endpoint else engine.new_request(messages, sampling,
                                                                         prefill_chunk=int(prefill_chunk or 0))
             if request is not None:
@@ -259,6 +260,9 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                                     elem_id="ps-temperature")
                 top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"))
                 top_k = texts(gr.Slider, 0, 200, value=0, step=1, label=K("chat.top_k"))
+                # small models fall into loops; Ollama uses 1.1 by default against them
+                repetition_penalty = texts(gr.Slider, 1.0, 2.0, value=1.0, step=0.05,
+                                           label=K("chat.repetition_penalty"), elem_id="ps-repetition-penalty")
                 seed = texts(gr.Number, label=K("chat.seed"), value=-1, precision=0, minimum=-1, elem_id="ps-seed")
                 prefill_chunk = texts(gr.Slider, 0, 1024, value=0, step=16, label=K("chat.prefill_chunk"),
                                       elem_id="ps-prefill-chunk")
@@ -290,7 +294,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             pool = gr.HTML("", elem_id="ps-pool")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
-    settings = [system, max_new_tokens, temperature, top_p, top_k, seed, prefill_chunk]  # in SETTINGS' order
+    settings = [system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
+                prefill_chunk]  # in SETTINGS' order
     accept, finish = make_accept(active, streams), make_finish(engine, active)
     respond = make_respond(engine, active, recorder, streams)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
