@@ -294,8 +294,9 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             pool = gr.HTML("", elem_id="ps-pool")
     tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
-    settings = [system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
-                prefill_chunk]  # in SETTINGS' order
+    named = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                 repetition_penalty=repetition_penalty, seed=seed, prefill_chunk=prefill_chunk)
+    settings = [named[name] for name in SETTINGS]  # accept zips them with SETTINGS
     accept, finish = make_accept(active, streams), make_finish(engine, active)
     respond = make_respond(engine, active, recorder, streams)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
