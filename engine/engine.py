@@ -606,12 +606,12 @@ class Engine:
         draft: the token comes from a draft's row; guess: the draft's token for this row, counted as
         accepted when it is the one sampled."""
         sample_start_ns = self._now_ns()
-        penalize = r.sampling.repetition_penalty != 1.0
+        penalize = r.sampling.repetition_penalty != 1.0  # the prompt and reply joined: a copy, made only then
         top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
         if top is not None:
             top_fn = lambda *_: top  # noqa: E731
         picked = sample(logits, r.sampling, r.generator, r.prompt_ids + r.generated_ids if penalize else (),
-                        top_fn=top_fn, generated_ids=r.generated_ids if r.sampling.penalizes_reply else ())
+                        top_fn=top_fn, generated_ids=r.generated_ids)
         now_ns = self._now_ns()
         stage_ms = None
         if r.explain:  # the forward's stages (none for token 1: the prefill's were reported), and sampling
