@@ -71,7 +71,8 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     def submit(new_requests: list, body, max_tokens) -> tuple[list[EngineRequest], asyncio.Queue]:
         """One engine request per choice: n for each prompt (seeds seed, seed + 1, ...), submitted
         together, so that the scheduler decodes them as one batch. Their events come into one queue,
-        each with its choice's index; all or none are submitted."""
+        each with its choice's index. A queue full part-way cancels those already submitted: all run or
+        none."""
         if len(new_requests) * body.n > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts × n)", param="n")
         try:
