@@ -1,8 +1,11 @@
-"""Tensor parallelism: two gloo processes on loopback give one rank's logits and greedy tokens, through
-prefill, batched decode and the prefix cache; the split is as even as whole heads allow; the workers
-are gone after close."""
+"""Tensor parallelism: two processes give one rank's logits and greedy tokens, through prefill, batched
+decode and the prefix cache, with their all-reduces through shared memory or gloo on loopback; the
+shared-memory link's sums and gathers; the split is as even as whole heads allow; the workers and the
+shared-memory file are gone after close."""
 from __future__ import annotations
 
+import glob
+import os
 import multiprocessing
 import subprocess
 import sys
@@ -14,7 +17,52 @@ import torch
 from conftest import tiny_model, user
 from engine import Engine, EngineConfig, SamplingParams
 from engine.llama import LeanLlama
+from engine.shared_memory import SharedMemoryLink
 from engine.tensor_parallel import split_plan, start
+
+
+def _link_rank(path: str, rank: int, world: int, results) -> None:
+    link = SharedMemoryLink(path, rank, world, peers_alive=lambda: True, slot_bytes=4096)
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(rank))  # 12,000 bytes: 3 pieces of a slot
+    link.all_reduce(x)
+    gathered = link.all_gather(torch.full((5, 300), float(rank)))
+    results.put((rank, x.tolist(), [g.tolist() for g in gathered]))  # plain values: the rank exits at once
+
+
+def test_the_shared_memory_link_sums_and_gathers_in_pieces():
+    world = 3
+    path = SharedMemoryLink.create(world, slot_bytes=4096)
+    if path is None:
+        pytest.skip("no shared memory here (not x86, or no room in /dev/shm)")
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    ranks = [spawn.Process(target=_link_rank, args=(path, rank, world, results)) for rank in range(world)]
+    try:
+        for process in ranks:
+            process.start()
+        got = dict((rank, (x, gathered)) for rank, x, gathered in (results.get(timeout=60) for _ in ranks))
+    finally:
+        for process in ranks:
+            process.join(timeout=10)
+        os.unlink(path)
+    parts = [torch.randn(3, 1000, generator=torch.Generator().manual_seed(rank)) for rank in range(world)]
+    expected = parts[0] + parts[1] + parts[2]  # in rank order, as every rank adds them
+    for rank in range(world):
+        x, gathered = got[rank]
+        assert torch.equal(torch.tensor(x), expected)  # bit for bit, on every rank
+        assert gathered == [torch.full((5, 300), float(r)).tolist() for r in range(world)]
+
+
+def test_a_rank_waiting_for_one_that_stopped_gives_up():
+    path = SharedMemoryLink.create(2, slot_bytes=4096)
+    if path is None:
+        pytest.skip("no shared memory here")
+    try:
+        link = SharedMemoryLink(path, 0, 2, peers_alive=lambda: False, slot_bytes=4096)
+        with pytest.raises(RuntimeError, match="rank has stopped"):
+            link.all_reduce(torch.ones(10))
+    finally:
+        os.unlink(path)
 
 
 def test_the_split_is_as_even_as_whole_heads_allow():
@@ -28,13 +76,15 @@ def test_the_split_is_as_even_as_whole_heads_allow():
         split_plan(smollm2, 10)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a bias on q, k and v
-def test_two_ranks_give_one_ranks_logits(tokenizer, kind):
+@pytest.mark.parametrize("kind, link", [("llama", "shared memory"), ("qwen2", "gloo")])  # qwen2: q, k, v biases
+def test_two_ranks_give_one_ranks_logits(tokenizer, monkeypatch, kind, link):
+    monkeypatch.setenv("PHASESCOPE_TP_SHARED_MEMORY", "1" if link == "shared memory" else "0")
     # 3 KV heads: one on both ranks
     loaded = tiny_model(tokenizer, kind, num_heads=6, num_kv_heads=3, hidden=192, max_positions=512)
     reference = LeanLlama(loaded.model, "fp32")
     ids = torch.arange(300) % 700 + 11
     runner = start(loaded.model, "fp32", 2, threads=1)
+    assert runner.decode_path.endswith(f"({link})")
     halves = []  # (position, tokens) of each prefill rank 0 ran as two halves, overlapping their all-reduces
     in_halves = runner._forward_halves
 
@@ -70,7 +120,8 @@ def test_the_engine_on_two_ranks_decodes_the_same_tokens(tokenizer):
     one = Engine(loaded, EngineConfig(precision="fp32"))
     split = Engine(loaded, EngineConfig(precision="fp32", tensor_parallel=2))
     try:
-        assert split.info.decode_path == "PyTorch ops, tensor parallel x2 (gloo)"
+        assert split.info.decode_path == "PyTorch ops, tensor parallel x2 (shared memory)"
+        assert not glob.glob("/dev/shm/phasescope-tp-*")  # every rank mapped it: the name is gone
         first = one.generate(conversation, sampling).text
         events = list(split.stream(conversation, sampling))
         assert events[-1].text == first
