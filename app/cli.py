@@ -51,8 +51,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share "
                              "(default on; --no-split-kv to compare)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                        help="split the model over N processes (Megatron-style, gloo on CPU): each holds a slice "
-                             "of every layer, joined by two all-reduces per layer; the cores are shared out")
+                        help="split the model over N processes (Megatron-style): each holds a slice of every "
+                             "layer, joined by two all-reduces per layer (on CPU through shared memory, else "
+                             "gloo); the cores are shared out")
     limits = parser.add_argument_group("limits (each refused with a one-line message)")
     limits.add_argument("--limit-prompt-tokens", type=int, metavar="N", help="prompt tokens (default: the context)")
     limits.add_argument("--limit-new-tokens", type=int, default=8192, metavar="N",
