@@ -39,7 +39,7 @@ from .kv_pool import KVPool, SequenceKV, blocks_for, kv_bytes_formula, row_eleme
 from .llama import LeanLlama, StageClock
 from .shared_memory import SharedMemoryLink
 
-MIN_HALF_TOKENS = 64  # a prefill of at least twice this runs as two halves that overlap their all-reduces
+MIN_HALF_TOKENS = 64  # a prefill of at least twice this runs as two halves, taken in turns (_forward_halves)
 START_TIMEOUT = timedelta(seconds=90)  # for every rank to start and join
 IDLE_TIMEOUT = timedelta(days=30)  # a worker waits this long for the next forward (the app may sit idle)
 
