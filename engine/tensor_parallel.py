@@ -364,8 +364,10 @@ def _join_group(rank: int, world: int, address: str, device: torch.device, link_
     """This rank's end of the group, with the shared-memory link where rank 0 made one (every rank maps
     the file before rank 0 removes its name)."""
     process_group = _init(rank, world, address, device)
-    link = SharedMemoryLink(link_path, rank, world, peers_alive) if link_path else None
-    dist.barrier(group=process_group)
+    link = None
+    if link_path:  # the same on every rank: rank 0 handed its path to all
+        link = SharedMemoryLink(link_path, rank, world, peers_alive)
+        dist.barrier(group=process_group)
     return Group(rank, world, process_group, link)
 
 
