@@ -345,7 +345,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         nonlocal session
         session = ChatSession()
 
-    for text in _user_lines(clear):
+    def retry() -> str | None:
+        """The last message, taken back with its reply to be sent again (the history marks that reply
+        replaced); None before any reply."""
+        return session.retract() if session.traces else None
+
+    for text in _user_lines(clear, retry):
         messages = _conversation(args.system) + session.messages + [{"role": "user", "content": text}]
         try:
             request = None if endpoint else engine.new_request(messages, sampling)
@@ -354,6 +359,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
+        session.asked = text
         hooks = [trace.add]
         try:
             hooks.append(record(session, messages, sampling, trace))
@@ -374,8 +380,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         for warning in session.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         session.warnings.clear()
-        if finished is not None and finished.error:
-            print(f"error: {finished.error}")
+        if trace.failed:
+            print(f"error: {trace.finished.error}")
         else:
             session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
         if finished is not None:
@@ -412,11 +418,13 @@ def _dim(text: str) -> str:
     return text
 
 
-CHAT_COMMANDS = "Type /clear for a new chat, /bye or Ctrl-D to leave, /? for help; Ctrl-C stops a reply"
+CHAT_COMMANDS = ("Type /retry for another reply to your last message, /clear for a new chat, /bye or Ctrl-D to "
+                 "leave, /? for help; Ctrl-C stops a reply")
 
 
-def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
-    """What the user types at the >>> prompt, line by line; /clear starts a new chat, /bye or Ctrl-D ends."""
+def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> Iterator[str]:
+    """What the user types at the >>> prompt, line by line; /retry sends the last message again, /clear
+    starts a new chat, /bye or Ctrl-D ends."""
     while True:
         try:
             text = input("\n>>> ").strip()
@@ -428,6 +436,11 @@ def _user_lines(clear: Callable[[], None]) -> Iterator[str]:
         if text == "/clear":
             clear()
             print("(new chat)")
+        elif text == "/retry":
+            again = retry()
+            print(f"(again: {again})" if again else "(no reply to retry yet)")
+            if again:
+                yield again
         elif text in ("/?", "/help"):
             print(f"{CHAT_COMMANDS}. Any other line is sent to the model.")
         elif text:

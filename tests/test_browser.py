@@ -139,6 +139,31 @@ def test_second_turn_reuses_the_first_turns_kv(page):
     assert f"{prompt} prompt tok · cached {cached} ·" in reply
 
 
+def test_retry_replaces_the_last_reply_with_its_prompt_from_the_cache(page, app_db):
+    from app.history.store import Store
+
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", 8)
+    send(page, "Describe the sea in one long sentence.")
+    wait_phase(page, "done")
+    set_setting(page, "ps-max-new", 3)  # the retry takes the settings as they are now
+    page.fill("#ps-message textarea", "a draft")
+    page.click("#ps-chatbot button[aria-label=Retry]")
+    page.wait_for_function("() => /· 3 tok$/.test([...document.querySelectorAll('#ps-chatbot [data-testid=bot]')]"
+                           ".pop().innerText.trim())", timeout=120_000)
+    assert (1, 1) == (page.locator("#ps-chatbot [data-testid=user]").count(),
+                      page.locator("#ps-chatbot [data-testid=bot]").count())
+    assert "a draft" == page.input_value("#ps-message textarea")  # the box keeps what was being typed
+    cached, prompt = map(int, re.fullmatch(r"cached (\d+) / (\d+)", kpi_note(page, "prompt_tokens")).groups())
+    assert 0 < cached < prompt  # the same prompt again: prefilled from the cache
+    store = Store.open(app_db)
+    session = store.sessions()[0]
+    user, replaced, retried = store.messages(session["id"])
+    assert ("Describe the sea in one long sentence.", 8, 3) == (
+        user["content"], replaced["generated_tokens"], retried["generated_tokens"])
+    assert (retried["id"], None, 1) == (replaced["replaced_by"], retried["replaced_by"], session["turns"])
+
+
 def test_stop_keeps_the_partial_reply(page):
     set_setting(page, "ps-max-new", 600)
     send(page, "Write a very long story about a lighthouse keeper, with many chapters.")

@@ -107,20 +107,25 @@ def test_cli_errors_are_one_line(args, message):
 def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     db = tmp_path / "history.db"
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
-                          "--db", str(db)], input="My name is Ada.\n/?\nWhat is my name?\n/clear\nHello\n/bye\n",
+                          "--db", str(db)],
+                         input="/retry\nMy name is Ada.\n/?\nWhat is my name?\n/clear\nHello\n/retry\n/bye\n",
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
-    assert len(lines) == 3 and "(new chat)" in out.stdout and "Any other line is sent to the model" in out.stdout
-    (first, _), (second, cached), (third, _) = [(int(p), int(c)) for p, c in lines]
+    assert len(lines) == 4 and "(new chat)" in out.stdout and "Any other line is sent to the model" in out.stdout
+    assert "(no reply to retry yet)" in out.stdout and "(again: Hello)" in out.stdout
+    (first, _), (second, cached), (third, _), (again, cached_again) = [(int(p), int(c)) for p, c in lines]
     assert second > first and cached > 0  # the second turn carries the first, from the cache
     assert third < second  # after /clear the conversation starts again
+    assert again == third and cached_again > 0  # /retry: the same prompt, from the cache
     store = Store.open(db)  # each conversation saved as the browser's are: messages, metrics, every step
     assert [(s["title"], s["turns"]) for s in store.sessions()] == [("Hello", 1), ("My name is Ada.", 2)]
     for session in store.sessions():
         replies = [m for m in store.messages(session["id"]) if m["role"] == "assistant"]
         assert all(m["status"] == "complete" and m["ttft_ms"] > 0 for m in replies)
         assert [len(store.steps(m["id"])) for m in replies] == [1 + m["generated_tokens"] for m in replies]
+    _, replaced, retried = store.messages(store.sessions()[0]["id"])  # /retry kept the reply it replaced
+    assert (retried["id"], None) == (replaced["replaced_by"], retried["replaced_by"])
     ada = store.sessions()[1]["id"]  # continued in a new process: the conversation so far is shown and sent
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
                           "--db", str(db), "--session", str(ada)], input="And again?\n/bye\n", capture_output=True,

@@ -1,6 +1,8 @@
 """The history database: round trip, batched writes, Stop and errors, migrations, bad files."""
 from __future__ import annotations
 
+import csv
+import io
 import sqlite3
 
 import pytest
@@ -107,6 +109,36 @@ def test_second_turn_goes_to_the_same_session_and_restores(tiny, store):
     assert all("prompt tok · cached " in d["content"] for d in restored.display if d["role"] == "assistant")
 
 
+def test_a_retried_reply_takes_the_turn_and_the_replaced_one_stays_in_the_history(tiny, store):
+    from app.history.export import to_csv, to_json
+
+    engine = Engine(tiny)
+    session, _, _ = record(engine, store, "First question")
+    record(engine, store, "Second question", session=session)
+    session.asked = "Second question"  # as the chat tab's accept keeps it
+    assert "Second question" == session.retract()
+    assert (2, 1) == (len(session.messages), len(session.traces))  # the first turn is left
+    shorter = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    _, events, _ = record(engine, store, "Second question", session=session, sampling=shorter)
+    assert events[0].num_cached_tokens > 0  # the same prompt again: prefilled from the cache
+    rows = store.messages(session.store_id)
+    assert [(1, "user"), (1, "assistant"), (2, "user"), (2, "assistant"), (2, "assistant")] == [
+        (m["turn"], m["role"]) for m in rows]
+    replaced, retried = rows[3], rows[4]
+    assert (retried["id"], None) == (replaced["replaced_by"], retried["replaced_by"])
+    assert (6, 4) == (replaced["generated_tokens"], retried["generated_tokens"])
+    restored = load_chat(store, session.store_id)
+    assert session.messages == restored.messages  # the retried reply, not the one it replaced
+    assert ([1, 2], 4) == ([t.turn for t in restored.traces], len(restored.traces[1].steps))
+    assert 2 == store.sessions()[0]["turns"]
+    exported = to_json(store, session.store_id)["sessions"][0]["messages"]  # both replies' timings, measured
+    assert [None, None, None, retried["id"], None] == [m["replaced_by"] for m in exported]
+    assert 6 == len([s for s in exported[3]["steps"] if s["phase"] == "decode"])
+    replaced_rows = [row for row in csv.DictReader(io.StringIO(to_csv(store, session.store_id)))
+                     if row["replaced_by"]]
+    assert 1 + 6 == len(replaced_rows) and {str(retried["id"])} == {row["replaced_by"] for row in replaced_rows}
+
+
 def test_cached_prompt_tokens_and_batch_sizes_are_stored_and_restored(tiny, store):
     from app.history.export import to_csv, to_json
 
@@ -122,7 +154,7 @@ def test_cached_prompt_tokens_and_batch_sizes_are_stored_and_restored(tiny, stor
     restored = load_chat(store, session.store_id).traces[1]
     assert cached == restored.num_cached_tokens == restored.chunks[0].start  # the chart starts from the kept part
     header, *rows = to_csv(store, session.store_id).splitlines()
-    assert header.endswith(",batch_size,cached_prompt_tokens") and rows[-1].endswith(f",1,{cached}")
+    assert header.endswith(",batch_size,cached_prompt_tokens,replaced_by") and rows[-1].endswith(f",1,{cached},")
     exported = to_json(store, session.store_id)["sessions"][0]["messages"][3]
     assert (cached, 1) == (exported["metrics"]["num_cached_tokens"], exported["steps"][-1]["batch_size"])
 
@@ -205,7 +237,7 @@ def test_a_newer_schema_is_refused_and_untouched(tmp_path):
     conn.commit()
     conn.close()
     before = path.read_bytes()
-    with pytest.raises(StoreError, match=r"newer PhaseScope \(schema 99, this one knows 4\)"):
+    with pytest.raises(StoreError, match=rf"newer PhaseScope \(schema 99, this one knows {LATEST_VERSION}\)"):
         Store.open(path)
     assert before == path.read_bytes()
 

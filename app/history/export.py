@@ -16,7 +16,8 @@ from .store import Store
 
 FORMATS = ("csv", "json", "trace")
 CSV_COLUMNS = ["session_id", "message_id", "turn", "phase", "index", "start_ms", "latency_ms", "tokens",
-               "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob", "batch_size", "cached_prompt_tokens"]
+               "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob", "batch_size", "cached_prompt_tokens",
+               "replaced_by"]
 DEFINITIONS = {
     "ttft_ms": "request submitted -> first generated token available",
     "itl_ms": "gap between two successive generated tokens",
@@ -27,6 +28,7 @@ DEFINITIONS = {
     "start_ms": "step start, from the request's submission",
     "batch_size": "sequences decoded together in the step that produced this token",
     "cached_prompt_tokens": "prompt tokens whose KV came from the cache (prefix caching), not prefilled",
+    "replaced_by": "the reply that Retry put in this one's place (same turn); empty for the replies kept",
 }
 
 
@@ -53,7 +55,8 @@ def to_csv(store: Store, session_id: int | None = None) -> str:
                 writer.writerow([sid, message["id"], message["turn"], step["phase"], step["idx"],
                                  step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
                                  step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
-                                 step["token_prob"], step["batch_size"], message["cached_prompt_tokens"]])
+                                 step["token_prob"], step["batch_size"], message["cached_prompt_tokens"],
+                                 message["replaced_by"]])
     return out.getvalue()
 
 

@@ -90,8 +90,7 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo]):
             about = session.endpoint.info() if session.endpoint is not None else model()  # a remote chat: the endpoint
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
                                                     about.name, about.device, about.dtype, settings)
-        store.add_message(session.store_id, trace.turn, "user", user_text)
-        message_id = store.add_message(session.store_id, trace.turn, "assistant", "", status="in_progress")
+        message_id = store.add_reply(session.store_id, trace.turn, user_text)  # a retried turn: a new reply
         return MessageRecorder(store, message_id,
                                on_error=lambda exc: session.warn(t(session.lang, "warning.save_failed", detail=exc)))
 
@@ -145,12 +144,13 @@ def message_events(message: dict, steps: list[dict]) -> list[Event]:
 
 
 def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession:
-    """A stored session as the chat tab holds it, to show it again and continue it (in the page's language)."""
+    """A stored session as the chat tab holds it, to show it again and continue it (in the page's language):
+    each turn with its latest reply (one a Retry replaced is left out)."""
     session = ChatSession(store_id=session_id, lang=lang)
     messages = store.messages(session_id)
     questions = {m["turn"]: m["content"] for m in messages if m["role"] == "user"}
     for message in messages:
-        if message["role"] == "assistant":
+        if message["role"] == "assistant" and message["replaced_by"] is None:
             trace = ReplyTrace(turn=message["turn"])
             for event in message_events(message, store.steps(message["id"])):
                 trace.add(event)

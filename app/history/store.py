@@ -81,7 +81,13 @@ def _v4(db: Database) -> None:
     db["lab_runs"].create_index(["experiment"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4]
+def _v5(db: Database) -> None:
+    """Retry: a turn's reply that a later one replaced keeps its row and steps (its timings were
+    measured), with the id of the reply that took its place."""
+    db["messages"].add_column("replaced_by", int)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5]
 LATEST_VERSION = len(MIGRATIONS)
 
 # a step's columns, in the order add_steps writes them (token_text, token_prob and batch_size last)
@@ -190,6 +196,26 @@ class Store:
             return self.db["messages"].insert(dict(session_id=session_id, turn=turn, role=role, content=clean(content),
                                                    status=status, created_at=stamp)).last_pk
 
+    def add_reply(self, session_id: int, turn: int, user_text: str) -> int:
+        """A turn's user message and its assistant reply (in progress), in one transaction; returns the
+        reply's id. A turn that has a reply already is being retried: its user message stays as it is,
+        and its earlier replies are marked replaced_by the new one."""
+        stamp = now_iso()
+        with self._write():
+            self.db["sessions"].update(session_id, {"updated_at": stamp})
+            this_turn = [session_id, turn]
+            retried = self.db.execute("SELECT 1 FROM messages WHERE session_id = ? AND turn = ? "
+                                      "AND role = 'assistant'", this_turn).fetchone()
+            if not retried:
+                self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user",
+                                                content=clean(user_text), status="complete", created_at=stamp))
+            reply_id = self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="assistant", content="",
+                                                       status="in_progress", created_at=stamp)).last_pk
+            self.db.execute("UPDATE messages SET replaced_by = ? WHERE session_id = ? AND turn = ? "
+                            "AND role = 'assistant' AND replaced_by IS NULL AND id != ?",
+                            [reply_id, *this_turn, reply_id])
+            return reply_id
+
     def update_message(self, message_id: int, **fields) -> None:
         fields = {k: clean(v) if isinstance(v, str) else v for k, v in fields.items()}
         with self._lock:
@@ -236,11 +262,13 @@ class Store:
             return list(self.db.query(sql, params))
 
     def sessions(self, search: str = "") -> list[dict]:
-        """Newest first, with turns and mean TTFT/TPOT; search matches titles and message text."""
+        """Newest first, with turns and mean TTFT/TPOT (of the replies a Retry did not replace); search
+        matches titles and message text."""
         like = f"%{clean(search.strip())}%"
         return self._query(
             "SELECT s.*, COUNT(m.id) AS turns, AVG(m.ttft_ms) AS mean_ttft_ms, AVG(m.tpot_ms) AS mean_tpot_ms "
             "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id AND m.role = 'assistant' "
+            "AND m.replaced_by IS NULL "
             "WHERE ? = '%%' OR s.title LIKE ? OR EXISTS (SELECT 1 FROM messages x WHERE x.session_id = s.id "
             "AND x.content LIKE ?) GROUP BY s.id ORDER BY s.updated_at DESC, s.id DESC", [like, like, like])
 

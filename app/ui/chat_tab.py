@@ -124,6 +124,19 @@ def make_accept(active: ActiveRequests, streams: live.Streams):
     return accept
 
 
+def make_retry(accept):
+    """Retry, under the last reply: take back the last exchange and send its message again, with the
+    settings as they are now, as accept does (the box's draft stays). The same prompt again: its tokens
+    are in the engine's prefix cache, and the new reply's TTFT shows it."""
+    def retry(message, session, lang, *settings):
+        if session is None or session.pending or not session.display or not session.asked.strip():
+            return gr.skip(), gr.skip(), gr.skip(), session
+        display, _, phase, session = accept(session.retract(), session, lang, *settings)
+        return display, gr.skip(), phase, session
+
+    return retry
+
+
 def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None, streams: live.Streams):
     """The queued second step: run the accepted message, publishing what is new to the reply's stream
     every UPDATE_EVERY_S; the tab is drawn whole when it ends (make_finish). Its event has no outputs
@@ -182,7 +195,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             if worker.error:
                 session.warn(t(session.lang, "warning.ended_early", detail=worker.error))
             session.pending = ""
-            if trace.finished and trace.finished.reason != "error":
+            if not trace.failed:
                 session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
         session.show_reply(trace)
 
@@ -301,9 +314,9 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     respond = make_respond(engine, active, recorder, streams)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
     replies = []
-    for trigger in (message.submit, send.click):
+    for trigger, first in ((message.submit, accept), (send.click, accept), (chatbot.retry, make_retry(accept))):
         # accept is instant: no progress overlay (its fade in and out was drawn as decode began)
-        accepted = trigger(accept, [message, session, lang, *settings], [chatbot, message, phase, session],
+        accepted = trigger(first, [message, session, lang, *settings], [chatbot, message, phase, session],
                            queue=False, show_progress="hidden")
         reply = accepted.then(respond, [session], None, concurrency_limit=engine.config.max_running,
                               concurrency_id="engine", show_progress="hidden")

@@ -44,15 +44,20 @@ class ChatSession:
     lang: str = DEFAULT  # the page's language when the chat last sent or switched (app/i18n)
     endpoint: object | None = None  # an app.remote.Endpoint when this chat talks to a remote server
     settings: dict = field(default_factory=dict)  # the accepted message's settings (chat_tab's SETTINGS)
-    reply_id: str = ""  # the accepted message's reply: this chat's random id and the reply's turn
+    reply_id: str = ""  # the accepted message's reply: this chat's random id and the reply's number
+    asked: str = ""  # the last exchange's message (raw text), for Retry
+    refused: bool = False  # the engine refused the last message before it ran (no trace: show_error)
+    sent: int = 0  # messages accepted in this chat: a retried one gets a reply id of its own
 
     def accept(self, user_text: str) -> None:
         """Show the user's message at once, and the reply as an empty span (shown as "…") that the page
         fills as text streams (static/phasescope.js): the conversation is sent to the page once per
         reply, before decode, and again when the reply ends (a re-render of the chat, while decode runs,
         took ~140 ms of the page's CPU from it)."""
-        self.pending = user_text
-        self.reply_id = f"{self.id}-{len(self.traces) + 1}"
+        self.pending = self.asked = user_text
+        self.refused = False
+        self.sent += 1
+        self.reply_id = f"{self.id}-{self.sent}"
         self.display += [{"role": "user", "content": as_text(user_text)},
                          {"role": "assistant", "content": live_span(self.reply_id)}]
 
@@ -71,13 +76,24 @@ class ChatSession:
         self.pending = ""
         self.traces.append(trace)
         self.show_reply(trace)
-        if trace.finished is None or trace.finished.reason != "error":
+        if not trace.failed:
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": trace.text}]
+
+    def retract(self) -> str:
+        """Take back the last exchange, for Retry: its message and reply leave the chat, and the message is
+        returned, to be sent again (the history keeps the reply, marked replaced: app/history/store.py)."""
+        del self.display[-2:]
+        if not self.refused:
+            if not self.traces.pop().failed:  # it was part of the conversation
+                del self.messages[-2:]
+        return self.asked
 
     def warn(self, message: str) -> None:
         self.warnings.append(message)
 
     def show_error(self, error: str) -> None:
+        """The engine refused the message (its settings, a full queue): said in the reply's place."""
+        self.refused = True
         self.display[-1] = {"role": "assistant", "content": f"⚠️ {as_text(error)}"}
 
 

@@ -74,6 +74,12 @@ class ReplyTrace:
         return "prefill" if self.started else "queued"
 
     @property
+    def failed(self) -> bool:
+        """Whether the reply ended in an error: then it is shown, but not part of the conversation the
+        model sees next."""
+        return self.finished is not None and self.finished.reason == "error"
+
+    @property
     def num_prompt_tokens(self) -> int:
         return self.started.num_prompt_tokens if self.started else 0
 
