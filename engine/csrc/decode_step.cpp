@@ -1012,7 +1012,7 @@ constexpr int64_t kTileTokens = 16;  // tokens per task
 // Scratch memory of this thread, kept between calls (a fresh allocation per call was a page fault per
 // 4 KB, as long as the arithmetic itself); which: one of a few buffers in use at once.
 float *scratch(int which, int64_t size) {
-    thread_local std::vector<float> buffers[3];
+    thread_local std::vector<float> buffers[4];
     if (int64_t(buffers[which].size()) < size) buffers[which].resize(size);
     return buffers[which].data();
 }
@@ -1035,28 +1035,30 @@ inline Lanes load_lanes(const RowReader<KV> &row, int64_t i) {
 #endif
 }
 
-inline float sum_lanes16(Vec16 v) {
-    float total = 0.0f;
-    for (int i = 0; i < 16; i++) total += v[i];
-    return total;
-}
-
-// softmax of s[0, n) in place, in a fixed order for a given n; returns 1 / (sum of exponentials)
+// softmax of s[0, n) in place, in a fixed order for a given n; returns 1 / (sum of exponentials). The
+// maximum and the sum run in 16 lanes, two vectors with AVX2 and one with AVX-512 (a 64-byte vector
+// type with AVX2 was taken apart lane by lane: prefill attention 1.2-1.4x slower, the same sums).
 inline float softmax_row(float *s, int64_t n) {
-    Vec16 top = s[0] - Vec16{};  // s[0] in every lane; a maximum is the same in any order
+    constexpr int V = 16 / kLanes;
+    Lanes top[V], lanes[V] = {};
+    for (int j = 0; j < V; j++) top[j] = s[0] - Lanes{};  // s[0] in every lane; a maximum is the same in any order
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const Vec16 x = *reinterpret_cast<const Vec16 *>(s + i);
-        top = x > top ? x : top;
-    }
-    float most = top[0];
-    for (int j = 1; j < 16; j++) most = std::max(most, top[j]);
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < V; j++) {
+            const Lanes x = *reinterpret_cast<const Lanes *>(s + i + j * kLanes);
+            top[j] = x > top[j] ? x : top[j];
+        }
+    float most = s[0];
+    for (int j = 0; j < V; j++)
+        for (int64_t k = 0; k < kLanes; k++) most = std::max(most, top[j][k]);
     for (; i < n; i++) most = std::max(most, s[i]);
 #pragma omp simd
     for (i = 0; i < n; i++) s[i] = fast_exp(s[i] - most);
-    Vec16 lanes = {};  // the sum in lanes of 16 whatever the compiler does: the same order for the same n
-    for (i = 0; i + 16 <= n; i += 16) lanes += *reinterpret_cast<const Vec16 *>(s + i);
-    float total = sum_lanes16(lanes);
+    for (i = 0; i + 16 <= n; i += 16)  // the sum in lanes of 16 whatever the compiler does: the same order for the same n
+        for (int j = 0; j < V; j++) lanes[j] += *reinterpret_cast<const Lanes *>(s + i + j * kLanes);
+    float total = 0.0f;
+    for (int j = 0; j < V; j++)
+        for (int64_t k = 0; k < kLanes; k++) total += lanes[j][k];
     for (; i < n; i++) total += s[i];
     return 1.0f / total;
 }
@@ -1112,7 +1114,8 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
             }
         }
     }
-    float *inverse = scratch(1, rows);
+    float *inverse = scratch(1, rows), *zeros = scratch(3, width);
+    std::fill(zeros, zeros + width, 0.0f);
     for (int64_t r = 0; r < rows; r++) {  // past its limit a row's weights are 0
         float *s = scores + r * width;
         inverse[r] = softmax_row(s, limit(r));
@@ -1121,15 +1124,20 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
     constexpr int C = (kValueColumns == 0 ? D : kValueColumns) / kLanes;  // accumulators per row
     for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
         const int64_t count = std::min(kValueRows, rows - r0), last = limit(r0 + count - 1);
+        const float *weights[kValueRows];  // the rows of the tile past count: zeros (no branch per key)
+        for (int64_t i = 0; i < kValueRows; i++) weights[i] = i < count ? scores + (r0 + i) * width : zeros;
         for (int64_t c0 = 0; c0 < D; c0 += C * kLanes) {  // the head's columns, C vectors at a time
             Lanes acc[kValueRows][C] = {};
-            for (int64_t p = 0; p < last; p++) {
-                const RowReader<KV> row(v + (table[p / bs] * bs + p % bs) * row_size<KV>(D), D);
-                Lanes value[C];
-                for (int j = 0; j < C; j++) value[j] = load_lanes(row, c0 + j * kLanes);
-                for (int64_t i = 0; i < kValueRows; i++) {  // 0 past a row's limit
-                    const float weight = i < count ? scores[(r0 + i) * width + p] * row.scale : 0.0f;
-                    for (int j = 0; j < C; j++) acc[i][j] += weight * value[j];
+            for (int64_t b0 = 0; b0 < last; b0 += bs) {  // block by block: no division per key
+                const KV *block = v + table[b0 / bs] * bs * row_size<KV>(D);
+                for (int64_t p = b0; p < std::min(last, b0 + bs); p++) {
+                    const RowReader<KV> row(block + (p - b0) * row_size<KV>(D), D);
+                    Lanes value[C];
+                    for (int j = 0; j < C; j++) value[j] = load_lanes(row, c0 + j * kLanes);
+                    for (int64_t i = 0; i < kValueRows; i++) {
+                        const float weight = weights[i][p] * row.scale;
+                        for (int j = 0; j < C; j++) acc[i][j] += weight * value[j];
+                    }
                 }
             }
             for (int64_t i = 0; i < count; i++) {
