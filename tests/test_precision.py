@@ -77,6 +77,7 @@ def test_bundled_int8_quality_and_kv_cache(bundled):
     assert finished.text and finished.metrics.kv_bytes == 46080 * finished.metrics.kv_tokens  # fp32 KV cache
 
 
+@pytest.mark.sweep
 @pytest.mark.model
 def test_bench_quick_produces_a_well_formed_table():
     result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json", "-d", "0,64",
