@@ -13,12 +13,13 @@ import importlib
 
 from .config import EngineConfig, Limits, SamplingParams
 from .errors import EngineBusy, KVPoolTooSmall, ModelError, QueueFull
-from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Speculation,
-                     Started, TopToken)
+from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken,
+                     Speculation, Started, TopToken)
 from .info import ModelInfo, PoolUsage
 from .metrics import RequestMetrics, percentiles, session_summary
 from .prompt import PromptTooLong, check_messages, render_prompt, valid_text
 from .request import Request, Status
+from .text import IncrementalDetokenizer
 from .tokenizer import token_bytes
 
 _WITH_TORCH = {  # name: its module, imported when the name is first used
@@ -35,8 +36,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook",
-    "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo", "PoolUsage", "PrefillChunk",
-    "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
+    "IncrementalDetokenizer", "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo",
+    "PoolUsage", "PrefillChunk", "PromptToken", "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
     "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary", "token_bytes",
     "valid_text",

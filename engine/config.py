@@ -46,6 +46,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    # each prompt token's probability given those before it, reported with its prefill chunk (echo with
+    # logprobs); every prompt token is then prefilled, none taken from the prefix cache
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

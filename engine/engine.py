@@ -27,7 +27,8 @@ import torch
 
 from .config import DRAFT_PREFIX, EngineConfig, SamplingParams
 from .errors import EngineBusy, QueueFull
-from .events import DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, Speculation, Started, TopToken
+from .events import (DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken, Speculation, Started,
+                     TopToken)
 from .hf_runner import in_dtype, make_runner
 from .info import ModelInfo, PoolUsage
 from .kv_pool import blocks_for, kv_bytes_formula
@@ -40,6 +41,7 @@ from .speculative import DraftLength, DraftModel, prompt_lookup
 from .text import TextStream
 
 NUM_TOP = 5  # alternatives reported with each token
+PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens per prefill chunk with prompt_logprobs: their logits, 50 MB for SmolLM2
 T = TypeVar("T")
 
 
@@ -203,6 +205,8 @@ class Engine:
         chunk = self.config.prefill_chunk if prefill_chunk is None else prefill_chunk
         if chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (0 = whole prompt), got {chunk!r}")
+        if sampling.prompt_logprobs:  # every row's logits are kept for a while
+            chunk = min(chunk or PROMPT_LOGPROBS_CHUNK, PROMPT_LOGPROBS_CHUNK)
         request = Request(f"req-{next(self._ids)}", list(messages or []), sampling, list(prompt_ids), max_new,
                           submit_ns=submit_ns, tokenized_ns=self._now_ns(), prefill_chunk=chunk,
                           kv_limit=self.kv_limit)
@@ -387,14 +391,34 @@ class Engine:
 
     def prefill(self, request: Request, start: int, end: int) -> torch.Tensor | None:
         """One forward pass over prompt tokens [start, end), writing their K/V into the cache.
-        Returns the logits of the last prompt token when the chunk ends the prompt."""
+        Returns the logits of the last prompt token when the chunk ends the prompt; for a request that
+        asked for prompt_logprobs, every row's logits, [end - start, vocab]."""
         assert start == request.kv_cache.num_tokens, "prefill chunks run in order"
         ids = torch.tensor(request.prompt_ids[start:end], device=self.runner.device)
-        need_logits = end == request.num_prompt_tokens
+        every_row = request.sampling.prompt_logprobs
+        need_logits = end == request.num_prompt_tokens or every_row
         if request.explain and getattr(self.runner, "explains", False):
             request.stage_ms = {}  # filled by the forward, reported with the chunk
-            return self.runner.forward(ids, start, request.kv_cache, need_logits, stage_ms=request.stage_ms)
-        return self.runner.forward(ids, start, request.kv_cache, need_logits=need_logits, prompt=True)
+            return self.runner.forward(ids, start, request.kv_cache, need_logits, stage_ms=request.stage_ms,
+                                       every_row=every_row)
+        return self.runner.forward(ids, start, request.kv_cache, need_logits=need_logits, prompt=True,
+                                   every_row=every_row)
+
+    def prompt_tokens(self, request: Request, start: int, logits: torch.Tensor) -> tuple[PromptToken, ...]:
+        """The prompt tokens that a chunk's rows of logits [T, vocab] from position start predict (the row
+        at position p gives the token at p + 1; the prompt's last row, the first generated token), each
+        with its probability and the NUM_TOP most likely tokens there."""
+        targets = request.prompt_ids[start + 1:start + 1 + logits.shape[0]]
+        if not targets:
+            return ()
+        logprobs = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+        chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets, device=logprobs.device)].exp().tolist()
+        top_values, top_ids = logprobs.topk(NUM_TOP, dim=-1)
+        decode = self.tokenizer.convert_ids_to_tokens
+        tops = [tuple(TopToken(i, decode(i), p) for i, p in zip(ids, probs))
+                for ids, probs in zip(top_ids.tolist(), top_values.exp().tolist())]
+        return tuple(PromptToken(start + 1 + row, token_id, prob, top)
+                     for row, (token_id, prob, top) in enumerate(zip(targets, chosen, tops)))
 
     def decode_step(self, requests: list[Request], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """One forward pass over exactly one new token (the last generated) of each request, all in one
@@ -513,11 +537,13 @@ class Engine:
     def _run_prefill(self, r: Request, start: int, end: int) -> None:
         begin_ns, comm_before = self._now_ns(), self._comm_ms()
         try:
-            logits = self.prefill(r, start, end)
+            logits, prompt_tokens = self.prefill(r, start, end), ()
+            r.prefill_end_ns = self._now_ns()
+            if r.sampling.prompt_logprobs:  # read after the clock stopped: not the prefill's time (but TTFT's)
+                prompt_tokens, logits = self.prompt_tokens(r, start, logits), logits[-1]
         except Exception as exc:  # a failed forward ends this request, not the engine
             self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
             return
-        r.prefill_end_ns = self._now_ns()
         r.prefill_ns += r.prefill_end_ns - begin_ns
         r.num_prefill_chunks += 1
         self._name_blocks(r)
@@ -525,7 +551,7 @@ class Engine:
         self._deliver(r, PrefillChunk(r.request_id, self._t_ms(r, r.prefill_end_ns), r.num_prefill_chunks - 1,
                                       start, end, r.num_prompt_tokens, (r.prefill_end_ns - begin_ns) / 1e6,
                                       cache.num_tokens, cache.bytes_used, r.take_stage_ms(),
-                                      self._comm_ms() - comm_before))
+                                      self._comm_ms() - comm_before, prompt_tokens))
         if end == r.num_prompt_tokens and not r.is_cancelled:
             r.status = Status.DECODING
             r.text_stream = TextStream(self.tokenizer, r.sampling.stop)

@@ -84,6 +84,26 @@ class Started(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class TopToken:
+    token_id: int
+    text: str
+    prob: float  # the model's probability (softmax of the raw logits)
+    # its probability under the rule that picked the token (after the penalties, temperature, top-k
+    # and top-p; greedy: 1 for the one taken, else 0)
+    sample_prob: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptToken:
+    """A prompt token's probability given the prompt before it (a request that asked for prompt_logprobs)."""
+
+    position: int
+    token_id: int
+    prob: float  # softmax of the raw logits at the position before
+    top: tuple[TopToken, ...]  # the five most likely tokens there
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillChunk(Event):
     """One prefill forward pass over prompt tokens [start, end); the first chunk starts after the
     tokens taken from the cache."""
@@ -97,6 +117,9 @@ class PrefillChunk(Event):
     kv_bytes: int
     stage_ms: dict | None = None  # an explained request's time per FORWARD_STAGES (ms)
     comm_ms: float = 0.0  # of latency_ms, the time in collectives (tensor parallelism's all-reduces)
+    # with prompt_logprobs: the prompt tokens at positions [start + 1, end + 1) (the last prompt token's
+    # row gives the first generated token instead): every prompt token but the first, over the chunks
+    prompt_logprobs: tuple[PromptToken, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -113,16 +136,6 @@ class FirstToken(Event):
     setup_ms: float  # KV cache allocation and event delivery before the first forward ends
     prefill_ms: float  # all prefill forward passes
     first_sample_ms: float  # sampling the first token from the prefill's logits
-
-
-@dataclass(frozen=True, slots=True)
-class TopToken:
-    token_id: int
-    text: str
-    prob: float  # the model's probability (softmax of the raw logits)
-    # its probability under the rule that picked the token (after the penalties, temperature, top-k
-    # and top-p; greedy: 1 for the one taken, else 0)
-    sample_prob: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ class DynamicPool:
     def check_fits(self, num_tokens: int) -> None:
         pass
 
-    def allocate(self, prompt_ids, num_tokens: int) -> DynamicKVCache:
+    def allocate(self, prompt_ids, num_tokens: int, reuse: bool = True) -> DynamicKVCache:  # nothing to reuse
         return DynamicKVCache(self.model)
 
     def name_full_blocks(self, sequence, token_ids) -> None:
@@ -105,11 +105,14 @@ class TransformersRunner:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, cache: DynamicKVCache, need_logits: bool = True,
-                prompt: bool = False) -> torch.Tensor | None:  # prompt: transformers' forward either way
+                prompt: bool = False, every_row: bool = False) -> torch.Tensor | None:
+        """prompt: transformers' forward either way; every_row: [T, vocab], the logits at every position."""
         positions = torch.arange(pos, pos + ids.shape[0], device=self.device)
         out = self.model(input_ids=ids[None], position_ids=positions[None], cache_position=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache.inner})
-        return out.logits[0, -1] if need_logits else None
+                         use_cache=True, logits_to_keep=0 if every_row else 1, **{self._cache_arg: cache.inner})
+        if not need_logits:
+            return None
+        return out.logits[0] if every_row else out.logits[0, -1]
 
 
 def in_dtype(model, dtype: torch.dtype):

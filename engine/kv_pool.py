@@ -264,10 +264,11 @@ class KVPool:
             parent = name
         return found, parent
 
-    def allocate(self, prompt_ids: Sequence[int], num_tokens: int) -> SequenceKV | None:
-        """Blocks for a sequence of num_tokens positions, reusing cached prompt blocks; None if the
-        pool has no room now (the request waits)."""
+    def allocate(self, prompt_ids: Sequence[int], num_tokens: int, reuse: bool = True) -> SequenceKV | None:
+        """Blocks for a sequence of num_tokens positions, reusing cached prompt blocks (unless not reuse:
+        every prompt token is then computed); None if the pool has no room now (the request waits)."""
         self.check_fits(num_tokens)
+        prompt_ids = prompt_ids if reuse else []
         reused, parent = self._prefix_blocks(prompt_ids)
         num_new = blocks_for(num_tokens, self.block_size) - len(reused)
         partial, num_rows = self._partial_block(prompt_ids, len(reused) * self.block_size, parent)

@@ -244,16 +244,19 @@ class LeanLlama:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: int, cache: SequenceKV, need_logits: bool = True,
-                stage_ms: dict[str, float] | None = None, prompt: bool = False) -> torch.Tensor | None:
+                stage_ms: dict[str, float] | None = None, prompt: bool = False,
+                every_row: bool = False) -> torch.Tensor | None:
         """ids: [T] token ids of one sequence at positions [pos, pos+T). Returns logits [vocab] of the last.
         stage_ms: a dict that receives the time of each stage (FORWARD_STAGES), for the explain mode.
         prompt: a prompt's chunk, which runs the prefill's kernels even for one token (one token otherwise
         takes the decode step, whose attention sums in another order): a prompt's logits then do not
-        depend on how much of it came from the prefix cache, which int8 would turn into other tokens."""
+        depend on how much of it came from the prefix cache, which int8 would turn into other tokens.
+        every_row: the logits at every position instead, [T, vocab] (a prompt's own logprobs)."""
         if ids.shape[0] == 1 and stage_ms is None and not prompt:
             return self.decode([int(ids[0])], [pos], [cache])[0]
-        logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits, StageClock(stage_ms, self.device))
-        return None if logits is None else logits[0]
+        logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits, StageClock(stage_ms, self.device),
+                                    every_row)
+        return logits if logits is None or every_row else logits[0]
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], caches: list[SequenceKV],
@@ -282,10 +285,12 @@ class LeanLlama:
         return self._forward_rows(ids, [(cache, pos, 1) for cache, pos in zip(caches, positions)], True)
 
     def _forward_rows(self, ids: torch.Tensor, segments: list[tuple[SequenceKV, int, int]],
-                      need_logits: bool, clock: StageClock | None = None) -> torch.Tensor | None:
+                      need_logits: bool, clock: StageClock | None = None,
+                      every_row: bool = False) -> torch.Tensor | None:
         """ids: [N] tokens of consecutive segments (cache, pos, T), one per sequence. Linears run on all
         N rows at once; attention runs per segment, over its own cache. Returns each segment's last
-        logits, [segments, vocab]. clock: where the time of each stage goes (explain mode)."""
+        logits, [segments, vocab], or with every_row the logits of all N rows, [N, vocab]. clock: where
+        the time of each stage goes (explain mode)."""
         clock = clock or StageClock(None, self.device)
         x = F.embedding(ids, self.embed)  # [N, C]
         shape = x.shape[-1:]
@@ -297,8 +302,10 @@ class LeanLlama:
             clock.lap("ffn")
         if not need_logits:
             return None
-        ends = torch.tensor([0] + [t for _, _, t in segments], device=self.device).cumsum(0)[1:] - 1
-        h = F.rms_norm(x[ends], shape, self.final_norm, self.eps)
+        if not every_row:
+            ends = torch.tensor([0] + [t for _, _, t in segments], device=self.device).cumsum(0)[1:] - 1
+            x = x[ends]
+        h = F.rms_norm(x, shape, self.final_norm, self.eps)
         clock.lap("final_norm")
         logits = self._logits(h)  # [segments, vocab]
         clock.lap("lm_head")

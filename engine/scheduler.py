@@ -77,7 +77,8 @@ class Scheduler:
                 budget -= self._plan_chunk(plan, request, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
-            sequence = self.pool.allocate(request.prompt_ids, request.num_kv_tokens)
+            sequence = self.pool.allocate(request.prompt_ids, request.num_kv_tokens,
+                                          reuse=not request.sampling.prompt_logprobs)
             if sequence is None:
                 break  # no room in the pool now: it waits for running requests to finish
             with self._lock:

@@ -225,21 +225,23 @@ class ShardedLlama(LeanLlama):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.group.gather_columns(self.lm_head(h), self.vocab_size)
 
-    def _forward_rows(self, ids, segments, need_logits, clock=None):
+    def _forward_rows(self, ids, segments, need_logits, clock=None, every_row=False):
         if self.group.rank == 0 and self.group.world > 1:
             shared = [(cache.pool.tp_key, cache.block_ids, cache.num_dropped, pos, num_tokens)
                       for cache, pos, num_tokens in segments]
             with _uninterrupted():
-                self.group.broadcast(("forward", self._take_dropped(), ids.cpu(), shared, need_logits, self.attention))
-                return self._run_rows(ids, segments, need_logits, clock)
-        return self._run_rows(ids, segments, need_logits, clock)
+                self.group.broadcast(("forward", self._take_dropped(), ids.cpu(), shared, need_logits, every_row,
+                                      self.attention))
+                return self._run_rows(ids, segments, need_logits, clock, every_row)
+        return self._run_rows(ids, segments, need_logits, clock, every_row)
 
-    def _run_rows(self, ids, segments, need_logits, clock):
+    def _run_rows(self, ids, segments, need_logits, clock, every_row):
         # every rank makes the same choice from what rank 0 broadcast, so the collectives come in one order
         # (no stages are timed here: explains is False)
-        if self.group.world > 1 and len(segments) == 1 and segments[0][2] >= 2 * MIN_HALF_TOKENS:
+        if (self.group.world > 1 and len(segments) == 1 and segments[0][2] >= 2 * MIN_HALF_TOKENS
+                and not every_row):
             return self._forward_halves(ids, segments[0], need_logits)
-        return super()._forward_rows(ids, segments, need_logits, clock)
+        return super()._forward_rows(ids, segments, need_logits, clock, every_row)
 
     def _forward_halves(self, ids: torch.Tensor, segment: tuple[SequenceKV, int, int],
                         need_logits: bool) -> torch.Tensor | None:
@@ -451,14 +453,14 @@ def _serve(rank: int, world: int, address: str, link_path: str | None, shard: Si
                 pools[key] = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, num_blocks, block_size,
                                     kv_dtype, runner.device, prefix_caching=False)
             elif kind == "forward":
-                ids, shared, need_logits, runner.attention = rest
+                ids, shared, need_logits, every_row, runner.attention = rest
                 segments = []
                 for key, block_ids, num_dropped, pos, num_tokens in shared:
                     cache = SequenceKV(pools[key], block_ids)
                     cache.num_dropped = num_dropped
                     segments.append((cache, pos, num_tokens))
                 try:
-                    runner._forward_rows(ids.to(runner.device), segments, need_logits)
+                    runner._forward_rows(ids.to(runner.device), segments, need_logits, None, every_row)
                 except Exception:  # rank 0 meets the same error at the same place, and reports it
                     pass
     finally:

@@ -1,6 +1,7 @@
 """The engine on tiny random models: event order and contents, KV sizes, chunking, cancellation."""
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -245,3 +246,31 @@ def test_events_serialize_to_json(tiny_engine):
 def test_warm_up_leaves_nothing_running(tiny_engine):
     tiny_engine.warm_up()
     assert (0, 0) == tiny_engine.load() and tiny_engine.kv_usage().num_used == 0
+
+
+@pytest.mark.parametrize("runner, chunk", [("lean", 0), ("lean", 7), ("transformers", 7)])
+def test_prompt_logprobs_are_the_models_own_at_every_position(tiny, runner, chunk):
+    """Echo with logprobs: each prompt token's log-probability given those before it, as one forward of
+    transformers' model over the whole prompt gives it, chunk by chunk; a prompt already in the prefix
+    cache is prefilled again, since its rows' logits are needed."""
+    engine = Engine(tiny, EngineConfig(precision="fp32", prefill_chunk=chunk),
+                    runner=TransformersRunner(tiny.model) if runner == "transformers" else None)
+    prompt = [(7 + 31 * i) % 900 for i in range(40)]
+    list(engine.run(engine.new_request_from_ids(prompt, SamplingParams(max_new_tokens=2, temperature=0))))
+    request = engine.new_request_from_ids(prompt, SamplingParams(max_new_tokens=2, temperature=0,
+                                                                 prompt_logprobs=True))
+    events = list(engine.run(request))
+    assert request.num_cached_tokens == 0
+    chunks = [e for e in events if isinstance(e, PrefillChunk)]
+    assert len(chunks) == (6 if chunk else 1)
+    reported = [t for c in chunks for t in c.prompt_logprobs]
+    assert [(t.position, t.token_id) for t in reported] == list(enumerate(prompt))[1:]
+    with torch.no_grad():
+        expected = torch.log_softmax(tiny.model(torch.tensor([prompt])).logits[0], dim=-1)
+    got = torch.tensor([math.log(t.prob) for t in reported])
+    assert torch.allclose(got, expected[torch.arange(39), torch.tensor(prompt[1:])], atol=1e-4)
+    for t in reported:
+        assert [top.token_id for top in t.top] == expected[t.position - 1].topk(5).indices.tolist()
+    # the generated tokens are those of a plain request
+    plain = engine.new_request_from_ids(prompt, SamplingParams(max_new_tokens=2, temperature=0))
+    assert events[-1].text == list(engine.run(plain))[-1].text

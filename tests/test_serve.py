@@ -125,6 +125,33 @@ def test_completions_logprobs_and_stop(client):
     assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1
 
 
+def test_echo_gives_the_prompts_logprobs_as_lm_eval_reads_them(client, tokenizer):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1): every
+    prompt token but the first with its logprob, then the one generated; " Paris" after "The capital of
+    France is" is likely and the greedy choice (its is_greedy). A string prompt echoes as given."""
+    context = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    ids = context + tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    answer = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice, logprobs = answer.choices[0], answer.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    paris, top = logprobs.token_logprobs[len(context)], logprobs.top_logprobs[len(context)]
+    assert paris > -1.5 and paris == max(top.values())  # lm-eval's is_greedy
+    assert choice.text.startswith("The capital of France is Paris") and answer.usage.prompt_tokens == len(ids)
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    # the same prompt again is prefilled whole, not taken from the prefix cache: the same numbers
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert again.choices[0].logprobs.token_logprobs == logprobs.token_logprobs
+    prompt = "Once upon a time"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                            stream=True))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert texts[0] == prompt and "".join(texts) == whole.choices[0].text != prompt
+
+
 def test_logit_bias_bans_and_forces_a_token(client, tokenizer):
     prompt = "The capital of France is"
     greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).choices[0].text

@@ -132,6 +132,14 @@ def test_the_engine_on_two_ranks_decodes_the_same_tokens(tokenizer):
         finished = split.run_all(requests)
         assert requests[0].num_cached_tokens > 0
         assert [f.text for f in finished] == [one.generate(follow_up, sampling).text, first]
+        # a prompt's own logprobs (echo): every row's logits, their columns gathered from both ranks
+        asked, prompt = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True), list(range(100, 140))
+
+        def prompt_probs(engine: Engine) -> list[float]:
+            events = engine.run(engine.new_request_from_ids(prompt, asked))
+            return [t.prob for e in events if e.type == "PrefillChunk" for t in e.prompt_logprobs]
+
+        assert prompt_probs(split) == pytest.approx(prompt_probs(one), rel=1e-3) and len(prompt_probs(one)) == 39
     finally:
         split.close()
     assert not multiprocessing.active_children()

@@ -20,12 +20,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from engine import DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PromptTooLong, QueueFull, valid_text
+from engine import (DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PrefillChunk, PromptToken, PromptTooLong,
+                    QueueFull, valid_text)
 from engine import Request as EngineRequest
 
 from .metrics import ServerMetrics
-from .protocol import (APIError, ChatRequest, CompletionRequest, chat_logprob, completion_logprobs, finish_reason,
-                       now, timings, usage)
+from .protocol import (APIError, ChatRequest, CompletionRequest, Listed, chat_logprob, completion_logprobs,
+                       finish_reason, listed_prompt, listed_steps, now, timings, usage)
 
 WAIT_S = 0.25  # how often an answer checks that its client is still there
 MAX_CHOICES = 16  # choices in one answer: n, times the prompts of a completion
@@ -145,8 +146,9 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
             raise APIError(400, "prompt token ids must be within the vocabulary", param="prompt")
         jobs, inbox = submit([lambda sampling, prompt=prompt: engine.new_request_from_ids(prompt, sampling)
                               for prompt in ids], body, body.max_tokens)
+        echo = [prompt if isinstance(prompt, str) else None for prompt in prompts] if body.echo else None
         answer = _Answer(engine, jobs, inbox, request, f"cmpl-{uuid.uuid4().hex}", model, chat=False,
-                         top=body.logprobs, n=body.n)
+                         top=body.logprobs, n=body.n, echo=echo)
         if body.stream:
             return _sse(answer.chunks(body.include_usage))
         return await answer.whole()
@@ -164,13 +166,16 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 class _Answer:
     """A completion's choices (one engine request each) turned into OpenAI's answer: chunk by chunk, or
-    whole at the end."""
+    whole at the end. echo: each prompt's text as given (None: a prompt of token ids) to put before its
+    choices' completions; None: no echo."""
 
     def __init__(self, engine: Engine, jobs: list[EngineRequest], inbox: asyncio.Queue, http: Request,
-                 answer_id: str, model: str, chat: bool, top: int | None, n: int = 1) -> None:
+                 answer_id: str, model: str, chat: bool, top: int | None, n: int = 1,
+                 echo: list[str | None] | None = None) -> None:
         self.engine, self.jobs, self.inbox, self.http = engine, jobs, inbox, http
-        self.id, self.model, self.chat, self.top, self.n = answer_id, model, chat, top, n
+        self.id, self.model, self.chat, self.top, self.n, self.echo = answer_id, model, chat, top, n, echo
         self.created = now()
+        self.prompt_tokens: list[list[PromptToken]] = [[] for _ in jobs]  # each choice's, as its chunks report them
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """The choices' events, each with its index, until every one has finished; cancels those still
@@ -194,14 +199,21 @@ class _Answer:
                 if not job.is_finished:
                     job.cancel()
 
-    def _logprobs(self, steps: list[DecodeStep], offset: int = 0) -> dict | None:
-        """The steps' logprobs as the API shapes them; offset: the characters of text streamed before."""
+    def _logprobs(self, steps: list[DecodeStep], offset: int = 0, echoed: list[Listed] | None = None) -> dict | None:
+        """The steps' logprobs as the API shapes them, after an echoed prompt's; offset: the characters of
+        text streamed before."""
         if self.top is None:
             return None
         tokenizer = self.engine.tokenizer
         if self.chat:
             return {"content": [chat_logprob(step, tokenizer, self.top) for step in steps]}
-        return completion_logprobs(steps, tokenizer, self.top, offset)
+        return completion_logprobs([*(echoed or []), *listed_steps(steps)], tokenizer, self.top, offset)
+
+    def _echoed(self, index: int) -> tuple[str, list[Listed]]:
+        """Choice index's prompt as echo returns it: its text, and its tokens with the logprobs reported."""
+        listed = listed_prompt(self.jobs[index].prompt_ids, self.prompt_tokens[index], self.engine.tokenizer)
+        given = self.echo[index // self.n]
+        return (given if given is not None else "".join(piece for *_, piece in listed)), listed
 
     def _chunk(self, *choices: dict) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -213,7 +225,17 @@ class _Answer:
                                  "finish_reason": None} for index in range(len(self.jobs))))
         streamed = [0] * len(self.jobs)  # characters of text sent, for each choice
         finished: list[Finished | None] = [None] * len(self.jobs)
+        echoed = [self.echo is None] * len(self.jobs)  # whether the prompt went out (or has not to)
         async for index, event in self.events():
+            if isinstance(event, PrefillChunk):
+                self.prompt_tokens[index] += event.prompt_logprobs
+            elif not echoed[index] and (isinstance(event, DecodeStep)
+                                        or isinstance(event, Finished) and event.reason != "error"):
+                echoed[index] = True  # the prompt once it is prefilled, before its completion
+                text, listed = self._echoed(index)
+                yield self._chunk({"index": index, "text": text, "logprobs": self._logprobs([], 0, listed),
+                                   "finish_reason": None})
+                streamed[index] = len(text)
             if isinstance(event, DecodeStep) and (event.text or self.top is not None):
                 logprobs = self._logprobs([event], streamed[index])
                 streamed[index] += len(event.text)
@@ -237,6 +259,8 @@ class _Answer:
         async for index, event in self.events():
             if isinstance(event, DecodeStep):
                 steps[index].append(event)
+            elif isinstance(event, PrefillChunk):
+                self.prompt_tokens[index] += event.prompt_logprobs
             elif isinstance(event, Finished):
                 finished[index] = event
         if not all(finished):  # the client left; nobody reads this
@@ -245,8 +269,12 @@ class _Answer:
             raise APIError(500, error.error or "the engine failed", "server_error")
         choices = []
         for index, (done, its_steps) in enumerate(zip(finished, steps)):
-            content = {"message": {"role": "assistant", "content": done.text}} if self.chat else {"text": done.text}
-            choices.append({"index": index, **content, "logprobs": self._logprobs(its_steps),
+            prompt, echoed = self._echoed(index) if self.echo is not None else ("", None)
+            if self.chat:
+                content = {"message": {"role": "assistant", "content": done.text}}
+            else:
+                content = {"text": prompt + done.text}
+            choices.append({"index": index, **content, "logprobs": self._logprobs(its_steps, 0, echoed),
                             "finish_reason": finish_reason(done)})
         answer = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                   "created": self.created, "model": self.model, "choices": choices, "usage": usage(finished, self.n)}

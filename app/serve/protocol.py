@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import DecodeStep, Finished, SamplingParams, token_bytes
+from engine import DecodeStep, Finished, IncrementalDetokenizer, PromptToken, SamplingParams, TopToken, token_bytes
 
 MAX_TOP_LOGPROBS = 5  # the engine reports each step's five most likely tokens
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
@@ -115,10 +116,14 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # one prompt, or several
     max_tokens: int | None = Field(16, ge=1, le=10_000_000)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt tokens' too
     # asked for, these would change what comes back; refused rather than ignored (check_supported)
     suffix: str | None = None
     best_of: int | None = None
+
+    def sampling(self, max_tokens: int | None, limit: int) -> SamplingParams:
+        """With echo and logprobs, the engine reports the prompt's own logprobs (and prefills all of it)."""
+        return replace(super().sampling(max_tokens, limit), prompt_logprobs=self.echo and self.logprobs is not None)
 
     def check_supported(self) -> None:
         if self.suffix:
@@ -177,17 +182,37 @@ def chat_logprob(step: DecodeStep, tokenizer, top: int) -> dict:
     return {**entry(step.token_id, step.prob), "top_logprobs": [entry(t.token_id, t.prob) for t in step.top[:top]]}
 
 
-def completion_logprobs(steps: list[DecodeStep], tokenizer, top: int, offset: int = 0) -> dict:
+# a token as a completion's logprobs list it: its id, probability (None for an echoed prompt's first
+# token, which nothing predicts), most likely alternatives, and the text it completes
+Listed = tuple[int, float | None, tuple[TopToken, ...], str]
+
+
+def completion_logprobs(tokens: list[Listed], tokenizer, top: int, offset: int = 0) -> dict:
     """Logprobs of a completion's tokens; text_offset counts characters of the text, which a token that
-    completes a character enters whole (offset: the characters streamed before these steps)."""
+    completes a character enters whole (offset: the characters streamed before these tokens)."""
     offsets = []
-    for step in steps:
+    for *_, piece in tokens:
         offsets.append(offset)
-        offset += len(step.text)
+        offset += len(piece)
     text = tokenizer.decode
-    return {"tokens": [text([s.token_id]) for s in steps], "token_logprobs": [_logprob(s.prob) for s in steps],
-            "top_logprobs": [{text([t.token_id]): _logprob(t.prob) for t in s.top[:top]} for s in steps],
+    return {"tokens": [text([token_id]) for token_id, *_ in tokens],
+            "token_logprobs": [None if prob is None else _logprob(prob) for _, prob, _, _ in tokens],
+            "top_logprobs": [None if prob is None else {text([t.token_id]): _logprob(t.prob) for t in others[:top]}
+                             for _, prob, others, _ in tokens],
             "text_offset": offsets}
+
+
+def listed_steps(steps: list[DecodeStep]) -> list[Listed]:
+    return [(s.token_id, s.prob, s.top, s.text) for s in steps]
+
+
+def listed_prompt(prompt_ids: list[int], known: list[PromptToken], tokenizer) -> list[Listed]:
+    """An echoed prompt's tokens: each with the probability its prefill chunk reported (known; none for
+    the first token, or without logprobs) and the text it completes."""
+    at = {t.position: t for t in known}
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    return [(token_id, at[p].prob if p in at else None, at[p].top if p in at else (), detokenizer.push(token_id))
+            for p, token_id in enumerate(prompt_ids)]
 
 
 def now() -> int:
