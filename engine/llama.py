@@ -307,7 +307,7 @@ class LeanLlama:
             x = x[ends]
         h = F.rms_norm(x, shape, self.final_norm, self.eps)
         clock.lap("final_norm")
-        logits = self._logits(h)  # [segments, vocab]
+        logits = self._logits(h)  # [segments, vocab], or [N, vocab]
         clock.lap("lm_head")
         return logits
 

@@ -239,7 +239,7 @@ class ShardedLlama(LeanLlama):
         # every rank makes the same choice from what rank 0 broadcast, so the collectives come in one order
         # (no stages are timed here: explains is False)
         if (self.group.world > 1 and len(segments) == 1 and segments[0][2] >= 2 * MIN_HALF_TOKENS
-                and not every_row):
+                and not every_row):  # (the halves give their last row's logits only)
             return self._forward_halves(ids, segments[0], need_logits)
         return super()._forward_rows(ids, segments, need_logits, clock, every_row)
 
