@@ -89,12 +89,17 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         delete = texts(gr.Button, value=K("saved.delete"), variant="stop", elem_id="ps-history-delete")
         confirm = texts(gr.Button, value=K("saved.confirm"), variant="stop", visible=False,
                         elem_id="ps-history-confirm")
-    with gr.Row():
-        texts(gr.Markdown, value=K("saved.selected_exports"))
-        one = [gr.DownloadButton(f"{fmt.upper()}", size="sm", interactive=False, elem_id=f"ps-export-{fmt}")
-               for fmt in FORMATS]
-        texts(gr.Markdown, value=K("saved.all_exports"))
-        every = [gr.DownloadButton(f"{fmt.upper()}", size="sm", elem_id=f"ps-export-all-{fmt}") for fmt in FORMATS]
+    with gr.Row():  # each label above its buttons (beside them, narrow labels broke "sessions:" over three lines)
+        with gr.Column(min_width=300):
+            texts(gr.Markdown, value=K("saved.selected_exports"))
+            with gr.Row():
+                one = [gr.DownloadButton(f"{fmt.upper()}", size="sm", min_width=80, interactive=False,
+                                         elem_id=f"ps-export-{fmt}") for fmt in FORMATS]
+        with gr.Column(min_width=300):
+            texts(gr.Markdown, value=K("saved.all_exports"))
+            with gr.Row():
+                every = [gr.DownloadButton(f"{fmt.upper()}", size="sm", min_width=80, elem_id=f"ps-export-all-{fmt}")
+                         for fmt in FORMATS]
 
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
         return sessions_table(store, query or "", lang_choice)
