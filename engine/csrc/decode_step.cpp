@@ -1013,7 +1013,7 @@ constexpr int64_t kValueKeys = 256;  // keys per pass of the value stage (128 an
 // Scratch memory of this thread, kept between calls (a fresh allocation per call was a page fault per
 // 4 KB, as long as the arithmetic itself); which: one of a few buffers in use at once.
 float *scratch(int which, int64_t size) {
-    thread_local std::vector<float> buffers[4];
+    thread_local std::vector<float> buffers[5];
     if (int64_t(buffers[which].size()) < size) buffers[which].resize(size);
     return buffers[which].data();
 }
@@ -1095,19 +1095,27 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
     float *scores = scratch(0, rows * width);  // every entry a row reads is written below
     auto q_row = [&](int64_t r) { return q + (t0 + r / group) * q_stride + (r % group) * D; };
     auto limit = [&](int64_t r) { return pos + t0 + r / group + 1; };  // keys [0, limit) are visible
+    // the rows' queries kScoreRows at a time as [D][kScoreRows], so that a d's multipliers lie together
+    // (read from six rows of q, the score stage took 3-5 % longer)
+    const int64_t groups = (rows + kScoreRows - 1) / kScoreRows;
+    float *packed = scratch(4, groups * D * kScoreRows);
+    for (int64_t r = 0; r < groups * kScoreRows; r++) {  // past the last row: the last row again
+        const float *row = q_row(std::min(r, rows - 1));
+        float *to = packed + (r / kScoreRows) * D * kScoreRows + r % kScoreRows;
+        for (int d = 0; d < D; d++) to[d * kScoreRows] = row[d];
+    }
     for (int64_t start = 0; start < n; start += kKeyTile) {
         const float *keys = kt + start * D;  // keys [start, start + 32) as [D][32]
         for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
             if (limit(std::min(rows, r0 + kScoreRows) - 1) <= start) continue;  // all these keys are in the future
-            const float *qr[kScoreRows];
-            for (int64_t i = 0; i < kScoreRows; i++) qr[i] = q_row(std::min(r0 + i, rows - 1));
+            const float *queries = packed + r0 * D;  // [D][kScoreRows]
             Lanes acc[kScoreRows][kKeyVecs] = {};
             for (int d = 0; d < D; d++) {
                 Lanes k[kKeyVecs];
                 for (int j = 0; j < kKeyVecs; j++)
                     k[j] = *reinterpret_cast<const Lanes *>(keys + d * kKeyTile + j * kLanes);
                 for (int64_t i = 0; i < kScoreRows; i++)
-                    for (int j = 0; j < kKeyVecs; j++) acc[i][j] += qr[i][d] * k[j];
+                    for (int j = 0; j < kKeyVecs; j++) acc[i][j] += queries[d * kScoreRows + i] * k[j];
             }
             for (int64_t i = 0; i < std::min(kScoreRows, rows - r0); i++) {  // the tile's keys past n: 0
                 float *s = scores + (r0 + i) * width + start;
