@@ -397,7 +397,7 @@ class Engine:
         ids = torch.tensor(request.prompt_ids[start:end], device=self.runner.device)
         every_row = request.sampling.prompt_logprobs
         need_logits = end == request.num_prompt_tokens or every_row
-        if request.explain and getattr(self.runner, "explains", False):
+        if request.reports_stages and getattr(self.runner, "explains", False):
             request.stage_ms = {}  # filled by the forward, reported with the chunk
             return self.runner.forward(ids, start, request.kv_cache, need_logits, stage_ms=request.stage_ms,
                                        every_row=every_row)
@@ -427,8 +427,9 @@ class Engine:
         drafts (speculative decoding): a request's draft tokens ride along as more rows of the batch, each
         at the next position of its sequence, so that row i attends to the rows before it: the logits of
         every row come back, in order. The first request in explain mode gets the step's attention
-        weights [layers, heads, positions] (where the runner can give them) and time per stage, as
-        request.attention and request.stage_ms. Without a KV cache (config.kv_cache off) each request's
+        weights [layers, heads, positions] (where the runner can give them) as request.attention; each
+        request that reports stages (explain mode, time_stages), the step's time per stage as
+        request.stage_ms. Without a KV cache (config.kv_cache off) each request's
         whole sequence is computed again instead."""
         if not self.config.kv_cache:
             return torch.cat([self._recompute(r) for r in requests])
@@ -445,10 +446,14 @@ class Engine:
                 tokens.append(token)
                 positions.append(pos + i)
                 caches.append(r.kv_cache)
-        if explained is None or not getattr(self.runner, "explains", False):
+        timed = [r for r in requests if r.reports_stages]
+        if not timed or not getattr(self.runner, "explains", False):
             return self.runner.decode(tokens, positions, caches)
-        r = next(r for r in requests if r.explain)
-        logits, r.attention, r.stage_ms = self.runner.decode(tokens, positions, caches, capture=explained)
+        logits, weights, stage_ms = self.runner.decode(tokens, positions, caches, capture=explained, stages=True)
+        for r in timed:
+            r.stage_ms = dict(stage_ms)
+        if explained is not None:
+            next(r for r in requests if r.explain).attention = weights
         return logits
 
     def _recompute(self, r: Request) -> torch.Tensor:
@@ -640,7 +645,7 @@ class Engine:
                         top_fn=top_fn, generated_ids=r.generated_ids)
         now_ns = self._now_ns()
         stage_ms = None
-        if r.explain:  # the forward's stages (none for token 1: the prefill's were reported), and sampling
+        if r.reports_stages:  # the forward's stages (none for token 1: the prefill's were reported), and sampling
             stage_ms = {**(r.take_stage_ms() or {}), "sample": (now_ns - sample_start_ns) / 1e6}
         attention, r.attention = r.attention, None
         previous_ns = r.token_ns[-1] if r.token_ns else r.submit_ns  # so the first token's latency is its TTFT

@@ -220,12 +220,14 @@ class FusedDecode:
         return [(ids[b * k:(b + 1) * k], values[b * k:(b + 1) * k], lse[b]) for b in range(rows)]
 
     def __call__(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV],
-                 capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                 capture: int | None = None, stages: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """Logits [B, vocab] after tokens[b] at positions[b] of sequences[b] (all in one pool); their keys
         and values land in the pool. capture: a sequence's index in the batch, whose attention weights
         [layers, heads, positions + 1] are returned beside the logits, with the step's time per stage
-        ({stage: ms}, STAGES). A sequence whose sliding window dropped tokens (SequenceKV.num_dropped)
-        has its tokens rotated at their positions in the text, not their places in the cache."""
+        ({stage: ms}, STAGES); stages: that time alone, (logits, None, {stage: ms}). A sequence whose
+        sliding window dropped tokens (SequenceKV.num_dropped) has its tokens rotated at their positions in
+        the text, not their places in the cache."""
         ends = [seq.reserve(pos, 1) for seq, pos in zip(sequences, positions)]
         pool = sequences[0].pool
         assert pool.kv.is_contiguous()
@@ -244,6 +246,7 @@ class FusedDecode:
         weights = stage_ms = None
         if capture is not None:  # [layers, heads, positions + 1]
             weights = torch.empty((self._dims[0], self._dims[1], positions[capture] + 1), dtype=torch.float32)
+        if capture is not None or stages:
             stage_ms = torch.zeros(len(STAGES), dtype=torch.float64)
         status = self._fn(dims, self._eps, self._layer_ptrs.data_ptr(), self._model_ptrs.data_ptr(),
                           pool.kv.data_ptr(), len(tokens), token_ids, where, tables, width, logits.data_ptr(),
@@ -252,7 +255,7 @@ class FusedDecode:
             raise ValueError(f"decode step refused tokens {tokens} at positions {positions}")
         for seq, end in zip(sequences, ends):
             seq.mark_written(end)
-        if weights is None:
+        if stage_ms is None:
             return logits
         return logits, weights, dict(zip(STAGES, stage_ms.tolist()))
 

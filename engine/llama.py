@@ -260,19 +260,21 @@ class LeanLlama:
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int], caches: list[SequenceKV],
-               capture: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, dict]:
+               capture: int | None = None, stages: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, dict]:
         """One token for each of B sequences: tokens[b] at positions[b]. Returns logits [B, vocab]; with
-        capture (an index into the batch) also that sequence's attention weights [layers, heads,
-        positions + 1] (the native step only; else None) and the step's time per stage."""
+        capture (an index into the batch) or stages, (logits, weights, the step's time per stage), weights
+        being that sequence's attention weights [layers, heads, positions + 1] (the native step with
+        capture only; else None)."""
         last = max(p + cache.num_dropped for p, cache in zip(positions, caches))  # the rotary tables' reach
         if self.fused is not None and last < self.fused.num_positions:
-            return self.fused(tokens, positions, caches, capture)  # one native call for the whole batch
-        if self.graphs is not None and capture is None:
+            return self.fused(tokens, positions, caches, capture, stages)  # one native call for the whole batch
+        if self.graphs is not None and capture is None and not stages:
             logits = self.graphs(tokens, positions, caches)  # one graph replay, where a bucket fits
             if logits is not None:
                 return logits
         ids = torch.tensor(tokens, device=self.device)
-        if capture is not None:  # the PyTorch ops time their stages but do not hand out attention weights
+        if capture is not None or stages:  # the PyTorch ops time their stages but hand out no attention weights
             stage_ms = {}
             segments = [(cache, pos, 1) for cache, pos in zip(caches, positions)]
             return self._forward_rows(ids, segments, True, StageClock(stage_ms, self.device)), None, stage_ms

@@ -47,8 +47,9 @@ class Request:
     decode_allowance: int | None = None
     # explain mode: its decode steps report their attention weights, its forwards their time per stage
     explain: bool = False
+    time_stages: bool = False  # its forwards report their time per stage, without the weights (a benchmark's)
     attention: object | None = field(default=None, repr=False)  # explain mode: the last decode step's weights
-    stage_ms: dict | None = None  # explain mode: the last forward's time per stage, until an event takes it
+    stage_ms: dict | None = None  # the last forward's time per stage (reports_stages), until an event takes it
     # speculative decoding: how many tokens to draft next, and what drafting did so far
     draft_length: object | None = field(default=None, repr=False)  # speculative.DraftLength
     num_drafted: int = 0
@@ -59,8 +60,12 @@ class Request:
     cancel_error: str | None = None  # why the engine itself ended it (a limit), else None: a user's cancel
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
+    @property
+    def reports_stages(self) -> bool:
+        return self.explain or self.time_stages
+
     def take_stage_ms(self) -> dict | None:
-        """The last forward's time per stage (explain mode), for the event that reports it; then None."""
+        """The last forward's time per stage (reports_stages), for the event that reports it; then None."""
         stage_ms, self.stage_ms = self.stage_ms, None
         return stage_ms
 

@@ -319,3 +319,24 @@ def test_a_request_can_ask_for_its_attention_weights_and_stage_times(tokenizer):
     for step in steps[1:]:
         assert set(step.stage_ms) == {*FORWARD_STAGES, "sample"}
         assert sum(step.stage_ms.values()) <= step.latency_ms  # parts of the step, not more
+
+
+def test_a_request_can_time_its_stages_without_the_weights(tokenizer):
+    """time_stages (the bench's Flash Decoding figures): every forward's time per stage, as in explain
+    mode, but no attention weights are copied out; the tokens and the other request are unchanged."""
+    loaded = tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256)  # head dimension 64: native
+    engine = Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False))
+    assert engine.runner.fused is not None
+    expected = [alone(engine, p, 5) for p in PROMPTS[:2]]
+    timed, other = (engine.new_request(user(p), greedy(5)) for p in PROMPTS[:2])
+    timed.time_stages = True
+    seen = {timed.request_id: [], other.request_id: []}
+    engine.run_all([timed, other], hooks=[lambda e: seen[e.request_id].append(e)])
+    assert expected == [timed.generated_ids, other.generated_ids]
+    (prefill,) = [e for e in seen[timed.request_id] if isinstance(e, PrefillChunk)]
+    assert set(prefill.stage_ms) == set(FORWARD_STAGES)
+    steps = [e for e in seen[timed.request_id] if isinstance(e, DecodeStep)]
+    for step in steps[1:]:
+        assert step.attention is None and set(step.stage_ms) == {*FORWARD_STAGES, "sample"}
+        assert 0 < step.stage_ms["attention"] and sum(step.stage_ms.values()) <= step.latency_ms
+    assert all(e.stage_ms is None for e in seen[other.request_id] if isinstance(e, (DecodeStep, PrefillChunk)))

@@ -149,9 +149,12 @@ def no_cache(engine: Engine, context: int = 512, num_gen: int = 8, vocab_offset:
 def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num_gen: int = 16, rounds: int = 5,
                    short: int = 16) -> dict:
     """Flash Decoding (split_kv) against one task per KV group, at each context length: the median decode
-    step (forward) in each, and the attention's part of it, the step less the step at `short` tokens of
-    context (what grows with the context is the attention), in interleaved rounds. Each context is in
-    each setting's cache from the first round on (prefix caching), so a round is its decode steps.
+    step (forward) in each, and the attention over the cache: the step's attention stage (the native
+    step's own clock) less that stage at `short` tokens of context, which leaves out the projections
+    and everything else that does not grow with the context, in interleaved rounds. (Taken from whole
+    steps, a few milliseconds of drift in the rest of a 25-35 ms step moved the ratio by tenths.) Each
+    context is in each setting's cache from the first round on (prefix caching), so a round is its
+    decode steps.
 
     The attention streams the cache from memory: each setting's rate of reading it (the cache's bytes over
     the attention's time) is reported beside the machine's own read rate with one thread and with all of
@@ -166,21 +169,25 @@ def flash_decoding(engine: Engine, contexts: tuple[int, ...] = (4096, 8000), num
     def run(e: Engine, context: int):
         prompt = [1000 + (i * 7) % 5000 for i in range(context)]
 
-        def step_ms() -> float:
-            steps = [ev for ev in e.run(e.new_request_from_ids(prompt, sampling)) if isinstance(ev, DecodeStep)]
-            return statistics.median(s.forward_ms for s in steps[1:])  # step 0 is the prefill's token
-        return step_ms
+        def sample() -> tuple[float, float]:  # the median step and its median attention stage (ms)
+            request = e.new_request_from_ids(prompt, sampling)
+            request.time_stages = True
+            steps = [ev for ev in e.run(request) if isinstance(ev, DecodeStep)][1:]  # step 0: the prefill's token
+            return (statistics.median(s.forward_ms for s in steps),
+                    statistics.median(s.stage_ms["attention"] for s in steps))
+        return sample
 
     probe = ReadProbe()
     runs = {(name, c): run(e, c) for name, e in settings.items() for c in (short, *contexts)}
     runs |= {("read", k): (lambda k=k: probe.gb_s(k)) for k in probe.threads}
-    median = {key: statistics.median(values) for key, values in interleaved(runs, rounds).items()}
-    ms = {key: value for key, value in median.items() if key[0] != "read"}
-    machine = ReadProbe.labels({k: median[("read", k)] for k in probe.threads})
+    samples = interleaved(runs, rounds)
+    machine = ReadProbe.labels({k: statistics.median(samples[("read", k)]) for k in probe.threads})
+    ms = {key: statistics.median(v[0] for v in values) for key, values in samples.items() if key[0] != "read"}
+    stage = {key: statistics.median(v[1] for v in values) for key, values in samples.items() if key[0] != "read"}
     report = {}
     bytes_per_token = settings["split"].pool.bytes_per_token
     for c in contexts:
-        attention = {name: ms[(name, c)] - ms[(name, short)] for name in settings}
+        attention = {name: stage[(name, c)] - stage[(name, short)] for name in settings}
         read_gb_s = {name: round(bytes_per_token * (c - short) / (attention[name] * 1e6), 1) if attention[name] > 0
                      else None for name in settings}
         report[c] = {"unsplit_step_ms": round(ms[("unsplit", c)], 2), "split_step_ms": round(ms[("split", c)], 2),

@@ -185,7 +185,7 @@ def flash_decoding(lab: Lab, prompt: str) -> LabResult:
         attention = []
         for context in contexts:
             lab.step(f"{name}: decode at {context} tokens of context")
-            _, events = lab.run(e, lab.tokens(prompt, context), num_gen, explain=True)
+            _, events = lab.run(e, lab.tokens(prompt, context), num_gen, time_stages=True)
             attention.append(median(s.stage_ms["attention"] for s in decode_steps(events) if s.stage_ms))
             cache_mb = e.info.kv_bytes_per_token * context / 1e6  # what a step's attention reads
             rows.append({"setting": name, "context": context, "attention ms per step": r(attention[-1], 2),

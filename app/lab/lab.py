@@ -57,10 +57,11 @@ class Lab:
         return engine.new_request_from_ids(prompt, sampling, **options)
 
     def run(self, engine: Engine, prompt: list[int] | list[dict] | str, max_new_tokens: int, explain: bool = False,
-            **options) -> tuple[Request, list[Event]]:
-        """One request to the end: the request (its tokens) and its events."""
+            time_stages: bool = False, **options) -> tuple[Request, list[Event]]:
+        """One request to the end: the request (its tokens) and its events. explain: with attention
+        weights and time per stage; time_stages: the time per stage alone."""
         request = self.request(engine, prompt, max_new_tokens, **options)
-        request.explain = explain
+        request.explain, request.time_stages = explain, time_stages
         return request, list(engine.run(request))
 
 

@@ -19,8 +19,8 @@ def stages(lab: Lab, prompt: str) -> LabResult:
     num_prompt, num_gen = lab.size((128, 8), (512, 24))
     lab.step(f"prefill of {num_prompt} tokens and {num_gen} decode steps, each stage timed")
     e = lab.engine.variant(prefix_caching=False)
-    lab.run(e, lab.tokens(prompt, 16), 2, explain=True)  # warm-up: the timers' first call
-    _, events = lab.run(e, lab.tokens(prompt, num_prompt), num_gen, explain=True)
+    lab.run(e, lab.tokens(prompt, 16), 2, time_stages=True)  # warm-up: the timers' first call
+    _, events = lab.run(e, lab.tokens(prompt, num_prompt), num_gen, time_stages=True)
     chunk = next(ev for ev in events if ev.type == "PrefillChunk")
     steps = [s for s in decode_steps(events) if s.stage_ms]
     decode = {stage: median(s.stage_ms.get(stage, 0.0) for s in steps) for stage in (*FORWARD_STAGES, "sample")}
