@@ -1093,7 +1093,11 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
     const int64_t rows = (t1 - t0) * group, n = pos + t1;  // the tile's last token sees n keys
     const int64_t width = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
     float *scores = scratch(0, rows * width);  // every entry a row reads is written below
-    auto q_row = [&](int64_t r) { return q + (t0 + r / group) * q_stride + (r % group) * D; };
+    // row r's place in a [tokens][heads * D] layout: its token's row, then its head
+    auto row_in = [&](auto *rows_of, int64_t stride, int64_t r) {
+        return rows_of + (t0 + r / group) * stride + (r % group) * D;
+    };
+    auto q_row = [&](int64_t r) { return row_in(q, q_stride, r); };
     auto limit = [&](int64_t r) { return pos + t0 + r / group + 1; };  // keys [0, limit) are visible
     // the rows' queries kScoreRows at a time as [D][kScoreRows], so that a d's multipliers lie together
     // (read from six rows of q, the score stage took 3-5 % longer)
@@ -1135,7 +1139,7 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
     // values once per row group, the values of 4,096 keys came from L3: the stage took 1.25x as long). Each
     // row still adds its keys in order, so the sums are those of one pass over all keys.
     constexpr int C = (kValueColumns == 0 ? D : kValueColumns) / kLanes;  // accumulators per row
-    auto out_row = [&](int64_t r) { return out + (t0 + r / group) * out_stride + (r % group) * D; };
+    auto out_row = [&](int64_t r) { return row_in(out, out_stride, r); };
     for (int64_t r = 0; r < rows; r++) std::fill(out_row(r), out_row(r) + D, 0.0f);
     for (int64_t k0 = 0; k0 < n; k0 += kValueKeys)
         for (int64_t c0 = 0; c0 < D; c0 += C * kLanes)
