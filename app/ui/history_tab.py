@@ -70,6 +70,16 @@ def export_folder() -> Path:
     return folder
 
 
+def _export_buttons(texts: Texts, label: str, id_prefix: str, interactive: bool) -> list[gr.DownloadButton]:
+    """A label above a row of one download button per export format (beside the buttons, the narrow label
+    broke "sessions:" over three lines)."""
+    with gr.Column(min_width=300):
+        texts(gr.Markdown, value=K(label))
+        with gr.Row():
+            return [gr.DownloadButton(fmt.upper(), size="sm", min_width=80, interactive=interactive,
+                                      elem_id=f"{id_prefix}-{fmt}") for fmt in FORMATS]
+
+
 def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.Tab, texts: Texts,
           lang: gr.Radio) -> None:
     folder = export_folder()
@@ -89,17 +99,9 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         delete = texts(gr.Button, value=K("saved.delete"), variant="stop", elem_id="ps-history-delete")
         confirm = texts(gr.Button, value=K("saved.confirm"), variant="stop", visible=False,
                         elem_id="ps-history-confirm")
-    with gr.Row():  # each label above its buttons (beside them, narrow labels broke "sessions:" over three lines)
-        with gr.Column(min_width=300):
-            texts(gr.Markdown, value=K("saved.selected_exports"))
-            with gr.Row():
-                one = [gr.DownloadButton(f"{fmt.upper()}", size="sm", min_width=80, interactive=False,
-                                         elem_id=f"ps-export-{fmt}") for fmt in FORMATS]
-        with gr.Column(min_width=300):
-            texts(gr.Markdown, value=K("saved.all_exports"))
-            with gr.Row():
-                every = [gr.DownloadButton(f"{fmt.upper()}", size="sm", min_width=80, elem_id=f"ps-export-all-{fmt}")
-                         for fmt in FORMATS]
+    with gr.Row():
+        one = _export_buttons(texts, "saved.selected_exports", "ps-export", interactive=False)
+        every = _export_buttons(texts, "saved.all_exports", "ps-export-all", interactive=True)
 
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
         return sessions_table(store, query or "", lang_choice)
