@@ -58,12 +58,15 @@ def test_native_prefill_attention_reads_a_scattered_table_like_sdpa_reads_gather
     pool = runner.new_pool(1 << 24, prefix_caching=False)
     head_dim, generator = runner.head_dim, torch.Generator().manual_seed(0)
     pool.kv.normal_(generator=generator)  # the cached prefix: whatever the pool holds
-    cached, num_tokens = 37, 21
-    sequence = SequenceKV(pool, [9, 2, 5, 0], num_cached_tokens=cached)  # not consecutive: no view would do
+    # 600 keys: three of the kernel's blocks of 256, the running maximum growing in later ones
+    cached, num_tokens = 579, 21
+    blocks = torch.randperm(pool.num_blocks, generator=generator)[:-(-600 // pool.block_size)].tolist()
+    sequence = SequenceKV(pool, blocks, num_cached_tokens=cached)  # not consecutive: no view would do
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    qkv[:, :heads * head_dim] *= 4  # sharp weights: where the maximum sits matters
     out = runner.fused.prefill_attention(qkv, 0, cached, sequence)
 
-    keys, values = sequence.layer_kv(0, cached + num_tokens)  # gathered: [KV, 58, D]
+    keys, values = sequence.layer_kv(0, cached + num_tokens)  # gathered: [KV, 600, D]
     written = qkv[:, heads * head_dim:].view(num_tokens, 2, kv_heads, head_dim).permute(1, 2, 0, 3)
     assert torch.equal(keys[:, cached:], written[0]) and torch.equal(values[:, cached:], written[1])
     q = qkv[:, :heads * head_dim].view(num_tokens, heads, head_dim).transpose(0, 1)

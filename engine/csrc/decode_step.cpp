@@ -985,10 +985,14 @@ void attention(const Dims &d, const Batch &batch, const float *q, int64_t q_stri
 // sequence's keys and values, read in place through its block table: no copy of the cached prefix into
 // one tensor, which a scattered table (a shared system prompt, then this chat's blocks) would need in
 // PyTorch. Per KV group, the group's query heads times a tile of tokens are the rows of two small matrix
-// products: scores = Q K^T, kKeyTile keys at a time transposed to [D][kKeyTile] so that a row's scores
-// are lanes of two vectors (no horizontal sums); a softmax per row; out = P V, each value row loaded once
-// for several rows. Every row's sums run over exactly its own keys in one fixed order, so a token's output does
-// not depend on how the prompt was cut into chunks: prefix caching stays exact.
+// products, taken kBlockKeys keys at a time as FlashAttention does: scores = Q K^T, kKeyTile keys at a
+// time transposed to [D][kKeyTile] so that a row's scores are lanes of two vectors (no horizontal sums);
+// an online softmax (each row's running maximum and sum; its outputs so far rescaled when the maximum
+// grows); out += P V, each value row loaded once for several rows. The scores never exceed one block, so
+// they stay in L2 however long the context (a whole row of scores per row, 1.2 MB a tile at 6,144 keys,
+// went to L3 and back four times: prefill attention 1.03-1.1x slower at depth 4,096). The blocks start
+// at key 0, and every row's sums run over exactly its own keys in one fixed order, so a token's output
+// does not depend on how the prompt was cut into chunks: prefix caching stays exact.
 // The tiles are sized to the vector registers, 32 of 16 floats with AVX-512, 16 of 8 floats with AVX2:
 // too many accumulators spill to the stack on every multiply-add (a 64-byte vector is two AVX2 registers,
 // which the compiler kept in memory: 3x slower prefill attention than these 8-float vectors).
@@ -1008,7 +1012,7 @@ constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
 constexpr int kKeyVecs = kKeyTile / kLanes;
 constexpr int64_t kScoreRows = 6;    // query rows whose scores are computed together (12 registers)
 constexpr int64_t kTileTokens = 16;  // tokens per task
-constexpr int64_t kValueKeys = 256;  // keys per pass of the value stage (128 and 512 no faster)
+constexpr int64_t kBlockKeys = 256;  // keys per block (of the value stage before the online softmax: 128, 512 no faster)
 
 // Scratch memory of this thread, kept between calls (a fresh allocation per call was a page fault per
 // 4 KB, as long as the arithmetic itself); which: one of a few buffers in use at once.
@@ -1036,12 +1040,12 @@ inline Lanes load_lanes(const RowReader<KV> &row, int64_t i) {
 #endif
 }
 
-// softmax of s[0, n) in place, in a fixed order for a given n; returns 1 / (sum of exponentials). The
-// maximum and the sum run in 16 lanes, two vectors with AVX2 and one with AVX-512 (a 64-byte vector
-// type with AVX2 was taken apart lane by lane: prefill attention 1.2-1.4x slower, the same sums).
-inline float softmax_row(float *s, int64_t n) {
+// The maximum and the sum of s[0, n), in 16 lanes (two vectors with AVX2, one with AVX-512) and then across
+// them: a fixed order for a given n, and no chain of scalar additions. (A 64-byte vector type with AVX2 was
+// taken apart lane by lane: prefill attention 1.2-1.4x slower, the same sums.)
+inline float max_of(const float *s, int64_t n) {
     constexpr int V = 16 / kLanes;
-    Lanes top[V], lanes[V] = {};
+    Lanes top[V];
     for (int j = 0; j < V; j++) top[j] = s[0] - Lanes{};  // s[0] in every lane; a maximum is the same in any order
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -1053,15 +1057,20 @@ inline float softmax_row(float *s, int64_t n) {
     for (int j = 0; j < V; j++)
         for (int64_t k = 0; k < kLanes; k++) most = std::max(most, top[j][k]);
     for (; i < n; i++) most = std::max(most, s[i]);
-#pragma omp simd
-    for (i = 0; i < n; i++) s[i] = fast_exp(s[i] - most);
-    for (i = 0; i + 16 <= n; i += 16)  // the sum in lanes of 16 whatever the compiler does: the same order for the same n
+    return most;
+}
+
+inline float sum_of(const float *s, int64_t n) {
+    constexpr int V = 16 / kLanes;
+    Lanes lanes[V] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
         for (int j = 0; j < V; j++) lanes[j] += *reinterpret_cast<const Lanes *>(s + i + j * kLanes);
     float total = 0.0f;
     for (int j = 0; j < V; j++)
         for (int64_t k = 0; k < kLanes; k++) total += lanes[j][k];
     for (; i < n; i++) total += s[i];
-    return 1.0f / total;
+    return total;
 }
 
 // Rows [0, rows) of one (KV group, token tile): row r is token t0 + r / group, query head r % group of the
@@ -1091,13 +1100,12 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
                          const int64_t *table, int64_t bs, int64_t pos, int64_t t0, int64_t t1, float scale,
                          float *out, int64_t out_stride) {
     const int64_t rows = (t1 - t0) * group, n = pos + t1;  // the tile's last token sees n keys
-    const int64_t width = (n + kKeyTile - 1) / kKeyTile * kKeyTile;
-    float *scores = scratch(0, rows * width);  // every entry a row reads is written below
     // row r's place in a [tokens][heads * D] layout: its token's row, then its head
     auto row_in = [&](auto *rows_of, int64_t stride, int64_t r) {
         return rows_of + (t0 + r / group) * stride + (r % group) * D;
     };
     auto q_row = [&](int64_t r) { return row_in(q, q_stride, r); };
+    auto out_row = [&](int64_t r) { return row_in(out, out_stride, r); };
     auto limit = [&](int64_t r) { return pos + t0 + r / group + 1; };  // keys [0, limit) are visible
     // the rows' queries kScoreRows at a time as [D][kScoreRows], so that a d's multipliers lie together
     // (read from six rows of q, the score stage took 3-5 % longer)
@@ -1108,47 +1116,68 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
         float *to = packed + (r / kScoreRows) * D * kScoreRows + r % kScoreRows;
         for (int d = 0; d < D; d++) to[d * kScoreRows] = row[d];
     }
-    for (int64_t start = 0; start < n; start += kKeyTile) {
-        const float *keys = kt + start * D;  // keys [start, start + 32) as [D][32]
-        for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
-            if (limit(std::min(rows, r0 + kScoreRows) - 1) <= start) continue;  // all these keys are in the future
-            const float *queries = packed + r0 * D;  // [D][kScoreRows]
-            Lanes acc[kScoreRows][kKeyVecs] = {};
-            for (int d = 0; d < D; d++) {
-                Lanes k[kKeyVecs];
-                for (int j = 0; j < kKeyVecs; j++)
-                    k[j] = *reinterpret_cast<const Lanes *>(keys + d * kKeyTile + j * kLanes);
-                for (int64_t i = 0; i < kScoreRows; i++)
-                    for (int j = 0; j < kKeyVecs; j++) acc[i][j] += queries[d * kScoreRows + i] * k[j];
-            }
-            for (int64_t i = 0; i < std::min(kScoreRows, rows - r0); i++) {  // the tile's keys past n: 0
-                float *s = scores + (r0 + i) * width + start;
-                for (int j = 0; j < kKeyVecs; j++) *reinterpret_cast<Lanes *>(s + j * kLanes) = acc[i][j] * scale;
+    constexpr int64_t B = kBlockKeys;
+    float *scores = scratch(0, rows * B), *most = scratch(1, 2 * rows), *total = most + rows;
+    float *zeros = scratch(3, B);
+    std::fill(zeros, zeros + B, 0.0f);
+    for (int64_t r = 0; r < rows; r++) std::fill(out_row(r), out_row(r) + D, 0.0f);
+    constexpr int C = (kValueColumns == 0 ? D : kValueColumns) / kLanes;  // accumulators per row
+    for (int64_t k0 = 0; k0 < n; k0 += B) {
+        const int64_t k1 = std::min(n, k0 + B);
+        // scores of keys [k0, k1)
+        for (int64_t start = k0; start < k1; start += kKeyTile) {
+            const float *keys = kt + start * D;  // keys [start, start + kKeyTile) as [D][kKeyTile]
+            for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+                if (limit(std::min(rows, r0 + kScoreRows) - 1) <= start) continue;  // all these keys are in the future
+                const float *queries = packed + r0 * D;  // [D][kScoreRows]
+                Lanes acc[kScoreRows][kKeyVecs] = {};
+                for (int d = 0; d < D; d++) {
+                    Lanes k[kKeyVecs];
+                    for (int j = 0; j < kKeyVecs; j++)
+                        k[j] = *reinterpret_cast<const Lanes *>(keys + d * kKeyTile + j * kLanes);
+                    for (int64_t i = 0; i < kScoreRows; i++)
+                        for (int j = 0; j < kKeyVecs; j++) acc[i][j] += queries[d * kScoreRows + i] * k[j];
+                }
+                for (int64_t i = 0; i < std::min(kScoreRows, rows - r0); i++) {
+                    float *s = scores + (r0 + i) * B + (start - k0);
+                    for (int j = 0; j < kKeyVecs; j++) *reinterpret_cast<Lanes *>(s + j * kLanes) = acc[i][j] * scale;
+                }
             }
         }
-    }
-    float *inverse = scratch(1, rows), *zeros = scratch(3, width);
-    std::fill(zeros, zeros + width, 0.0f);
-    for (int64_t r = 0; r < rows; r++) {  // past its limit a row's weights are 0
-        float *s = scores + r * width;
-        inverse[r] = softmax_row(s, limit(r));
-        std::fill(s + limit(r), s + width, 0.0f);
-    }
-    // The weighted sum of values, kValueKeys keys at a time, kept in out between them: those keys' values stay
-    // in L1 while every row of the tile adds them, C vectors of the head's columns at a time (reading the
-    // values once per row group, the values of 4,096 keys came from L3: the stage took 1.25x as long). Each
-    // row still adds its keys in order, so the sums are those of one pass over all keys.
-    constexpr int C = (kValueColumns == 0 ? D : kValueColumns) / kLanes;  // accumulators per row
-    auto out_row = [&](int64_t r) { return row_in(out, out_stride, r); };
-    for (int64_t r = 0; r < rows; r++) std::fill(out_row(r), out_row(r) + D, 0.0f);
-    for (int64_t k0 = 0; k0 < n; k0 += kValueKeys)
+        // the online softmax: each row's exponentials against its running maximum, its sum and its outputs
+        // so far rescaled when the maximum grows
+        for (int64_t r = 0; r < rows; r++) {
+            float *s = scores + r * B;
+            const int64_t seen = std::max<int64_t>(0, std::min(limit(r), k1) - k0);
+            if (seen > 0) {
+                const float top = max_of(s, seen);
+                const float before = k0 == 0 ? top : most[r], now = std::max(before, top);
+#pragma omp simd
+                for (int64_t i = 0; i < seen; i++) s[i] = fast_exp(s[i] - now);
+                const float sum = sum_of(s, seen);
+                if (k0 == 0) {
+                    total[r] = sum;
+                } else {
+                    const float shrink = fast_exp(before - now);
+                    total[r] = total[r] * shrink + sum;
+                    if (now > before) {
+                        float *o = out_row(r);
+                        for (int64_t c = 0; c < D; c++) o[c] *= shrink;
+                    }
+                }
+                most[r] = now;
+            }
+            std::fill(s + seen, s + B, 0.0f);
+        }
+        // the weighted sum of these keys' values, added to out: the values stay in L1 while every row of
+        // the tile adds them, C vectors of the head's columns at a time
         for (int64_t c0 = 0; c0 < D; c0 += C * kLanes)
             for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
                 const int64_t count = std::min(kValueRows, rows - r0);
-                const int64_t end = std::min(k0 + kValueKeys, limit(r0 + count - 1));
+                const int64_t end = std::min(k1, limit(r0 + count - 1));
                 if (end <= k0) continue;  // these rows see none of these keys
                 const float *weights[kValueRows];  // the rows of the tile past count: zeros (no branch per key)
-                for (int64_t i = 0; i < kValueRows; i++) weights[i] = i < count ? scores + (r0 + i) * width : zeros;
+                for (int64_t i = 0; i < kValueRows; i++) weights[i] = i < count ? scores + (r0 + i) * B : zeros;
                 Lanes acc[kValueRows][C] = {};
                 for (int64_t i = 0; i < count; i++)
                     for (int j = 0; j < C; j++)
@@ -1161,7 +1190,7 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
                         Lanes value[C];
                         for (int j = 0; j < C; j++) value[j] = load_lanes(row, c0 + j * kLanes);
                         for (int64_t i = 0; i < kValueRows; i++) {
-                            const float weight = weights[i][p] * row.scale;
+                            const float weight = weights[i][p - k0] * row.scale;
                             for (int j = 0; j < C; j++) acc[i][j] += weight * value[j];
                         }
                     }
@@ -1171,9 +1200,11 @@ void attend_prefill_tile(const float *q, int64_t q_stride, int64_t group, const 
                     for (int j = 0; j < C; j++)
                         *reinterpret_cast<Lanes *>(out_row(r0 + i) + c0 + j * kLanes) = acc[i][j];
             }
+    }
     for (int64_t r = 0; r < rows; r++) {
         float *o = out_row(r);
-        for (int64_t c = 0; c < D; c++) o[c] *= inverse[r];
+        const float inverse = 1.0f / total[r];
+        for (int64_t c = 0; c < D; c++) o[c] *= inverse;
     }
 }
 
