@@ -1012,7 +1012,7 @@ constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
 constexpr int kKeyVecs = kKeyTile / kLanes;
 constexpr int64_t kScoreRows = 6;    // query rows whose scores are computed together (12 registers)
 constexpr int64_t kTileTokens = 16;  // tokens per task
-constexpr int64_t kBlockKeys = 256;  // keys per block (of the value stage before the online softmax: 128, 512 no faster)
+constexpr int64_t kBlockKeys = 256;  // keys per block of the online softmax (128 and 512 were no faster)
 
 // Scratch memory of this thread, kept between calls (a fresh allocation per call was a page fault per
 // 4 KB, as long as the arithmetic itself); which: one of a few buffers in use at once.
