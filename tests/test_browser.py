@@ -368,7 +368,9 @@ def test_explain_tab_steps_one_token_at_a_time(page):
     candidates = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').data[0]")
     assert 5 == len(candidates["x"]) and abs(sum(candidates["x"])) <= 1.0
     page.click("#ps-explain-run")
-    page.wait_for_selector("#ps-explain-steps [data-explain=done]", timeout=60_000)
+    # Run paces its tokens (RUN_STEP_S: 61 more tokens take 18 s at least) and draws each one: at a busy hour
+    # on two cores a step and its drawing took over a second (60 s ran out once)
+    page.wait_for_selector("#ps-explain-steps [data-explain=done]", timeout=180_000)
     set_setting(page, "ps-explain-temperature", 0.8)  # sampled: the chances after the cut-offs beside the model's
     set_setting(page, "ps-explain-top-k", 2)
     page.click("#ps-explain-start")
