@@ -2,6 +2,7 @@
 replace."""
 from __future__ import annotations
 
+import math
 import os
 from contextlib import nullcontext
 
@@ -60,7 +61,8 @@ def test_native_prefill_attention_reads_a_scattered_table_like_sdpa_reads_gather
     pool.kv.normal_(generator=generator)  # the cached prefix: whatever the pool holds
     # 600 keys: three of the kernel's blocks of 256, the running maximum growing in later ones
     cached, num_tokens = 579, 21
-    blocks = torch.randperm(pool.num_blocks, generator=generator)[:-(-600 // pool.block_size)].tolist()
+    num_blocks = math.ceil((cached + num_tokens) / pool.block_size)
+    blocks = torch.randperm(pool.num_blocks, generator=generator)[:num_blocks].tolist()
     sequence = SequenceKV(pool, blocks, num_cached_tokens=cached)  # not consecutive: no view would do
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
     qkv[:, :heads * head_dim] *= 4  # sharp weights: where the maximum sits matters
