@@ -26,6 +26,10 @@ from .sampling import top_logits, top_logits_batch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INT8_FORMAT = 1  # the layout of the cached int8 weights: raise it when LeanLlama's fusing or quantizing changes
+# Rows per MLP pass on CPU: a long prompt's [T, 2*I] gate/up output (25 MB at 2,048 tokens for SmolLM2)
+# leaves the caches between the matrix products; 512 rows at a time stay in L3 (the MLP of pp2048 about
+# 10 % faster; every row's sums are the same)
+MLP_ROWS = 512
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -330,6 +334,12 @@ class LeanLlama:
         """The layer's MLP over rows x [N, C], before the residual: the norm, gate/up, SiLU(gate) * up, down."""
         h = F.rms_norm(x, x.shape[-1:], layer.mlp_norm, self.eps)
         clock.lap("norm")
+        if h.shape[0] <= MLP_ROWS or self.device.type != "cpu":
+            return self._mlp(layer, h)
+        return torch.cat([self._mlp(layer, h[start:start + MLP_ROWS]) for start in range(0, h.shape[0], MLP_ROWS)])
+
+    @staticmethod
+    def _mlp(layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
         return layer.down(F.silu(gate) * up)
 
