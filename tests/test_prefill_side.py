@@ -32,12 +32,11 @@ def test_attention_implementations_agree(tokenizer, kind, chunks):
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_a_long_prompts_mlp_in_row_blocks_gives_the_same_logits(tokenizer, monkeypatch, precision):
     """On CPU a prompt longer than MLP_ROWS goes through each MLP MLP_ROWS rows at a time."""
-    import engine.llama
     lean = LeanLlama(tiny_model(tokenizer, hidden=256).model, precision=precision)
     ids = torch.arange(40) % 700 + 11
     logits = {}
     for rows in (4096, 7):  # the whole prompt at once; blocks of 7 rows and a last one of 5
-        monkeypatch.setattr(engine.llama, "MLP_ROWS", rows)
+        monkeypatch.setattr("engine.llama.MLP_ROWS", rows)
         logits[rows] = lean.forward(ids, 0, lean.new_cache(64), every_row=True)
     assert logits[7].shape == (40, len(tokenizer))
     torch.testing.assert_close(logits[7], logits[4096], rtol=1e-5, atol=1e-5)
