@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--quick", action="store_true", help="smaller sizes: each experiment in seconds")
     lab.add_argument("--prompt", help="the prompt to run (default: the experiment's own)")
     lab.add_argument("--output", choices=["md", "json"], default="md")
+    lab.add_argument("--lang", choices=["en", "zh"], default="en", help="the report's language (a saved run shows in "
+                     "the page's own language)")
     lab.add_argument("--png", metavar="DIR", help="also write each figure to DIR (PNG; standalone HTML where "
                                                   "kaleido cannot draw)")
     _add_model_options(lab)
@@ -563,7 +565,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     if args.experiment == "list":
         for experiment in lab.EXPERIMENTS.values():
-            print(f"{experiment.name:<16} {experiment.title()}")
+            print(f"{experiment.name:<16} {experiment.title(args.lang)}")
         return 0
     names = list(lab.EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     unknown = [name for name in names if name not in lab.EXPERIMENTS]
@@ -580,19 +582,21 @@ def cmd_lab(args: argparse.Namespace) -> int:
     try:
         for name in names:
             log(f"lab {name}{' (quick)' if args.quick else ''}:")
-            result = lab.run(engine, name, args.prompt, args.quick, progress=lambda text: log(f"  {text}"))
+            result = lab.run(engine, name, args.prompt, args.quick,
+                             progress=lambda text: log(f"  {lab.words(args.lang, text)}"))
             run_id = store.add_lab_run(name, {"prompt": result.prompt, "quick": result.quick, **result.settings},
                                        result.machine, result.to_dict())
             log(f"  {result.seconds:.1f} s; saved as lab run {run_id} in {store.path or 'memory'}")
             if png:
-                log(f"  figure: {lab.write_image(lab.figure(result), png / name)}")
+                log(f"  figure: {lab.write_image(lab.figure(result, args.lang), png / name)}")
             results[name] = result
     finally:
         engine.close()
     if args.output == "json":
-        print(json.dumps({name: result.to_dict() for name, result in results.items()}, indent=1))
+        print(json.dumps({name: result.in_language(args.lang).to_dict() for name, result in results.items()},
+                         indent=1, ensure_ascii=False))
     else:
-        print("\n\n".join(result.markdown() for result in results.values()))
+        print("\n\n".join(result.markdown(args.lang) for result in results.values()))
     return 0
 
 

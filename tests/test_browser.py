@@ -430,7 +430,7 @@ def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, a
 
 def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
     """The Lab tab: one experiment run from the browser draws both settings in one figure with its table,
-    is saved in the database file, and comes back from the saved runs."""
+    is saved in the database file, comes back from the saved runs, and reads in Chinese on a switch."""
     page.get_by_role("tab", name="Lab").click()
     page.locator("#ps-lab-experiment input").click()
     page.get_by_role("option", name="Batching", exact=True).click()
@@ -461,6 +461,12 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
     page.click("#ps-lab-open")
     page.wait_for_function("() => document.querySelector('#ps-lab-report').innerText.includes('aggregate tok/s')")
     assert set(plot_traces(page, "ps-lab-plot")) == {"batching · aggregate decode"}
+
+    page.get_by_text("简体中文").click()  # the run on show is drawn again in the page's new language
+    page.wait_for_function("() => document.querySelector('#ps-lab-report').innerText.includes('总词元/秒')")
+    assert "已显示：批处理提高总吞吐" in page.inner_text("#ps-lab-report")
+    assert set(plot_traces(page, "ps-lab-plot")) == {"批处理 · 总解码吞吐"}
+    page.screenshot(path=str(tmp_path / "lab-zh.png"), full_page=True)
 
 
 def test_chat_with_a_remote_endpoint_from_the_page(page, app_db):

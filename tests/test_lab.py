@@ -3,6 +3,7 @@ effect it is about in its own numbers; the results stored, drawn and exported.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -70,7 +71,9 @@ def test_a_stored_run_comes_back_whole_and_exports(quick_all, tmp_path):
     row = store.lab_run(store.lab_runs()[0]["id"])
     result = lab.LabResult.from_dict(row["results"])
     assert row["experiment"] == result.experiment and row["machine"] == result.machine
-    assert result.markdown().startswith(f"## {result.title}")
+    assert result.markdown().startswith(f"## {lab.words('en', result.title)}")
+    chinese = result.markdown("zh")
+    assert chinese.startswith(f"## {lab.words('zh', result.title)}") and "已显示" in chinese
     written = lab.write_image(lab.figure(result), tmp_path / result.experiment)
     assert written.suffix in (".png", ".html") and written.stat().st_size > 1000
 
@@ -119,3 +122,37 @@ def test_lab_runs_are_a_table_of_the_history_database(tmp_path):
     assert again.lab_runs() == [{"id": run_id, "created_at": again.lab_runs()[0]["created_at"],
                                  "experiment": "batching"}]
     assert again.lab_run(run_id)["results"] == {"table": [{"requests": 1}]}
+
+
+@pytest.mark.parametrize("name", ["kv-cache", "batching"])
+def test_a_run_reads_in_each_language(tiny, name):
+    """A run keeps its words as catalogue keys: its report and figure come out whole in English and in
+    Chinese (no key or field left over), and the English is what the experiment says."""
+    result = lab.run(Engine(tiny, EngineConfig()), name, quick=True)
+    english, chinese = result.markdown("en"), result.markdown("zh")
+    for text in (english, chinese):
+        assert "lab." not in text and "{" not in text
+    assert english.startswith(f"## {lab.words('en', result.title)}") and "shown: " in english
+    assert re.search(r"[\u4e00-\u9fff]", chinese) and "已显示" in chinese
+    for lang in ("en", "zh"):
+        figure = lab.figure(result, lang)
+        assert len(figure.data) == len(result.series)
+        assert all("lab." not in trace.name for trace in figure.data)
+        assert "lab." not in json.dumps(result.in_language(lang).to_dict(), ensure_ascii=False)
+    again = lab.LabResult.from_dict(json.loads(json.dumps(result.to_dict())))  # as the database keeps it
+    assert again.markdown("zh") == chinese
+
+
+def test_a_run_stored_before_the_lab_spoke_chinese_reads_as_it_was():
+    """Runs saved with English words in place of keys: shown as they were, in either language's frame."""
+    old = lab.LabResult("batching", "Batching: aggregate throughput against each request's TPOT", "A poem.",
+                        {"new_tokens": 24}, "TPOT per request (ms)", "aggregate decode tok/s",
+                        [lab.Series("batching · aggregate decode", [7.5, 10.2], [133.0, 237.0])],
+                        [{"requests": 1, "aggregate tok/s": 133.0}, {"requests": 2, "aggregate tok/s": 237.0}],
+                        "One request decoded at 133 tok/s.", {"batching raises aggregate throughput": True},
+                        timed=["batching raises aggregate throughput"])
+    stored = lab.LabResult.from_dict(json.loads(json.dumps(old.to_dict())))
+    assert stored.in_language("zh").to_dict() == old.to_dict()
+    assert "| requests | aggregate tok/s |" in stored.markdown("zh")
+    assert "- 已显示：batching raises aggregate throughput（计时）" in stored.markdown("zh")
+    assert [trace.name for trace in lab.figure(stored, "zh").data] == ["batching · aggregate decode"]

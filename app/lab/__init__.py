@@ -18,7 +18,7 @@ from ..i18n import DEFAULT, t
 
 from .figure import figure, write_image
 from .lab import Lab, LabStopped
-from .result import LabResult, Series, machine
+from .result import LabResult, Series, machine, said, words
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -80,4 +80,5 @@ def run(engine: Engine, name: str, prompt: str | None = None, quick: bool = Fals
     return result
 
 
-__all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "figure", "run", "write_image"]
+__all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "figure", "run", "said", "words",
+           "write_image"]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from ..i18n import DEFAULT
 from ..ui.charts import FONT_FAMILY, GRID_COLOR
 from .result import LabResult
 
@@ -13,7 +14,9 @@ from .result import LabResult
 PALETTE = ["#7d8796", "#2f6fdf", "#e8871e", "#2a9d61", "#b24bd1", "#d64545", "#16a3b8", "#8a6d3b"]
 
 
-def figure(result: LabResult) -> go.Figure:
+def figure(result: LabResult, lang: str = DEFAULT) -> go.Figure:
+    """The run's figure, its words in lang."""
+    result = result.in_language(lang)
     fig = go.Figure()
     colors: dict[str, str] = {}
     for series in result.series:

@@ -22,11 +22,11 @@ class LabStopped(Exception):
 class Lab:
     engine: Engine
     quick: bool = False
-    progress: Callable[[str], None] | None = None
+    progress: Callable[[str | list], None] | None = None  # given said(...): put in a language by words()
     stop: threading.Event | None = None
 
-    def step(self, text: str) -> None:
-        """Between two measurements: stop here if asked to, else say what comes next."""
+    def step(self, text: str | list) -> None:
+        """Between two measurements: stop here if asked to, else say what comes next (said(...))."""
         if self.stop is not None and self.stop.is_set():
             raise LabStopped("stopped")
         if self.progress is not None:

@@ -1,21 +1,42 @@
 """What one lab run measured: the series of its figure, a table of numbers, an explanation tied to those
 numbers, and the effects it is about, each checked (the direction the lesson predicts).
 
-A result is plain data (JSON both ways), so that a stored run is drawn again exactly as it was.
+A result is plain data (JSON both ways), so that a stored run is drawn again exactly as it was, in the
+language the page shows: its words are kept as catalogue keys with their numbers (see said and words),
+and put in a language only when drawn.
 """
 from __future__ import annotations
 
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from ..i18n import DEFAULT, catalogue, t
+
+
+def said(key: str, **fields) -> list:
+    """A text of the catalogues with its fields, as a result keeps it: [key, fields]. A field may be such
+    a text itself."""
+    return [key, fields]
+
+
+def words(lang: str, text):
+    """text in lang: a catalogue key, or [key, fields] from said; anything else (numbers, names, the
+    English of runs stored before the Lab spoke two languages) as it is."""
+    if isinstance(text, list) and len(text) == 2 and isinstance(text[0], str) and isinstance(text[1], dict):
+        key, fields = text
+        return t(lang, key, **{name: words(lang, value) for name, value in fields.items()})
+    if isinstance(text, str) and text in catalogue(DEFAULT):
+        return t(lang, text)
+    return text
 
 
 @dataclass
 class Series:
     """One trace of the figure. kind: lines, markers, lines+markers or bar (bars at the same x stack);
-    axis: y or y2 (the right one). A name "setting · what" takes the setting's colour."""
+    axis: y or y2 (the right one). A name "setting · what" (lab.series) takes the setting's colour."""
 
-    name: str
+    name: str | list
     x: list
     y: list
     kind: str = "lines+markers"
@@ -27,18 +48,21 @@ class Series:
 
 @dataclass
 class LabResult:
+    """Its words (title, labels, series names, the table's columns and names, the explanation, the
+    effects) are catalogue keys or said(...), put in a language by in_language."""
+
     experiment: str
-    title: str
+    title: str | list
     prompt: str
     settings: dict  # what was compared, and the run's sizes
-    x_label: str
-    y_label: str
+    x_label: str | list
+    y_label: str | list
     series: list[Series]
     table: list[dict]  # rows of measured numbers, one column per key
-    explanation: str  # two or three sentences tied to the numbers above
+    explanation: str | list  # two or three sentences tied to the numbers above
     effects: dict[str, bool]  # each effect the experiment is about: did it show, in this run's numbers
     timed: list[str] = field(default_factory=list)  # the effects read off a clock: a busy machine can hide them
-    y2_label: str | None = None
+    y2_label: str | list | None = None
     log_x: bool = False
     log_y: bool = False
     machine: dict = field(default_factory=dict)
@@ -61,23 +85,41 @@ class LabResult:
         """The effects read off counts (tokens, bytes, FLOPs), which no load on the machine changes."""
         return {effect: ok for effect, ok in self.effects.items() if effect not in self.timed}
 
-    def markdown(self) -> str:
-        """The run as Markdown: title, table, explanation, effects, settings and machine."""
-        lines = [f"## {self.title}", ""]
-        if self.table:
-            columns = list(self.table[0])
+    def in_language(self, lang: str) -> LabResult:
+        """The same run with its words in lang (plain text, which words() leaves as it is)."""
+        def say(text):
+            return words(lang, text)
+
+        return replace(
+            self, title=say(self.title), x_label=say(self.x_label), y_label=say(self.y_label),
+            y2_label=say(self.y2_label), explanation=say(self.explanation),
+            series=[replace(s, name=say(s.name), x=[say(x) for x in s.x], text=s.text and [say(x) for x in s.text])
+                    for s in self.series],
+            table=[{say(column): say(value) for column, value in row.items()} for row in self.table],
+            effects={say(effect): ok for effect, ok in self.effects.items()}, timed=[say(e) for e in self.timed])
+
+    def markdown(self, lang: str = DEFAULT) -> str:
+        """The run as Markdown, in lang: title, table, explanation, effects, settings and machine."""
+        run = self.in_language(lang)
+        lines = [f"## {run.title}", ""]
+        if run.table:
+            columns = list(run.table[0])
             lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-            lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in self.table]
+            lines += ["| " + " | ".join(_cell(lang, row.get(c)) for c in columns) + " |" for row in run.table]
             lines.append("")
-        lines += [self.explanation, ""]
-        lines += [f"- {'shown' if ok else 'NOT shown'}: {effect}{' (timed)' if effect in self.timed else ''}"
-                  for effect, ok in self.effects.items()]
+        lines += [run.explanation, ""]
+        lines += [t(lang, "lab.md.effect_timed" if effect in run.timed else "lab.md.effect",
+                    shown=t(lang, "lab.md.shown" if ok else "lab.md.not_shown"), effect=effect)
+                  for effect, ok in run.effects.items()]
         settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
-        lines += ["", f"Settings: {settings}. Machine: {machine_line(self.machine)}. Took {self.seconds:.1f} s."]
+        lines += ["", t(lang, "lab.md.footer", settings=settings, machine=machine_line(lang, self.machine),
+                        seconds=self.seconds)]
         return "\n".join(lines)
 
 
-def _cell(value) -> str:
+def _cell(lang: str, value) -> str:
+    if isinstance(value, bool):
+        return t(lang, "lab.md.yes" if value else "lab.md.no")
     if isinstance(value, float):
         return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
     return "" if value is None else str(value).replace("|", "\\|")
@@ -108,8 +150,8 @@ def machine(engine) -> dict:
             "model": info.name, "precision": info.precision, "decode": info.decode_path, "torch": torch.__version__}
 
 
-def machine_line(m: dict) -> str:
+def machine_line(lang: str, m: dict) -> str:
     if not m:
-        return "unknown"
-    return (f"{m.get('processor')} ({m.get('cores')} cores, {m.get('threads')} threads), {m.get('model')} "
-            f"in {m.get('precision')}, decode: {m.get('decode')}, torch {m.get('torch')}")
+        return t(lang, "lab.md.unknown_machine")
+    return t(lang, "lab.md.machine", **{key: m.get(key) for key in
+                                         ("processor", "cores", "threads", "model", "precision", "decode", "torch")})

@@ -43,26 +43,29 @@ def _run_choices(store: Store, lang: str = DEFAULT) -> list[tuple[str, int]]:
              f"{row['created_at'][:19].replace('T', ' ')}", row["id"]) for row in runs]
 
 
-def _exports(result: lab.LabResult, run_id: int | None) -> tuple[Path, Path]:
-    """The run as JSON and its figure as a standalone page (plotly.js inlined: it opens offline). The
-    figure's own camera button saves a PNG."""
+def _exports(result: lab.LabResult, run_id: int | None, lang: str) -> tuple[Path, Path]:
+    """The run as JSON and its figure as a standalone page (plotly.js inlined: it opens offline), in lang.
+    The figure's own camera button saves a PNG."""
     EXPORTS.mkdir(parents=True, exist_ok=True)
-    stem = EXPORTS / f"lab-{run_id or 'unsaved'}-{result.experiment}"
-    stem.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=1), encoding="utf-8")
-    lab.figure(result).write_html(stem.with_suffix(".html"), include_plotlyjs=True)
+    stem = EXPORTS / f"lab-{run_id or 'unsaved'}-{result.experiment}-{lang}"
+    stem.with_suffix(".json").write_text(json.dumps(result.in_language(lang).to_dict(), indent=1, ensure_ascii=False),
+                                         encoding="utf-8")
+    lab.figure(result, lang).write_html(stem.with_suffix(".html"), include_plotlyjs=True)
     return stem.with_suffix(".json"), stem.with_suffix(".html")
 
 
 def _show(result: lab.LabResult, run_id: int | None, lang: str) -> list:
-    """status, plot, report, the two downloads."""
-    json_path, html_path = _exports(result, run_id)
+    """status, plot, report, the two downloads, and the run shown (drawn again in another language)."""
+    json_path, html_path = _exports(result, run_id, lang)
     status = t(lang, "lab.done", seconds=result.seconds, run=run_id or "-") if run_id else t(lang, "lab.not_saved")
-    return [status, gr.Plot(lab.figure(result), visible=True), result.markdown(),
-            gr.DownloadButton(value=str(json_path), visible=True), gr.DownloadButton(value=str(html_path), visible=True)]
+    return [status, gr.Plot(lab.figure(result, lang), visible=True), result.markdown(lang),
+            gr.DownloadButton(value=str(json_path), visible=True),
+            gr.DownloadButton(value=str(html_path), visible=True), (result.to_dict(), run_id)]
 
 
 def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     stop_event = gr.State(None)  # the running experiment's: Stop sets it
+    shown_run = gr.State(None)  # (result as a dict, run id) of the run on show
     with gr.Row(equal_height=True):
         experiment = texts(gr.Dropdown, choices=_experiment_choices(DEFAULT), value=FIRST, label=K("lab.experiment"),
                            scale=3, elem_id="ps-lab-experiment")
@@ -82,7 +85,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                           elem_id="ps-lab-json")
         html_file = texts(gr.DownloadButton, label=K("lab.export_figure"), visible=False, scale=1,
                           elem_id="ps-lab-html")
-    shown = [status, plot, report, json_file, html_file]
+    shown = [status, plot, report, json_file, html_file, shown_run]
 
     def on_run(name, text, is_quick, lang_choice):
         event, progress, outcome = threading.Event(), queue.SimpleQueue(), {}
@@ -95,20 +98,20 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
         worker = threading.Thread(target=work, name="lab", daemon=True)
         worker.start()
-        yield [event, t(lang_choice, "lab.waiting"), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+        yield [event, t(lang_choice, "lab.waiting"), *[gr.skip()] * 6]
         while worker.is_alive():
             worker.join(0.25)
             line = None
             while not progress.empty():
                 line = progress.get()
             if line:
-                yield [gr.skip(), t(lang_choice, "lab.running", step=line), *[gr.skip()] * 5]
+                yield [gr.skip(), t(lang_choice, "lab.running", step=lab.words(lang_choice, line)), *[gr.skip()] * 6]
         error = outcome.get("error")
         if isinstance(error, lab.LabStopped):
-            yield [None, t(lang_choice, "lab.stopped"), *[gr.skip()] * 5]
+            yield [None, t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
             return
         if error is not None:
-            yield [None, t(lang_choice, "lab.failed", detail=user_error(lang_choice, error)), *[gr.skip()] * 5]
+            yield [None, t(lang_choice, "lab.failed", detail=user_error(lang_choice, error)), *[gr.skip()] * 6]
             return
         result, run_id = outcome["result"], None
         try:
@@ -121,13 +124,22 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
     def on_open(run_id, lang_choice):
         if run_id is None:
-            return [gr.skip()] * 5
+            return [gr.skip()] * 6
         try:
             row = store.lab_run(int(run_id))
         except StoreError as exc:
             gr.Warning(str(exc))
-            return [gr.skip()] * 5
+            return [gr.skip()] * 6
         return _show(lab.LabResult.from_dict(row["results"]), row["id"], lang_choice)
+
+    def redraw(lang_choice, current, run, shown_now):
+        """A language switch: the lists relabelled, and the run on show drawn again in the new language."""
+        lists = [gr.Dropdown(choices=_experiment_choices(lang_choice), value=current),
+                 gr.Dropdown(choices=_run_choices(store, lang_choice), value=run)]
+        if not shown_now:
+            return [*lists, *[gr.skip()] * 6]
+        data, run_id = shown_now
+        return [*lists, *_show(lab.LabResult.from_dict(data), run_id, lang_choice)]
 
     # input, not change: a language switch relabels the list without resetting an edited prompt
     experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
@@ -135,6 +147,4 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
               concurrency_id="lab")
     stop.click(lambda event: event.set() if event else None, [stop_event], None, queue=False)
     reopen.click(on_open, [runs, lang], shown)
-    texts.on_switch(lambda lang_choice, current, run: (
-        gr.Dropdown(choices=_experiment_choices(lang_choice), value=current),
-        gr.Dropdown(choices=_run_choices(store, lang_choice), value=run)), [experiment, runs], [experiment, runs])
+    texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, *shown])
