@@ -128,7 +128,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
         try:
             row = store.lab_run(int(run_id))
         except StoreError as exc:
-            gr.Warning(str(exc))
+            gr.Warning(t(lang_choice, "error.other", detail=str(exc)))
             return [gr.skip()] * 6
         return _show(lab.LabResult.from_dict(row["results"]), row["id"], lang_choice)
 
