@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .i18n import DEFAULT as DEFAULT_LANGUAGE, LANGUAGES
 from .startup import pause_collector, settle
 
 DEFAULT_HOST = "127.0.0.1"
@@ -167,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--quick", action="store_true", help="smaller sizes: each experiment in seconds")
     lab.add_argument("--prompt", help="the prompt to run (default: the experiment's own)")
     lab.add_argument("--output", choices=["md", "json"], default="md")
-    lab.add_argument("--lang", choices=["en", "zh"], default="en", help="the report's language (a saved run shows in "
-                     "the page's own language)")
+    lab.add_argument("--lang", choices=list(LANGUAGES), default=DEFAULT_LANGUAGE,
+                     help="the report's language (a saved run shows in the page's own language)")
     lab.add_argument("--png", metavar="DIR", help="also write each figure to DIR (PNG; standalone HTML where "
                                                   "kaleido cannot draw)")
     _add_model_options(lab)
