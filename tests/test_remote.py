@@ -142,6 +142,14 @@ def test_connection_refused_is_said_at_once():
     assert "connection refused" in events[-1].error and seconds < 10
 
 
+def test_no_server_at_the_endpoint_is_said_as_such_when_listing_its_models():
+    """Not "give the model's name": no name helps where nothing answers."""
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(ValueError) as error:
+        Endpoint(url).resolve_model()
+    assert str(error.value) == f"cannot reach {url}: connection refused or host unreachable"
+
+
 def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_saves_it_as_stopped(faulty, tmp_path):
     db = tmp_path / "h.db"
     chat = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "--endpoint", f"{faulty}/endless",

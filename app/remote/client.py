@@ -62,6 +62,8 @@ class Endpoint:
             answer = httpx.get(f"{self.url}/models", headers=self.headers, timeout=self._timeout())
             answer.raise_for_status()
             self.model = answer.json()["data"][0]["id"]
+        except (httpx.ConnectError, httpx.TimeoutException) as exc:  # no server there: a model's name won't help
+            raise ValueError(f"cannot reach {self.url}: {_say(exc)}") from None
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             raise ValueError(f"cannot list the models of {self.url}: {_say(exc)}; give the model's name") from None
         return self.model
