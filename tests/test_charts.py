@@ -73,9 +73,13 @@ def test_kv_figure_continues_across_turns():
     assert [256 * PER_TOKEN / 1e6] * 2 == list(allocated[0].y)
 
 
-def test_empty_figures_are_valid():
-    validated(charts.latency_figure([]))
-    validated(charts.kv_figure([]))
+def test_empty_figures_are_valid_and_draw_no_axes_until_a_point():
+    for empty in (charts.latency_figure([]), charts.kv_figure([]), charts.kv_figure([[]])):
+        validated(empty)
+        assert empty.layout.xaxis.visible is False and empty.layout.yaxis.visible is False
+    reply = fake_reply(num_steps=2)
+    for drawn in (charts.latency_figure(reply.events), charts.kv_figure([reply.events])):
+        assert drawn.layout.xaxis.visible is True and drawn.layout.yaxis.visible is True
 
 
 def test_phase_indicator_follows_the_reply():

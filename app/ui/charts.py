@@ -32,6 +32,11 @@ def _axis(title: str, **extra) -> dict:
 
 
 def _figure(data: list[dict], title: str, xaxis: dict, yaxis: dict, **layout) -> go.Figure:
+    """A figure in the page's style. Without a point to draw (a chat not begun) its axes are left out: an
+    empty log axis from 0.1 to 10,000 ms over steps -1 to 6 says nothing true. A reply's first points come
+    in a whole new figure (app/ui/live.py), which has them."""
+    drawn = any(value is not None for trace in data for value in trace.get("x", []))
+    xaxis, yaxis = {**xaxis, "visible": drawn}, {**yaxis, "visible": drawn}
     spec = dict(data=data, layout=dict(
         title=dict(text=title, x=0.01, font=dict(size=14)), height=300, hovermode="closest",
         font=dict(family=FONT_FAMILY, size=12, color="#2a3240"),
