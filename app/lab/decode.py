@@ -141,7 +141,7 @@ def batching(lab: Lab, prompt: str) -> LabResult:
                      "lab.col.tpot_per_request": r(median(f.metrics.tpot_ms for f in finished), 2)})
     series = [Series(said("lab.series", setting="lab.set.batching", what="lab.w.aggregate_decode"),
                      [row["lab.col.tpot_per_request"] for row in rows], [row["lab.col.aggregate_tps"] for row in rows],
-                     text=[f"B={row['lab.col.requests']}" for row in rows])]
+                     kind="lines+markers+text", text=[f"B={row['lab.col.requests']}" for row in rows])]
     one, most = rows[0], rows[-1]
     explanation = said("lab.batching.explain", one_tps=one["lab.col.aggregate_tps"], n=most["lab.col.requests"],
                        most_tps=most["lab.col.aggregate_tps"],
