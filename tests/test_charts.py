@@ -74,7 +74,10 @@ def test_kv_figure_continues_across_turns():
 
 
 def test_empty_figures_are_valid_and_draw_no_axes_until_a_point():
-    for empty in (charts.latency_figure([]), charts.kv_figure([]), charts.kv_figure([[]])):
+    from app.ui.explain import views
+
+    for empty in (charts.latency_figure([]), charts.kv_figure([]), charts.kv_figure([[]]),
+                  views.candidates_figure(None, None, None, "en")):
         validated(empty)
         assert empty.layout.xaxis.visible is False and empty.layout.yaxis.visible is False
     reply = fake_reply(num_steps=2)

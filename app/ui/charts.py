@@ -31,11 +31,16 @@ def _axis(title: str, **extra) -> dict:
     return dict(title=dict(text=title), gridcolor=GRID_COLOR, zeroline=False, linecolor="#d5dae1", **extra)
 
 
+def has_points(data: list[dict]) -> bool:
+    """Whether any trace has a point to draw. Without one a figure leaves its axes out: Plotly's empty log
+    axis from 0.1 to 10,000 ms over steps -1 to 6 says nothing true."""
+    return any(value is not None for trace in data for value in trace.get("x", []))
+
+
 def _figure(data: list[dict], title: str, xaxis: dict, yaxis: dict, **layout) -> go.Figure:
-    """A figure in the page's style. Without a point to draw (a chat not begun) its axes are left out: an
-    empty log axis from 0.1 to 10,000 ms over steps -1 to 6 says nothing true. A reply's first points come
+    """A figure in the page's style; its axes once it has points (has_points). A reply's first points come
     in a whole new figure (app/ui/live.py), which has them."""
-    drawn = any(value is not None for trace in data for value in trace.get("x", []))
+    drawn = has_points(data)
     xaxis, yaxis = {**xaxis, "visible": drawn}, {**yaxis, "visible": drawn}
     spec = dict(data=data, layout=dict(
         title=dict(text=title, x=0.01, font=dict(size=14)), height=300, hovermode="closest",

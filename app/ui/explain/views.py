@@ -262,8 +262,8 @@ def candidates_figure(tokenizer, step: DecodeStep | None, sampling: SamplingPara
     layout = _layout(title, barmode="group", margin=dict(l=110, r=15, t=45, b=40),
                      legend=dict(orientation="h", y=-0.25), showlegend=len(data) > 1,
                      xaxis=dict(title=dict(text=t(lang, "explain.probability")), tickformat=".0%", rangemode="tozero",
-                                visible=bool(tops)),  # before the first step: no made-up axes
-                     yaxis=dict(autorange="reversed", visible=bool(tops)))
+                                visible=charts.has_points(data)),
+                     yaxis=dict(autorange="reversed", visible=charts.has_points(data)))
     return go.Figure(dict(data=data, layout=layout), _validate=False)
 
 
@@ -289,6 +289,7 @@ def kv_grid_figure(engine: Engine, walk: Walkthrough | None, lang: str):
         title = t(lang, "explain.kv_grid_sized", tokens=kv_tokens, layers=info.num_layers, mb=trace.kv[1] / 1e6,
                   shown=len(positions))
     layout = _layout(title, margin=dict(l=55, r=15, t=45, b=40),
-                     xaxis=dict(title=dict(text=t(lang, "explain.position")), visible=bool(data)),
-                     yaxis=dict(title=dict(text=t(lang, "explain.layer")), autorange="reversed", visible=bool(data)))
+                     xaxis=dict(title=dict(text=t(lang, "explain.position")), visible=charts.has_points(data)),
+                     yaxis=dict(title=dict(text=t(lang, "explain.layer")), autorange="reversed",
+                                visible=charts.has_points(data)))
     return go.Figure(dict(data=data, layout=layout), _validate=False)
