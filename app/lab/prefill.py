@@ -97,21 +97,22 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
 
 def attention(lab: Lab, prompt: str) -> LabResult:
     lengths = lab.size((128, 256, 512), (256, 512, 1024, 2048))
-    impls = {"lab.set.eager": "eager", "lab.set.sdpa": "sdpa", "lab.set.native": "auto"}
+    # setting: (its attention switch, its column in the table)
+    impls = {"lab.set.eager": ("eager", "lab.col.eager_ms"), "lab.set.sdpa": ("sdpa", "lab.col.sdpa_ms"),
+             "lab.set.native": ("auto", "lab.col.native_ms")}
     times: dict[str, list[float]] = {name: [] for name in impls}
     rows = []
     num_heads = lab.engine.loaded.model.config.num_attention_heads
     for length in lengths:
         ids, first = lab.tokens(prompt, length), set()
-        for name, impl in impls.items():
+        for name, (impl, _) in impls.items():
             lab.step(said("lab.step.at_tokens", setting=name, tokens=length))
             e = lab.engine.variant(attention=impl, prefix_caching=False)
             request, events = lab.run(e, ids, 1)
             times[name].append(next(ev.latency_ms for ev in events if ev.type == "PrefillChunk"))
             first.add(request.generated_ids[0])
-        columns = {"lab.set.eager": "lab.col.eager_ms", "lab.set.sdpa": "lab.col.sdpa_ms",
-                   "lab.set.native": "lab.col.native_ms"}
-        rows.append({"lab.col.prompt_tokens": length, **{columns[name]: r(times[name][-1]) for name in impls},
+        rows.append({"lab.col.prompt_tokens": length,
+                     **{column: r(times[name][-1]) for name, (_, column) in impls.items()},
                      "lab.col.score_matrix_mb": r(score_matrix_bytes(num_heads, length, length) / 1e6, 1),
                      "lab.col.same_first_token": len(first) == 1})
     series = [Series(said("lab.series", setting=name, what="lab.w.prefill"), list(lengths), [r(t) for t in times[name]])
