@@ -310,10 +310,25 @@ def test_a_client_that_leaves_cancels_its_request(server, stream, n):
 @pytest.mark.parametrize("command", [["ui", "--host", "0.0.0.0"], ["serve", "--host", "0.0.0.0"],
                                      ["serve", "--host", "0.0.0.0", "--ui", "--api-key", "k"]])
 def test_binding_beyond_this_machine_needs_credentials(command):
-    out = subprocess.run([sys.executable, "-m", "app.cli", *command], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "app.cli", *command, "--port", str(free_port())],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("phasescope: error: binding to 0.0.0.0 lets anyone on the network in")
+
+
+@pytest.mark.parametrize("command", ["ui", "serve"])
+def test_a_port_in_use_is_said_before_the_model_loads(command):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "app.cli", command, "--port", str(port)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "Loading the model" not in out.stderr and not out.stdout
+    assert out.stderr.strip() == (f"phasescope: error: cannot serve on 127.0.0.1:{port}: another program is "
+                                  "listening there; choose another with --port")
 
 
 def test_on_the_network_the_api_needs_its_key_and_the_ui_a_login():

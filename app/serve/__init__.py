@@ -7,9 +7,9 @@ import sys
 
 from engine import EngineConfig
 
-from .access import check_exposure, is_loopback, parse_auth
+from .access import check_exposure, check_port, is_loopback, parse_auth
 
-__all__ = ["check_exposure", "is_loopback", "parse_auth", "serve"]
+__all__ = ["check_exposure", "check_port", "is_loopback", "parse_auth", "serve"]
 
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

@@ -1,9 +1,12 @@
 """Who may reach the app: loopback only by default; any other address needs credentials (an API key for
-the API, a user and password for the UI) or an explicit --insecure, which is said out loud."""
+the API, a user and password for the UI) or an explicit --insecure, which is said out loud. And whether
+the address can be served at all, asked before the model loads."""
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 import sys
 
 LOOPBACK_NAMES = ("localhost",)
@@ -47,3 +50,22 @@ def check_exposure(host: str, *, ui: bool, api: bool, auth: tuple[str, str] | No
                          "or --insecure to serve it without")
     print(f"WARNING: serving on {host} without {' or '.join(missing)}: anyone who can reach this machine can use "
           "it (--insecure)", file=sys.stderr, flush=True)
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError with one line when host:port cannot be served (another program listens there, the address
+    is not this machine's), asked before the model loads: the server itself finds out only after it, and
+    uvicorn's message then followed our line saying that the API runs."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                reason = "another program is listening there; choose another with --port"
+            elif exc.errno == errno.EADDRNOTAVAIL:
+                reason = "the address is not this machine's; choose another with --host"
+            else:
+                reason = (exc.strerror or str(exc)).lower()
+            raise OSError(f"cannot serve on {host}:{port}: {reason}") from None
