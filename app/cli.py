@@ -672,6 +672,13 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _one_line(exc: BaseException) -> str:
+    """An error as the user reads it: a file's error names the file and the reason, not "[Errno 2] …"."""
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        return f"{exc.filename}: {exc.strerror[0].lower()}{exc.strerror[1:]}"
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -686,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ModelError, StoreError, ValueError, OSError) as exc:
-        print(f"phasescope: error: {exc}", file=sys.stderr)
+        print(f"phasescope: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,24 @@ def test_write_refuses_to_overwrite_without_force(filled, tmp_path):
     assert path.read_text().startswith("session_id,")
 
 
+def test_a_full_disk_leaves_the_file_it_would_replace(filled, tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "out.csv"
+    path.write_text("keep me")
+    real_write = Path.write_text
+
+    def full_disk(self, text, **kwargs):
+        real_write(self, text[:10], **kwargs)  # a part was written, then the disk was full
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_export(filled, "csv", path, force=True)
+    monkeypatch.undo()
+    assert "keep me" == path.read_text() and ["out.csv"] == [p.name for p in tmp_path.iterdir()]
+
+
 def test_unknown_session_is_an_error(filled, tmp_path):
     with pytest.raises(StoreError, match="no session with id 99"):
         write_export(filled, "json", tmp_path / "x.json", session_id=99)
@@ -152,3 +171,10 @@ def test_the_apps_export_folder_goes_when_the_process_exits():
     assert done.returncode == 0, done.stderr
     folder = done.stdout.strip()
     assert folder and not os.path.exists(folder)
+
+
+def test_cli_says_which_file_it_cannot_write(tmp_path):
+    out = tmp_path / "no folder" / "s.csv"
+    result = cli("export", "--db", str(tmp_path / "h.db"), "--all", "--format", "csv", "-o", str(out))
+    assert 2 == result.returncode
+    assert f"phasescope: error: {out}: no such file or directory" == result.stderr.strip()

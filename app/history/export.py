@@ -151,5 +151,14 @@ def write_export(store: Store, fmt: str, path: Path, session_id: int | None = No
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force to overwrite it")
     text = render(store, fmt, session_id)  # before opening the file: an unknown session leaves no file
-    path.write_text(text, encoding="utf-8", newline="")
+    if path.exists() and not path.is_file():  # a pipe or a device (-o /dev/stdout): written in place
+        path.write_text(text, encoding="utf-8", newline="")
+        return path
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:  # beside it, then in its place: a full disk fails before the file it replaces is touched
+        scratch.write_text(text, encoding="utf-8", newline="")
+        os.replace(scratch, path)
+    except BaseException:
+        scratch.unlink(missing_ok=True)
+        raise
     return path
