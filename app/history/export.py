@@ -158,6 +158,9 @@ def write_export(store: Store, fmt: str, path: Path, session_id: int | None = No
     try:  # beside it, then in its place: a full disk fails before the file it replaces is touched
         scratch.write_text(text, encoding="utf-8", newline="")
         os.replace(scratch, path)
+    except OSError as exc:
+        scratch.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None  # the user's file, not the scratch
     except BaseException:
         scratch.unlink(missing_ok=True)
         raise
