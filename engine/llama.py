@@ -171,12 +171,23 @@ class LeanLlama:
         """How a decode step runs: one native call, replayed CUDA graphs, or PyTorch ops."""
         return "fused C++" if self.fused is not None else "CUDA graph" if self.graphs is not None else "PyTorch ops"
 
-    def _use_native_int8(self, fused) -> None:
+    def _use_native_int8(self, fused, keep_copy: bool = False) -> None:
         """int8 linears run through the native library's matmul, on the int8 rows the decode step reads
         (activations quantized per block of 64, as there), or with fused None through FBGEMM."""
         if self.precision == "int8":
             for linear in self._linears():
-                linear.use_kernel(None if fused is None else fused.linear_int8)
+                linear.use_kernel(None if fused is None else fused.linear_int8, keep_copy)
+
+    @contextmanager
+    def fbgemm_linears(self, keep_copy: bool = False) -> Iterator[None]:
+        """Within the block int8 linears run through FBGEMM (one activation scale per tensor, its own packed
+        copy of the weights), all else as before: int8 prefill as it was before the native kernel. With
+        keep_copy FBGEMM's copy outlives the block (comparisons that alternate; a block without lets it go)."""
+        self._use_native_int8(None)
+        try:
+            yield
+        finally:
+            self._use_native_int8(self.fused, keep_copy)
 
     @contextmanager
     def pytorch_decode(self) -> Iterator[None]:

@@ -109,11 +109,11 @@ class Int8Linear:
         unpacked = weights.view(-1, inputs // 4, group, 4).permute(0, 2, 1, 3).reshape(-1, inputs)[:out]
         return (unpacked.to(torch.int16) - 128).to(torch.int8)
 
-    def use_kernel(self, kernel) -> None:
+    def use_kernel(self, kernel, keep_copy: bool = False) -> None:
         """Run through the native library's int8 matmul (FusedDecode.linear_int8) from now on; None: FBGEMM.
-        FBGEMM's copy of the weights is let go while the native kernel runs."""
+        FBGEMM's copy of the weights is let go while the native kernel runs, unless keep_copy."""
         self._kernel = kernel
-        if kernel is not None:
+        if kernel is not None and not keep_copy:
             self._packed = None
 
     @property

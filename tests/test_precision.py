@@ -99,6 +99,8 @@ def test_bench_quick_produces_a_well_formed_table():
     assert summary["fp32_greedy_equals_transformers"] is True
     assert {"fp16", "int8", "int8 via FBGEMM"} == set(summary["quality_vs_fp32"])
     assert {"int8"} == set(summary["weights_quality_long_text"])
+    versus = summary["int8_prefill_vs_fbgemm"]  # the same prompt through both int8 matmuls, alternating
+    assert versus["native"] > 0 < versus["FBGEMM"] and versus["native_vs_fbgemm"] > 0
     assert 0.5 < summary["weights_quality_long_text"]["int8"]["top1_agreement"] <= 1
     assert {"lean-llama fp32": "fused C++", "lean-llama fp16": "PyTorch ops",
             "lean-llama int8": "fused C++"} == summary["decode_paths"]

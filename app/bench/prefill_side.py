@@ -42,6 +42,32 @@ def attention_impls(engine: Engine, lengths: tuple[int, ...], vocab: int, repeti
     return report
 
 
+def int8_prefill_vs_fbgemm(engine: Engine, pp: int, vocab: int, rounds: int = 3) -> dict:
+    """int8 prefill of a pp-token prompt through the native int8 matmul and through FBGEMM, rounds
+    alternating (the same native attention in both), medians: the first target of the prefill-side issue
+    (native ≥ 0.9× FBGEMM). FBGEMM's packed copy is made by a first, unmeasured prefill, and dropped after."""
+    e = engine.variant(prefix_caching=False)
+    runner = e.runner
+
+    def tokens_per_s(seed: int) -> float:
+        request = e.new_request_from_ids(random_prompt(pp, vocab, seed), SamplingParams(max_new_tokens=1),
+                                         prefill_chunk=0)
+        *_, finished = e.run(request)
+        return finished.metrics.prefill_tokens_per_s
+
+    speeds = {"native": [], "FBGEMM": []}
+    with runner.fbgemm_linears(keep_copy=True):
+        tokens_per_s(seed=1)
+    tokens_per_s(seed=1)
+    for r in range(rounds):
+        speeds["native"].append(tokens_per_s(seed=100 + r))
+        with runner.fbgemm_linears(keep_copy=r < rounds - 1):  # packed once, let go after the last round
+            speeds["FBGEMM"].append(tokens_per_s(seed=100 + r))
+    report = {name: round(statistics.median(values), 1) for name, values in speeds.items()}
+    report["native_vs_fbgemm"] = round(statistics.median(a / b for a, b in zip(*speeds.values())), 2)
+    return report
+
+
 def tensor_parallel_vs_one_rank(loaded, pp: int, tg: int, repetitions: int, world: int = 2) -> dict:
     """The honest experiment on one machine, in fp32, all through the same tensor-parallel code: one rank
     with one thread; `world` ranks with one thread each (adding cores as devices); one rank with `world`

@@ -26,7 +26,7 @@ from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8
                      native_vs_ops, quality_vs, random_prompt, sampling_cost)
 from .decode_side import (at_depth, flash_decoding, kv_quality, kv_variants, long_text_ids, no_cache, prefill_at_depth,
                           speculation, teacher_forced, weights_quality)
-from .prefill_side import attention_impls, tensor_parallel_vs_one_rank
+from .prefill_side import attention_impls, int8_prefill_vs_fbgemm, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
 
 BENCH_KV_MB = 1024  # each mode's KV pool: far more than any test here needs
@@ -151,6 +151,9 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
             summary["int8_prefill_quality"] = int8_prefill_report(reference, engines["lean-llama int8"].runner,
                                                                   loaded.tokenizer, stride=4 if quick else 1)
             log(f"  int8 prefill (each prefix in one pass) vs fp32: {summary['int8_prefill_quality']}")
+            summary["int8_prefill_vs_fbgemm"] = int8_prefill_vs_fbgemm(engines["lean-llama int8"], pp, vocab,
+                                                                       rounds=1 if quick else 5)
+            log(f"  int8 prefill pp{pp}, native vs FBGEMM, tok/s: {summary['int8_prefill_vs_fbgemm']}")
     if "lean-llama fp32" in engines and baseline:
         summary["fp32_greedy_equals_transformers"] = _same_greedy(engines["lean-llama fp32"], loaded, min(tg, 32))
     _scheduler(summary, engines, pp, tg, repetitions, concurrency_levels, vocab, log)
