@@ -223,6 +223,7 @@ class Engine:
         prompt = [100 + (i * 37) % 1000 for i in range(num_tokens)]
         list(self.run(self.new_request_from_ids(prompt, SamplingParams(max_new_tokens=4, temperature=0,
                                                                        ignore_eos=True))))
+        self.pool.drop_cached()  # its made-up tokens are no prefix a user's prompt could share
 
     def check_room(self) -> None:
         """QueueFull when as many requests wait as the limits allow (submit checks it; a caller may ask

@@ -74,6 +74,9 @@ class DynamicPool:
     def free(self, sequence, token_ids=None) -> None:
         pass
 
+    def drop_cached(self) -> None:
+        pass
+
     def usage(self) -> PoolUsage:
         return PoolUsage(0, 1, 0, 0, 0)
 

@@ -373,6 +373,13 @@ class KVPool:
             self._release(block)
         sequence.block_ids = []
 
+    def drop_cached(self) -> None:
+        """Forget every cached prefix that no sequence holds (the engine's warm-up leaves none behind)."""
+        while self._evictable:
+            block, _ = self._evictable.popitem()
+            self._forget(block)
+            heapq.heappush(self._free, block)
+
     def _name_part_block(self, sequence: SequenceKV, token_ids: Sequence[int]) -> None:
         """Name the sequence's block after its named ones, if rows of it are written, by its parent's name,
         remembering its tokens; it replaces a part-filled block of that name kept before."""

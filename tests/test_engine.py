@@ -245,7 +245,8 @@ def test_events_serialize_to_json(tiny_engine):
 
 def test_warm_up_leaves_nothing_running(tiny_engine):
     tiny_engine.warm_up()
-    assert (0, 0) == tiny_engine.load() and tiny_engine.kv_usage().num_used == 0
+    usage = tiny_engine.kv_usage()
+    assert (0, 0) == tiny_engine.load() and usage.num_used == 0 == usage.num_cached
 
 
 @pytest.mark.parametrize("runner, chunk", [("lean", 0), ("lean", 7), ("transformers", 7)])

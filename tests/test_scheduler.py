@@ -156,6 +156,15 @@ def test_part_filled_blocks_are_evicted_like_the_others():
     assert 0 == pool.allocate(tokens + [7], 8).num_tokens
 
 
+def test_dropping_the_cached_prefixes_frees_their_blocks():
+    pool, tokens = pool_after_six_tokens()
+    held = pool.allocate([50, 51], 4)  # a running sequence keeps its block
+    pool.drop_cached()
+    assert (1, 0, 2) == (pool.usage().num_used, pool.usage().num_cached, pool.usage().num_free)
+    assert 0 == pool.allocate(tokens + [7], 8).num_tokens  # nothing of the old prefix is found
+    assert 1 == len(held.block_ids)
+
+
 def test_a_part_filled_block_gives_way_when_the_pool_needs_it():
     pool, tokens = pool_after_six_tokens()
     # 12 positions need all three blocks: the part-filled one is taken for a fresh block, not copied from
