@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from app.bench.extras import QUALITY_TEXTS, quality_vs
+from app.bench.figures import headline as figures_headline
 from app.bench.tables import CONCURRENCY_HEADER, Result, render
 from conftest import tiny_model
 from engine import Engine, EngineConfig, SamplingParams
@@ -142,6 +143,11 @@ def test_bench_quick_produces_a_well_formed_table():
     shown = float(tg8.split("|")[5].strip().rstrip("×"))
     assert abs(shown - float(rows[("phasescope", "lean-llama int8", "tg8")]["vs_transformers"].rstrip("×"))) <= 0.02
     assert CONCURRENCY_HEADER in markdown
+    figures = dict(figures_headline({"results": results, "summary": summary}))  # what the run measured, no more
+    assert figures["int8 vs fp32, decode / prefill [top-1 ≥ 90 %, KL ≤ 0.02]"].count("KL") == 2
+    assert figures["hooks + store, share of a decode step [≤ 3 %]"].endswith("%")
+    assert not any(label.startswith("four requests") for label in figures)  # --quick runs 1 and 2 only
+    assert all(f"| {label} | {value} |" in markdown for label, value in figures.items())
     assert "| lean-llama int8 | 2 |" in markdown
 
 

@@ -26,6 +26,7 @@ from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8
                      native_vs_ops, quality_vs, random_prompt, sampling_cost)
 from .decode_side import (at_depth, flash_decoding, kv_quality, kv_variants, long_text_ids, no_cache, prefill_at_depth,
                           speculation, teacher_forced, weights_quality)
+from . import figures
 from .prefill_side import attention_impls, int8_prefill_vs_fbgemm, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
 
@@ -315,6 +316,7 @@ def to_markdown(report: dict) -> str:
                       f"{v['tpot_vs_1']}× | {v['output_tokens_per_s']} | "
                       f"{'yes' if v['same_tokens_as_alone'] else 'NO'} |" for b, v in levels.items()]
         lines.append("")
+    lines += figures.to_markdown(report)
     lines.append(f"machine: {summary['machine']}; model: {summary['model']}; best mode: {summary['best_mode']}")
     for key, value in summary.items():
         if key not in ("machine", "model", "best_mode", "concurrency"):

@@ -1,0 +1,153 @@
+"""The bench's headline figures, one line each, read from one run's report: what each issue's targets ask
+for (the goal in brackets), so that a run says in a table what it measured against them instead of in
+the raw summary lines below it. A figure whose measurement the run did not make (--quick sizes, a mode
+or llama-bench left out) is left out."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+FP32, INT8 = "lean-llama fp32", "lean-llama int8"
+
+
+def _row(report: dict, engine: str, mode: str | None, test: str) -> float:
+    """A result's tokens/s: engine, mode (None: any of the engine's, as llama.cpp's one) and test."""
+    return next(r.mean for r in report["results"] if r.engine == engine and r.test == test
+                and (mode is None or r.mode == mode))
+
+
+def _both(summary_part: dict, show: Callable[[dict], str], sep: str = " / ") -> str:
+    """fp32's figure, sep, int8's; or the one of them the run measured."""
+    shown = [show(summary_part[mode]) for mode in (FP32, INT8) if mode in summary_part]
+    if not shown:
+        raise KeyError("no native mode")
+    return sep.join(shown)
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}×"
+
+
+def llama_cpp(report: dict) -> str:
+    tests = [("pp", next(r.test for r in report["results"] if r.engine == "llama.cpp" and r.test.startswith("pp")
+                         and "@" not in r.test and "+" not in r.test)),
+             ("tg", next(r.test for r in report["results"] if r.engine == "llama.cpp" and r.test.startswith("tg")
+                         and "@" not in r.test))]
+    return ", ".join(f"{test} {_x(_row(report, 'phasescope', INT8, test) / _row(report, 'llama.cpp', None, test))}"
+                     for _, test in tests)
+
+
+def deep_decode(report: dict) -> str:
+    test = next(r.test for r in report["results"] if r.engine == "llama.cpp" and r.test.startswith("tg")
+                and r.test.endswith("@ d4096"))
+    ours = _row(report, "phasescope", f"{INT8}, KV int8", test)
+    theirs = _row(report, "llama.cpp", None, test)
+    return f"{_x(ours / theirs)} ({ours:.1f} vs {theirs:.1f} tok/s)"
+
+
+def int8_cache_speed(report: dict) -> str:
+    test = next(r.test for r in report["results"] if r.mode == f"{INT8}, KV int8" and r.test.startswith("tg")
+                and r.test.endswith("@ d4096"))
+    return f"{_row(report, 'phasescope', f'{INT8}, KV int8', test):.1f} vs " \
+           f"{_row(report, 'phasescope', f'{INT8}, KV fp32', test):.1f} tok/s"
+
+
+def int8_cache(summary: dict) -> str:
+    def show(part: dict) -> str:
+        fp32_bytes = part["KV fp16"]["bytes_per_token"] * 2
+        return f"{fp32_bytes / part['KV int8']['bytes_per_token']:.2f}× / {(part['KV int8']['vs_fp32'] - 1):+.2%}"
+    return _both(summary["kv_formats_quality"], show, "; ")
+
+
+def lookup(summary: dict) -> str:
+    return _both(summary["speculative_prompt_lookup"], lambda part: f"{_x(part['repeat']['speedup'])} / "
+                 f"{_x(part['no repeats']['speedup'])}"
+                 f"{'' if part['repeat']['same_text'] and part['no repeats']['same_text'] else ', TEXT DIFFERS'}",
+                 "; ")
+
+
+def flash(summary: dict) -> str:
+    lengths = next(iter(summary["flash_decoding"].values()))
+    return _both(summary["flash_decoding"], lambda part: " / ".join(_x(v["attention_speedup"]) for v in part.values()),
+                 "; ") + f" (at {' / '.join(lengths)} tokens)"
+
+
+def int8_quality(summary: dict) -> str:
+    decode, prefill = summary["quality_vs_fp32"]["int8"], summary["int8_prefill_quality"]["native"]
+    return " / ".join(f"{q['top1_agreement']:.1%}, KL {q['mean_kl_nats']:.3f}" for q in (decode, prefill))
+
+
+def attention(summary: dict) -> str:
+    def show(part: dict) -> str:
+        at = part.get("2048") or part[max(part, key=int)]
+        return f"{_x(at['eager']['prefill_ms'] / at['auto']['prefill_ms'])} (sdpa {_x(at['sdpa_vs_eager'])})"
+    part = next(iter(summary["prefill_attention"].values()))
+    length = "2048" if "2048" in part else max(part, key=int)
+    return f"{_both(summary['prefill_attention'], show)} at {length} tokens; " \
+           f"score matrix {part[length]['eager_score_matrix_mb']} MB"
+
+
+def tensor_parallel(summary: dict) -> str:
+    tp = summary["tensor_parallel"]
+    two = next(v for k, v in tp.items() if k.startswith("2 ranks"))
+    return (f"{_x(tp['prefill_speedup'])} (all-reduce {two['prefill_all_reduce_share']:.1%} of prefill, "
+            f"{two['decode_all_reduce_share']:.1%} of decode)")
+
+
+def browser(summary: dict) -> str:
+    modes = summary["browser"]
+    return " / ".join(f"{_x(modes[m]['browser_vs_cli'])}" for m in ("int8", "fp32") if m in modes) + \
+        " (Chromium " + " / ".join(f"{modes[m]['chromium_cpu_share']:.2f}" for m in ("int8", "fp32") if m in modes) + \
+        " of a core)"
+
+
+# (what is measured [the goal], how it reads from the report, or from its summary)
+FIGURES: list[tuple[str, Callable[[dict], str], bool]] = [
+    ("int8 vs llama.cpp, prefill and decode", llama_cpp, False),
+    ("four requests vs one, fp32 / int8 [≥ 3×], same tokens",
+     lambda s: _both(s["concurrency"], lambda p: f"{_x(p['4']['decode_vs_1'])}"
+                     f"{'' if p['4']['same_tokens_as_alone'] else ', TOKENS DIFFER'}"), True),
+    ("TPOT at four vs one, fp32 / int8 [≤ 1.5×]",
+     lambda s: _both(s["concurrency"], lambda p: _x(p["4"]["tpot_vs_1"])), True),
+    ("second turn vs a fresh chat, fp32 / int8 [≤ 1.3×]",
+     lambda s: _both(s["second_turn"], lambda p: _x(p["with prefix cache"]["vs_alone"])), True),
+    ("one request vs a bare loop, prefill / decode, fp32 and int8 [≥ 0.95×]",
+     lambda s: " and ".join(f"{p['prefill_vs_bare_loop']:.3f} / {p['decode_vs_bare_loop']:.3f}"
+                            for m, p in s["scheduler_cost"].items() if m in (FP32, INT8)), True),
+    ("hooks + store, share of a decode step [≤ 3 %]",
+     lambda s: f"{s['hooks']['hooks+store']['hook_share_of_step']:.1%}", True),
+    ("tg @ d4096 vs llama.cpp, int8 weights and cache [≥ 1.5×]", deep_decode, False),
+    ("int8 cache vs fp32 cache at d4096, int8 weights [faster]", int8_cache_speed, False),
+    ("int8 cache: bytes below fp32 [4×] / perplexity vs fp32 cache [≤ 2 %], fp32; int8 weights", int8_cache, True),
+    ("prompt lookup, repeat [≥ 1.8×] / no repeats [≥ 0.95×], fp32; int8", lookup, True),
+    ("Flash Decoding, attention split vs unsplit [≥ 1.3×], fp32; int8 weights", flash, True),
+    ("a decode step without the cache vs with it, fp32 / int8",
+     lambda s: _both(s["no_kv_cache"], lambda p: f"{p['slower']}× at {p['context']} tokens"
+                     f"{'' if p['same_tokens'] else ', tokens differ'}"), True),
+    ("int8 vs fp32, decode / prefill [top-1 ≥ 90 %, KL ≤ 0.02]", int8_quality, True),
+    ("int8 prefill, native vs FBGEMM [≥ 0.9×]",
+     lambda s: f"{_x(s['int8_prefill_vs_fbgemm']['native_vs_fbgemm'])} ({s['int8_prefill_vs_fbgemm']['native']} "
+               f"vs {s['int8_prefill_vs_fbgemm']['FBGEMM']} tok/s)", True),
+    ("native prefill attention vs eager, fp32 / int8 [faster]", attention, True),
+    ("TP=2 vs one rank, one thread each, prefill [≥ 1.6×]", tensor_parallel, True),
+    ("cold start to the first token [≤ 1.5 s] / page served [≤ 3 s]",
+     lambda s: f"{s['cold_start_s']['to_first_token_s']:.2f} s / {s['app_ready_s']['page_s']:.2f} s", True),
+    ("browser vs CLI, decode, int8 / fp32 [≥ 0.95×]", browser, True),
+]
+
+
+def headline(report: dict) -> list[tuple[str, str]]:
+    """(figure, this run's value) for each figure the run measured."""
+    rows = []
+    for label, read, from_summary in FIGURES:
+        try:
+            rows.append((label, read(report["summary"] if from_summary else report)))
+        except (KeyError, StopIteration, TypeError, ZeroDivisionError, ValueError):
+            continue  # not measured in this run
+    return rows
+
+
+def to_markdown(report: dict) -> list[str]:
+    rows = headline(report)
+    if not rows:
+        return []
+    return ["| figure [goal] | this run |", "|---|---|", *(f"| {label} | {value} |" for label, value in rows), ""]
