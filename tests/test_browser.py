@@ -267,6 +267,8 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         assert ["What is prefill?"] == history_titles(page)
         page.locator(HISTORY_CELLS, has_text="What is prefill?").first.click()
         page.wait_for_selector("#ps-history-selected b")
+        percentiles = page.inner_text("#ps-history-selected table.ps-percentiles")  # over its two replies
+        assert all(name in percentiles for name in ("p50", "p99", "TTFT", "TPOT", "ITL", "E2E"))
         with page.expect_download() as download:
             page.click("#ps-export-json")
         exported = json.loads(Path(download.value.path()).read_text())

@@ -126,6 +126,20 @@ def test_a_full_disk_leaves_the_file_it_would_replace(filled, tmp_path, monkeypa
     assert "keep me" == path.read_text() and ["out.csv"] == [p.name for p in tmp_path.iterdir()]
 
 
+def test_a_sessions_percentiles_are_those_of_its_replies(filled):
+    from app.history.recorder import message_metrics, session_metrics
+    from app.ui.history_tab import percentile_table
+    from engine.metrics import percentile
+
+    replies = [message_metrics(m, filled.steps(m["id"])) for m in filled.messages(1) if m["role"] == "assistant"]
+    count, summary = session_metrics(filled, 1)
+    assert 2 == count == len(replies) and list(summary) == ["ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"]
+    assert summary["ttft_ms"]["p50"] == percentile([m.ttft_ms for m in replies], 50)
+    assert summary["itl_ms"]["p99"] == percentile([v for m in replies for v in m.itl_ms], 99)
+    html = percentile_table(filled, 1, "zh")
+    assert "本会话 2 条回复" in html and html.count("<tr>") == 5  # a header and TTFT, TPOT, ITL, E2E
+
+
 def test_unknown_session_is_an_error(filled, tmp_path):
     with pytest.raises(StoreError, match="no session with id 99"):
         write_export(filled, "json", tmp_path / "x.json", session_id=99)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
-from engine.metrics import RequestMetrics
+from engine.metrics import RequestMetrics, session_summary
 
 from ..i18n import DEFAULT, t
 from ..ui.session import ChatSession
@@ -125,6 +125,15 @@ def _metrics(message: dict, points: list[PrefillChunk | DecodeStep]) -> RequestM
 def message_metrics(message: dict, steps: list[dict]) -> RequestMetrics:
     """The summary metrics of a stored reply, by the engine's definitions, from its steps."""
     return _metrics(message, _points(message, steps))
+
+
+def session_metrics(store: Store, session_id: int) -> tuple[int, dict[str, dict[str, float | None]]]:
+    """How many replies of a stored session gave a first token, and p50/p90/p99 of their TTFT, TPOT, ITL
+    and E2E (engine.metrics.session_summary; replies that Retry replaced count: they were measured)."""
+    replies = [message_metrics(m, store.steps(m["id"])) for m in store.messages(session_id)
+               if m["role"] == "assistant"]
+    replies = [m for m in replies if m.ttft_ms is not None]
+    return len(replies), session_summary(replies)
 
 
 def message_events(message: dict, steps: list[dict]) -> list[Event]:

@@ -15,7 +15,7 @@ from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render as render_export
-from ..history.recorder import load_chat
+from ..history.recorder import load_chat, session_metrics
 from ..history.store import Store, StoreError
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
@@ -50,6 +50,23 @@ def sessions_table(store: Store, search: str, lang: str) -> gr.Dataframe:
     rows, total = session_rows(store, search)
     note = t(lang, "saved.recent", shown=len(rows), total=total) if total > len(rows) else None
     return gr.Dataframe(value=rows, headers=columns(lang), label=note, show_label=note is not None)
+
+
+def percentile_table(store: Store, session_id: int, lang: str) -> str:
+    """p50/p90/p99 of the session's TTFT, TPOT, ITL and E2E, as vLLM's benchmarks report them."""
+    replies, summary = session_metrics(store, session_id)
+    if not replies:
+        return ""
+
+    def cell(value) -> str:
+        return "–" if value is None else f"{value:,.1f}"
+
+    names = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
+    rows = "".join(f"<tr><th>{names[key]}</th>{''.join(f'<td>{cell(v)}</td>' for v in values.values())}</tr>"
+                   for key, values in summary.items())
+    head = "".join(f"<th>{q}</th>" for q in next(iter(summary.values())))
+    return (f'<div class="ps-percentiles-note">{escape(t(lang, "saved.percentiles", replies=replies))}</div>'
+            f'<table class="ps-percentiles"><tr><th></th>{head}</tr>{rows}</table>')
 
 
 def write_exports(store: Store, folder: Path, session_id: int | None) -> list[str]:
@@ -114,6 +131,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         session_id = int(rows.iloc[event.index[0], 0])
         paths = write_exports(store, folder, session_id)
         label = t(lang_choice, "saved.selected", id=session_id, title=escape(str(rows.iloc[event.index[0], 1])))
+        label += percentile_table(store, session_id, lang_choice)
         return [session_id, label, gr.Button(visible=False)] + [gr.DownloadButton(value=p, interactive=True)
                                                                   for p in paths]
 
