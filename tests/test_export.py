@@ -69,6 +69,8 @@ def test_json_nests_sessions_messages_steps_with_metrics(filled):
     assert metrics["prefill_tokens_per_s"] > 0 and metrics["decode_tokens_per_s"] > 0
     assert "ttft_ms" in data["definitions"]
     assert first["messages"][0]["metrics"] is None  # the user's message
+    assert 2 == first["summary"]["replies"] and {"p50", "p90", "p99"} == set(first["summary"]["ttft_ms"])
+    assert first["summary"]["ttft_ms"]["p50"] <= first["summary"]["ttft_ms"]["p99"]
 
 
 def test_trace_follows_the_trace_event_format(filled):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.metrics import percentiles
 
-from .recorder import message_metrics
+from .recorder import message_metrics, session_metrics
 from .store import Store
 
 FORMATS = ("csv", "json", "trace")
@@ -29,6 +29,7 @@ DEFINITIONS = {
     "batch_size": "sequences decoded together in the step that produced this token",
     "cached_prompt_tokens": "prompt tokens whose KV came from the cache (prefix caching), not prefilled",
     "replaced_by": "the reply that Retry put in this one's place (same turn); empty for the replies kept",
+    "summary": "a session's p50/p90/p99 of ttft_ms, tpot_ms, itl_ms and e2e_ms over its replies (replaced ones too)",
 }
 
 
@@ -76,7 +77,9 @@ def to_json(store: Store, session_id: int | None = None) -> dict:
     for sid in _session_ids(store, session_id):
         session = store.session(sid)
         messages = [_message_json(m, store.steps(m["id"])) for m in store.messages(sid)]
-        sessions.append({**session, "settings": json.loads(session["settings"] or "{}"), "messages": messages})
+        replies, percentiles_of = session_metrics(store, sid)  # as the History tab shows them
+        sessions.append({**session, "settings": json.loads(session["settings"] or "{}"),
+                         "summary": {"replies": replies, **percentiles_of}, "messages": messages})
     return {"format": "phasescope-export", "version": 1, "definitions": DEFINITIONS, "sessions": sessions}
 
 
