@@ -167,3 +167,23 @@ def test_llama_bench_depth_rows_are_named_as_ours(tmp_path):
     results = llama_bench(str(fake), "model.gguf", 512, 128, 1, log=lambda line: None, depths=(1024,))
     assert ["pp512", "tg128", "tg128 @ d1024"] == [test for _, test, _ in results]
     assert [110.0] == results[-1][2]
+
+
+def test_headline_figures_read_what_the_run_measured_and_leave_out_the_rest():
+    from app.bench.figures import headline
+
+    int8, kv = "lean-llama int8", "lean-llama int8, KV int8"
+    results = [Result("phasescope", int8, "pp512", [600.0]), Result("phasescope", int8, "tg128", [150.0]),
+               Result("llama.cpp", "llama 256M Q4_1, 2 threads", "pp512", [200.0]),
+               Result("llama.cpp", "llama 256M Q4_1, 2 threads", "tg128", [100.0]),
+               Result("phasescope", kv, "tg128 @ d4096", [90.0]),
+               Result("phasescope", "lean-llama int8, KV fp32", "tg128 @ d4096", [60.0])]
+    summary = {"concurrency": {int8: {"4": {"decode_vs_1": 2.5, "tpot_vs_1": 1.6, "same_tokens_as_alone": False}}},
+               "cold_start_s": {"to_first_token_s": 1.2}}  # no app_ready_s: that figure is left out
+    figures = dict(headline({"results": results, "summary": summary}))
+    assert figures == {
+        "int8 vs llama.cpp, prefill and decode": "pp512 3.00×, tg128 1.50×",
+        "four requests vs one, fp32 / int8 [≥ 3×], same tokens": "2.50×, TOKENS DIFFER",
+        "TPOT at four vs one, fp32 / int8 [≤ 1.5×]": "1.60×",
+        "int8 cache vs fp32 cache at d4096, int8 weights [faster]": "90.0 vs 60.0 tok/s",
+    }  # no llama.cpp row at d4096: its comparison is left out, ours against our fp32 cache stays
