@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .i18n import DEFAULT as DEFAULT_LANGUAGE, LANGUAGES
+from .serve.access import bare_host
 from .startup import pause_collector, settle
 
 DEFAULT_HOST = "127.0.0.1"
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ui = commands.add_parser("ui", help="start the browser app (the default)")
     _add_model_options(ui)
-    ui.add_argument("--host", default=DEFAULT_HOST)
+    ui.add_argument("--host", default=DEFAULT_HOST, type=bare_host)
     ui.add_argument("--port", type=int, default=DEFAULT_PORT)
     _add_db_option(ui)
     ui.add_argument("--open", action="store_true", help="open the default browser on the app")
@@ -154,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--browser", action="store_true",
                        help="also decode speed streamed to a real browser (Chromium) vs the CLI, per mode")
     serve = commands.add_parser("serve", help="an OpenAI-compatible API (and /metrics) over the engine")
-    serve.add_argument("--host", default=DEFAULT_HOST, help="the address to bind (default 127.0.0.1: this machine "
-                                                            "only; any other needs --api-key or --insecure)")
+    serve.add_argument("--host", default=DEFAULT_HOST, type=bare_host,
+                       help="the address to bind (default 127.0.0.1: this machine only; any other needs --api-key "
+                            "or --insecure)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("PHASESCOPE_API_KEY"),
                        help="require Authorization: Bearer KEY on /v1 (env PHASESCOPE_API_KEY)")

@@ -20,6 +20,7 @@ from .ui.language import Texts
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
 from .history.store import Store
+from .serve.access import url_host, url_of
 from .startup import settle
 
 if TYPE_CHECKING:
@@ -179,10 +180,10 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     print(f"History: {store.path}", file=sys.stderr, flush=True)
     engine = LoadingEngine(config)
     app = build_app(engine, store)
-    url = f"http://{host}:{port}"
+    url = url_of(host, port)
     # the page first, then the model behind it: the page is up in about two seconds, the model a second later
-    server, _, _ = app.launch(server_name=host, server_port=port, quiet=True, show_error=True, footer_links=[],
-                              auth=auth, prevent_thread_lock=True, **launch_options())
+    server, _, _ = app.launch(server_name=url_host(host), server_port=port, quiet=True, show_error=True,
+                              footer_links=[], auth=auth, prevent_thread_lock=True, **launch_options())
     app.live_streams.add_route(server)
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:

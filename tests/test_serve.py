@@ -316,6 +316,15 @@ def test_binding_beyond_this_machine_needs_credentials(command):
     assert out.stderr.strip().startswith("phasescope: error: binding to 0.0.0.0 lets anyone on the network in")
 
 
+def test_an_ipv6_host_is_bracketed_in_urls_and_not_in_binds():
+    from app.serve.access import bare_host, is_loopback, url_host, url_of
+
+    assert "::1" == bare_host("[::1]") == bare_host("::1") and "localhost" == bare_host("localhost")
+    assert is_loopback(bare_host("[::1]"))  # so it needs no credentials, as 127.0.0.1 does not
+    assert ("http://[::1]:7860", "[::1]") == (url_of("::1", 7860), url_host("::1"))  # Gradio takes "[::1]"
+    assert "http://127.0.0.1:8000" == url_of("127.0.0.1", 8000)
+
+
 @pytest.mark.parametrize("command", ["ui", "serve"])
 def test_a_port_in_use_is_said_before_the_model_loads(command):
     import socket

@@ -7,7 +7,7 @@ import sys
 
 from engine import EngineConfig
 
-from .access import check_exposure, check_port, is_loopback, parse_auth
+from .access import check_exposure, check_port, is_loopback, parse_auth, url_of
 
 __all__ = ["check_exposure", "check_port", "is_loopback", "parse_auth", "serve"]
 
@@ -34,7 +34,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         page = build_app(engine, store)
         page.live_streams.add_route(api, prefix="/ui")  # before the mount, which would take the path
         api = gr.mount_gradio_app(api, page, path="/ui", auth=auth, footer_links=[], **launch_options())
-    url = f"http://{host}:{port}"
+    url = url_of(host, port)
     print(f"PhaseScope API at {url}/v1 (metrics at {url}/metrics{', UI at ' + url + '/ui' if with_ui else ''})  "
           "(Ctrl-C to stop)", flush=True)
     with engine.hooks(metrics_api.state.metrics.observe):  # every request counts, the UI's too

@@ -52,6 +52,21 @@ def check_exposure(host: str, *, ui: bool, api: bool, auth: tuple[str, str] | No
           "it (--insecure)", file=sys.stderr, flush=True)
 
 
+def bare_host(value: str) -> str:
+    """--host as given, an IPv6 address with or without its URL brackets ("[::1]" or "::1"), without them."""
+    return value[1:-1] if value.startswith("[") and value.endswith("]") else value
+
+
+def url_host(host: str) -> str:
+    """host as a URL writes it: an IPv6 address in brackets (RFC 3986). Gradio builds its own URLs from
+    the host it is given, so it takes it in this form."""
+    return f"[{host}]" if ":" in host else host
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://{url_host(host)}:{port}"
+
+
 def check_port(host: str, port: int) -> None:
     """OSError with one line when host:port cannot be served (another program listens there, the address
     is not this machine's), asked before the model loads: the server itself finds out only after it, and
