@@ -27,27 +27,28 @@ def _x(value: float) -> str:
     return f"{value:.2f}×"
 
 
-def _llama_test(report: dict, kind: str, depth: str | None = None) -> str:
-    """The name of llama.cpp's test of a kind ("pp", "tg") in this run: plain, or at a depth ("d4096")."""
-    return next(r.test for r in report["results"] if r.engine == "llama.cpp" and r.test.startswith(kind)
-                and "+" not in r.test and (r.test.endswith(f"@ {depth}") if depth else "@" not in r.test))
+def _test(report: dict, kind: str, depth: str | None = None, mode: str | None = None) -> str:
+    """The name of a test of a kind ("pp", "tg") in this run, plain or at a depth ("d4096"): llama.cpp's,
+    or with a mode, that mode's."""
+    return next(r.test for r in report["results"] if (r.mode == mode if mode else r.engine == "llama.cpp")
+                and r.test.startswith(kind) and "+" not in r.test
+                and (r.test.endswith(f"@ {depth}") if depth else "@" not in r.test))
 
 
 def llama_cpp(report: dict) -> str:
-    tests = [_llama_test(report, "pp"), _llama_test(report, "tg")]
+    tests = [_test(report, "pp"), _test(report, "tg")]
     return ", ".join(f"{test} {_x(_row(report, 'phasescope', INT8, test) / _row(report, 'llama.cpp', None, test))}"
                      for test in tests)
 
 
 def deep_decode(report: dict) -> str:
-    test = _llama_test(report, "tg", "d4096")
+    test = _test(report, "tg", "d4096")
     ours, theirs = _row(report, "phasescope", f"{INT8}, KV int8", test), _row(report, "llama.cpp", None, test)
     return f"{_x(ours / theirs)} ({ours:.1f} vs {theirs:.1f} tok/s)"
 
 
 def int8_cache_speed(report: dict) -> str:
-    test = next(r.test for r in report["results"] if r.mode == f"{INT8}, KV int8" and r.test.startswith("tg")
-                and r.test.endswith("@ d4096"))  # llama.cpp need not have run
+    test = _test(report, "tg", "d4096", mode=f"{INT8}, KV int8")  # llama.cpp need not have run
     return f"{_row(report, 'phasescope', f'{INT8}, KV int8', test):.1f} vs " \
            f"{_row(report, 'phasescope', f'{INT8}, KV fp32', test):.1f} tok/s"
 
