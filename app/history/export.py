@@ -9,9 +9,9 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from engine.metrics import percentiles
+from engine.metrics import RequestMetrics, percentiles
 
-from .recorder import message_metrics, session_metrics
+from .recorder import message_metrics, replies_summary
 from .store import Store
 
 FORMATS = ("csv", "json", "trace")
@@ -61,14 +61,15 @@ def to_csv(store: Store, session_id: int | None = None) -> str:
     return out.getvalue()
 
 
-def _message_json(message: dict, steps: list[dict]) -> dict:
-    m = message_metrics(message, steps)
-    summary = {"ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms,
-               "itl_ms": percentiles(m.itl_ms), "prefill_tokens_per_s": m.prefill_tokens_per_s,
-               "decode_tokens_per_s": m.decode_tokens_per_s, "num_prompt_tokens": m.num_prompt_tokens,
-               "num_generated_tokens": m.num_generated_tokens, "num_cached_tokens": m.num_cached_tokens,
-               "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
-    return {**message, "metrics": summary if message["role"] == "assistant" else None,
+def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) -> dict:
+    """A message with its steps, and a reply with its metrics m (None for the user's messages)."""
+    summary = None if m is None else {
+        "ttft_ms": m.ttft_ms, "tpot_ms": m.tpot_ms, "e2e_ms": m.e2e_ms,
+        "itl_ms": percentiles(m.itl_ms), "prefill_tokens_per_s": m.prefill_tokens_per_s,
+        "decode_tokens_per_s": m.decode_tokens_per_s, "num_prompt_tokens": m.num_prompt_tokens,
+        "num_generated_tokens": m.num_generated_tokens, "num_cached_tokens": m.num_cached_tokens,
+        "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
+    return {**message, "metrics": summary,
             "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6} for s in steps]}
 
 
@@ -76,8 +77,11 @@ def to_json(store: Store, session_id: int | None = None) -> dict:
     sessions = []
     for sid in _session_ids(store, session_id):
         session = store.session(sid)
-        messages = [_message_json(m, store.steps(m["id"])) for m in store.messages(sid)]
-        replies, percentiles_of = session_metrics(store, sid)  # as the History tab shows them
+        rows = [(m, store.steps(m["id"])) for m in store.messages(sid)]
+        metrics = [message_metrics(m, steps) if m["role"] == "assistant" else None for m, steps in rows]
+        messages = [_message_json(m, steps, metric) for (m, steps), metric in zip(rows, metrics)]
+        # as the History tab shows them (session_metrics), from the metrics above: each step is read once
+        replies, percentiles_of = replies_summary([m for m in metrics if m is not None])
         sessions.append({**session, "settings": json.loads(session["settings"] or "{}"),
                          "summary": {"replies": replies, **percentiles_of}, "messages": messages})
     return {"format": "phasescope-export", "version": 1, "definitions": DEFINITIONS, "sessions": sessions}

@@ -127,13 +127,17 @@ def message_metrics(message: dict, steps: list[dict]) -> RequestMetrics:
     return _metrics(message, _points(message, steps))
 
 
+def replies_summary(replies: list[RequestMetrics]) -> tuple[int, dict[str, dict[str, float | None]]]:
+    """How many of a session's replies gave a first token, and p50/p90/p99 of their TTFT, TPOT, ITL and
+    E2E (engine.metrics.session_summary; replies that Retry replaced count: they were measured)."""
+    measured = [m for m in replies if m.ttft_ms is not None]
+    return len(measured), session_summary(measured)
+
+
 def session_metrics(store: Store, session_id: int) -> tuple[int, dict[str, dict[str, float | None]]]:
-    """How many replies of a stored session gave a first token, and p50/p90/p99 of their TTFT, TPOT, ITL
-    and E2E (engine.metrics.session_summary; replies that Retry replaced count: they were measured)."""
-    replies = [message_metrics(m, store.steps(m["id"])) for m in store.messages(session_id)
-               if m["role"] == "assistant"]
-    replies = [m for m in replies if m.ttft_ms is not None]
-    return len(replies), session_summary(replies)
+    """replies_summary of a stored session."""
+    return replies_summary([message_metrics(m, store.steps(m["id"])) for m in store.messages(session_id)
+                            if m["role"] == "assistant"])
 
 
 def message_events(message: dict, steps: list[dict]) -> list[Event]:
