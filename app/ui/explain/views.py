@@ -259,11 +259,12 @@ def candidates_figure(tokenizer, step: DecodeStep | None, sampling: SamplingPara
         rule += [t(lang, "explain.rule_top_k", value=sampling.top_k)] if sampling.top_k else []
         rule += [t(lang, "explain.rule_top_p", value=sampling.top_p)] if sampling.top_p < 1 else []
         title = t(lang, "explain.candidates_sampled", n=step.step + 1, rule=", ".join(rule))
+    drawn = charts.has_points(data)
     layout = _layout(title, barmode="group", margin=dict(l=110, r=15, t=45, b=40),
                      legend=dict(orientation="h", y=-0.25), showlegend=len(data) > 1,
                      xaxis=dict(title=dict(text=t(lang, "explain.probability")), tickformat=".0%", rangemode="tozero",
-                                visible=charts.has_points(data)),
-                     yaxis=dict(autorange="reversed", visible=charts.has_points(data)))
+                                visible=drawn),
+                     yaxis=dict(autorange="reversed", visible=drawn))
     return go.Figure(dict(data=data, layout=layout), _validate=False)
 
 
@@ -288,8 +289,8 @@ def kv_grid_figure(engine: Engine, walk: Walkthrough | None, lang: str):
                                  [0.66, charts.PREFILL_COLOR], [0.67, charts.DECODE_COLOR], [1, charts.DECODE_COLOR]])]
         title = t(lang, "explain.kv_grid_sized", tokens=kv_tokens, layers=info.num_layers, mb=trace.kv[1] / 1e6,
                   shown=len(positions))
+    drawn = charts.has_points(data)
     layout = _layout(title, margin=dict(l=55, r=15, t=45, b=40),
-                     xaxis=dict(title=dict(text=t(lang, "explain.position")), visible=charts.has_points(data)),
-                     yaxis=dict(title=dict(text=t(lang, "explain.layer")), autorange="reversed",
-                                visible=charts.has_points(data)))
+                     xaxis=dict(title=dict(text=t(lang, "explain.position")), visible=drawn),
+                     yaxis=dict(title=dict(text=t(lang, "explain.layer")), autorange="reversed", visible=drawn))
     return go.Figure(dict(data=data, layout=layout), _validate=False)
