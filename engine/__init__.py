@@ -6,12 +6,19 @@ charts or the store.
 What the app reads and sends (configuration, requests, events, errors, model and pool info) is plain
 data that imports no torch; the machinery behind Engine does, and is imported on first use of its names
 (PEP 562), so that the app can serve its page while torch and the model load.
+
+Where the two phases are:
+- prefill: Engine.prefill (engine.py) runs a prompt chunk through LeanLlama.forward (llama.py);
+- decode: Engine.decode_step runs one token of every sequence in the batch through LeanLlama.decode,
+  which hands the whole step to the native library (fused.py, csrc/decode_step.cpp) where it is built;
+- Engine.step (schedule -> run -> postprocess) chooses which requests take which (scheduler.py), and
+  the KV cache they read and write is kv_pool.py.
 """
 from __future__ import annotations
 
 import importlib
 
-from .config import EngineConfig, Limits, SamplingParams
+from .config import CHAT_REPETITION_PENALTY, EngineConfig, Limits, SamplingParams
 from .errors import EngineBusy, KVPoolTooSmall, ModelError, QueueFull
 from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken,
                      Speculation, Started, TopToken)
@@ -35,7 +42,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event", "Finished", "FirstToken", "Hook",
+    "CHAT_REPETITION_PENALTY", "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event",
+    "Finished", "FirstToken", "Hook",
     "IncrementalDetokenizer", "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo",
     "PoolUsage", "PrefillChunk", "PromptToken", "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
