@@ -68,14 +68,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="a request still running after S seconds ends with an error (default 600; 0: none)")
 
 
-def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int,
+                          repetition_penalty: float = 1.0) -> None:
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="divides the logits of tokens in the prompt or the reply (1: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
+                        help=f"divides the logits of tokens in the prompt or the reply (1: off; default "
+                             f"{repetition_penalty:g})")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="minus this times a token's count in the reply, from its logit (-2 to 2)")
     parser.add_argument("--presence-penalty", type=float, default=0.0,
@@ -86,6 +88,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int) 
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine import CHAT_REPETITION_PENALTY
+
     parser = argparse.ArgumentParser(prog="phasescope", description=__doc__)
     commands = parser.add_subparsers(dest="command")
 
@@ -105,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="chat in the terminal, with a timing line after each reply")
     _add_model_options(chat)
-    _add_sampling_options(chat, max_new_tokens=512)
+    _add_sampling_options(chat, max_new_tokens=512, repetition_penalty=CHAT_REPETITION_PENALTY)
     _add_endpoint_options(chat)
     _add_db_option(chat)
     chat.add_argument("--session", type=int, metavar="ID",

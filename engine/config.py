@@ -30,6 +30,14 @@ def _check_range(name: str, value: float, low: float, high: float, *, low_open: 
         raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
 
 
+# The repetition penalty a chat starts with (the page's setting, `phasescope chat`), Ollama's default. At 1.0
+# the bundled model loops ("Aria's beauty," fifty times over). Measured over 18 sampled int8 replies (six
+# prompts, English and Chinese, temperature 0.7, three seeds): distinct 4-grams 0.86 -> 0.99 of a reply
+# (the worst reply 0.25 -> 0.81), replies no longer (1.2 made 15 of 18 run to the limit), TPOT within
+# noise. Elsewhere (SamplingParams, `generate`, the API) it stays off, 1.0, as in vLLM and transformers.
+CHAT_REPETITION_PENALTY = 1.1
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token. temperature 0 means greedy."""

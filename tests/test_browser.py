@@ -12,6 +12,7 @@ import pytest
 
 from app.bench.browser import (CHROMIUM, ROOT, kpi, kpi_note, launch_browser, open_chat, plot_traces, send,
                                set_setting, start_app, wait_phase)
+from engine import CHAT_REPETITION_PENALTY
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
 
@@ -85,6 +86,7 @@ def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page
     from app.history.store import Store
 
     set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-repetition-penalty", 1)  # off: greedy runs long on this prompt
     set_setting(page, "ps-max-new", 600)
     send(page, "Write a long story about a lighthouse keeper, with many chapters.")
     wait_phase(page, "decode")
@@ -162,10 +164,12 @@ def test_retry_replaces_the_last_reply_with_its_prompt_from_the_cache(page, app_
     assert ("Describe the sea in one long sentence.", 8, 3) == (
         user["content"], replaced["generated_tokens"], retried["generated_tokens"])
     assert (retried["id"], None, 1) == (replaced["replaced_by"], retried["replaced_by"], session["turns"])
+    assert CHAT_REPETITION_PENALTY == json.loads(session["settings"])["repetition_penalty"]  # the page's default
 
 
 def test_stop_keeps_the_partial_reply(page):
     set_setting(page, "ps-max-new", 600)
+    set_setting(page, "ps-repetition-penalty", 1)  # as the test was written: a long reply to stop
     send(page, "Write a very long story about a lighthouse keeper, with many chapters.")
     page.wait_for_function("() => { const t = document.querySelector('#ps-kpis [data-kpi=generated_tokens] "
                            ".ps-value'); return t && parseInt(t.innerText) >= 5; }", timeout=120_000)
@@ -208,7 +212,8 @@ def test_empty_and_too_long_messages(page):
 def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path):
     first, second = open_chat(browser, app_url), open_chat(browser, app_url)
     try:
-        set_setting(first, "ps-temperature", 0)  # greedy: this prompt runs long, no early EOS
+        set_setting(first, "ps-temperature", 0)  # greedy, no penalty: this prompt runs long, no early EOS
+        set_setting(first, "ps-repetition-penalty", 1)
         set_setting(first, "ps-max-new", 1500)  # int8 makes ~250 tok/s here: still running when the second ends
         set_setting(second, "ps-temperature", 0)
         set_setting(second, "ps-max-new", 100)  # long enough to overlap the first for a second or more

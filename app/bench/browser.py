@@ -194,6 +194,7 @@ def _page_decode(page, max_new_tokens: int) -> tuple[float, float | None]:
     page.click("#ps-new")
     page.wait_for_selector("#ps-phase .ps-idle")
     set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-repetition-penalty", 1)  # off, as in `phasescope generate`: the same tokens
     set_setting(page, "ps-max-new", max_new_tokens)
     # typed, then sent a second later, as a person would: the page has finished with the new chat and the
     # settings (Gradio events, ~0.3 s of the page's CPU), which sent at once ran into the decode measured

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import EngineBusy, Event, QueueFull, Request, SamplingParams, Status
+from engine import CHAT_REPETITION_PENALTY, EngineBusy, Event, QueueFull, Request, SamplingParams, Status
 
 from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
@@ -273,8 +273,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                                     elem_id="ps-temperature")
                 top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"))
                 top_k = texts(gr.Slider, 0, 200, value=0, step=1, label=K("chat.top_k"))
-                # small models fall into loops; Ollama uses 1.1 by default against them
-                repetition_penalty = texts(gr.Slider, 1.0, 2.0, value=1.0, step=0.05,
+                # small models fall into loops: 1.1, as Ollama's default (engine.config.CHAT_REPETITION_PENALTY)
+                repetition_penalty = texts(gr.Slider, 1.0, 2.0, value=CHAT_REPETITION_PENALTY, step=0.05,
                                            label=K("chat.repetition_penalty"), elem_id="ps-repetition-penalty")
                 seed = texts(gr.Number, label=K("chat.seed"), value=-1, precision=0, minimum=-1, elem_id="ps-seed")
                 prefill_chunk = texts(gr.Slider, 0, 1024, value=0, step=16, label=K("chat.prefill_chunk"),
