@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from .errors import ModelError
 
@@ -103,17 +104,33 @@ def _remembered_hash(path: Path, folder: Path) -> str:
     return digest
 
 
+# What writing a file can raise: the OS's errors, and safetensors' own for the same I/O errors (a full disk
+# reads "Error while serializing: I/O error: No space left on device (os error 28)")
+WRITE_ERRORS = (OSError, SafetensorError)
+
+
 def write_atomically(path: Path, write) -> None:
     """write(scratch) to a file beside path, then put it in path's place: another process reads the old
-    file or the new one, never half of one. For the caches: one that cannot be written (OSError) is only
-    slower next time, so the error is dropped."""
+    file or the new one, never half of one. For the caches: one that cannot be written (a full disk, a
+    read-only folder) is only slower next time, so the error is dropped, and the scratch with it."""
+    scratch = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = path.with_name(f".{path.name}.{os.getpid()}")
         write(scratch)
         os.replace(scratch, path)
-    except OSError:
-        pass
+    except WRITE_ERRORS:
+        try:
+            scratch.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _cannot_write(folder: Path, exc: Exception, model: torch.nn.Module) -> ModelError:
+    """One line for a converted model that cannot be written, with the room it needs."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).rsplit(": ", 1)[-1]
+    megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6  # a tied lm_head once
+    return ModelError(f"cannot write the converted model to {folder}: {reason}; it needs about {megabytes:,.0f} MB "
+                      "(free some space, or set PHASESCOPE_CACHE to another folder)")
 
 
 def _check_gguf(path: Path) -> None:
@@ -137,9 +154,12 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad file
         raise ModelError(f"cannot load {gguf}: {exc}".splitlines()[0]) from exc
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary folder and rename, so an interrupted conversion leaves no half cache.
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    # Write into a temporary folder and rename, so an interrupted conversion (or a full disk) leaves no half cache.
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    except OSError as exc:
+        raise _cannot_write(converted, exc, model) from None
     try:
         config = model.config
         if hasattr(config, "quantization_config"):
@@ -148,6 +168,8 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
         tokenizer.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding/lm_head
         tmp.rename(target)
+    except WRITE_ERRORS as exc:
+        raise _cannot_write(converted, exc, model) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

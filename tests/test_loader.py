@@ -175,3 +175,50 @@ def test_a_gguf_files_hash_is_remembered_until_the_file_changes(tmp_path, monkey
     (folder / "hashes.json").write_text("[not a memo")
     assert loader._remembered_hash(gguf, folder) == changed and len(hashed) == 3  # a damaged memo: hashed again
     assert loader._remembered_hash(gguf, folder) == changed and len(hashed) == 3  # ... and remembered
+
+
+FULL_DISK = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors' own words
+
+
+def test_int8_weights_run_when_their_cache_cannot_be_written(tmp_path, tokenizer, monkeypatch):
+    import safetensors.torch
+    from conftest import tiny_model
+    from engine.hf_runner import make_runner
+    from engine.loader import load_model
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        open(filename, "wb").write(b"half a file")
+        raise safetensors.SafetensorError(FULL_DISK)
+
+    folder, cache = tmp_path / "model", tmp_path / "cache"
+    tiny_model(tokenizer, hidden=128).model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    runner = make_runner(load_model(str(folder), "cpu", "float32", lean=True).model, "int8", cache_dir=str(cache))
+    ids = torch.tensor(tokenizer("a full disk")["input_ids"])
+    assert torch.isfinite(runner.forward(ids, 0, runner.new_cache(len(ids)))).all()  # only slower next start
+    assert [] == list((cache / "int8").iterdir())  # no half file left behind
+
+
+def test_a_conversion_that_cannot_be_written_says_so_in_one_line(tmp_path, tokenizer, monkeypatch):
+    import safetensors
+    import safetensors.torch
+    import transformers
+    from conftest import tiny_model
+    from engine.loader import convert_gguf
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    model = tiny_model(tokenizer).model
+    # transformers' GGUF reader stands aside: what is tested is the writing
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    monkeypatch.setattr(safetensors.torch, "save_model",
+                        lambda *a, **k: (_ for _ in ()).throw(safetensors.SafetensorError(FULL_DISK)))
+    with pytest.raises(ModelError) as error:
+        convert_gguf(gguf, str(tmp_path / "cache"))
+    megabytes = sum(p.numel() * 4 for p in model.parameters()) / 1e6
+    assert str(error.value) == (f"cannot write the converted model to {tmp_path / 'cache' / 'converted'}: No space "
+                                f"left on device (os error 28); it needs about {megabytes:,.0f} MB (free some space, "
+                                "or set PHASESCOPE_CACHE to another folder)")
+    assert [] == [p for p in (tmp_path / "cache" / "converted").iterdir() if p.name != "hashes.json"]  # no half cache
