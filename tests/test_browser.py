@@ -167,6 +167,47 @@ def test_retry_replaces_the_last_reply_with_its_prompt_from_the_cache(page, app_
     assert CHAT_REPETITION_PENALTY == json.loads(session["settings"])["repetition_penalty"]  # the page's default
 
 
+# The contrast of an element's text (its color, or an SVG text's fill) against what lies behind it: its own
+# background and its ancestors', each composited over the next (semi-transparent tints included)
+CONTRAST = r"""(selector) => {
+  const element = document.querySelector(selector);
+  const parse = (c) => { const v = (c.match(/[\d.]+/g) || []).map(Number);
+    const scale = c.startsWith('color(') ? 255 : 1;
+    return [v[0] * scale, v[1] * scale, v[2] * scale, v.length > 3 ? v[3] : 1]; };
+  const layers = [];
+  for (let e = element; e; e = e.parentElement) layers.unshift(parse(getComputedStyle(e).backgroundColor));
+  let behind = [255, 255, 255];
+  for (const [r, g, b, a] of layers) behind = [r * a + behind[0] * (1 - a), g * a + behind[1] * (1 - a),
+                                               b * a + behind[2] * (1 - a)];
+  const style = getComputedStyle(element), text = parse(element instanceof SVGElement ? style.fill : style.color);
+  const luminance = (rgb) => rgb.slice(0, 3).map((x) => { x /= 255;
+    return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4; })
+    .reduce((sum, x, i) => sum + x * [0.2126, 0.7152, 0.0722][i], 0);
+  const [light, dark] = [luminance(text), luminance(behind)].sort((x, y) => y - x);
+  return (light + 0.05) / (dark + 0.05);
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_panel_and_charts_read_in_a_light_and_a_dark_browser(browser, app_url, scheme):
+    """A browser that prefers dark gets Gradio's dark theme: the app's own panel, token chips and the charts'
+    axes (drawn from figures made for a light page) keep a readable contrast (WCAG's 4.5 for text)."""
+    page = open_chat(browser, app_url, color_scheme=scheme)
+    try:
+        set_setting(page, "ps-max-new", 8)
+        send(page, "Hello")
+        assert "done" == wait_phase(page, "done")
+        page.wait_for_selector("#ps-latency .xtick text")
+        for selector in ("#ps-phase .ps-phase", "#ps-kpis .ps-value", "#ps-latency .xtick text",
+                         "#ps-kv .g-ytitle text"):
+            assert page.evaluate(CONTRAST, selector) >= 4.5, (scheme, selector)
+        page.get_by_role("tab").nth(1).click()
+        page.wait_for_selector("#ps-explain-tokens .ps-tok")
+        assert page.evaluate(CONTRAST, "#ps-explain-tokens .ps-tok") >= 4.5, (scheme, "token chip")
+    finally:
+        page.close()
+
+
 def test_stop_keeps_the_partial_reply(page):
     set_setting(page, "ps-max-new", 600)
     set_setting(page, "ps-repetition-penalty", 1)  # as the test was written: a long reply to stop
