@@ -42,7 +42,7 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
     active, texts, streams = ActiveRequests(), Texts(), Streams()
     # delete_cache: the files Gradio copies to serve (the exports) go after a day, and all at shutdown
     with gr.Blocks(title=TITLE, delete_cache=(86400, 86400)) as app:
-        with gr.Row(equal_height=True):
+        with gr.Row(equal_height=True, elem_id="ps-top"):
             header = gr.HTML(header_html(DEFAULT))
             lang, remembered = language.switch(texts)
         with gr.Tabs() as tabs:
