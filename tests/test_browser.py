@@ -208,6 +208,23 @@ def test_the_panel_and_charts_read_in_a_light_and_a_dark_browser(browser, app_ur
         page.close()
 
 
+def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app_url):
+    page = open_chat(browser, app_url)
+    try:
+        page.set_viewport_size({"width": 420, "height": 900})
+        set_setting(page, "ps-max-new", 8)
+        send(page, "Hello")
+        assert "done" == wait_phase(page, "done")
+        title, switch = page.locator(".ps-header").bounding_box(), page.locator("#ps-language").bounding_box()
+        assert title["y"] + title["height"] <= switch["y"] and title["width"] > 300  # one above the other
+        overflowing = page.evaluate("() => [...document.querySelectorAll('#ps-kpis .ps-tile')]"
+                                    ".filter(t => t.scrollWidth > t.clientWidth).length")
+        assert 0 == overflowing and 0 < page.locator("#ps-kpis .ps-tile").count()
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # nothing scrolls sideways
+    finally:
+        page.close()
+
+
 def test_stop_keeps_the_partial_reply(page):
     set_setting(page, "ps-max-new", 600)
     set_setting(page, "ps-repetition-penalty", 1)  # as the test was written: a long reply to stop
