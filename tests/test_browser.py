@@ -221,6 +221,8 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
                                     ".filter(t => t.scrollWidth > t.clientWidth).length")
         assert 0 == overflowing and 0 < page.locator("#ps-kpis .ps-tile").count()
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # nothing scrolls sideways
+        page.get_by_role("tab").nth(1).click()  # the Explain tab's "Demos:" on a line, not a letter per line
+        assert page.locator("#ps-demos > :first-child").bounding_box()["width"] > 300
     finally:
         page.close()
 
