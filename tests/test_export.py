@@ -129,16 +129,20 @@ def test_a_full_disk_leaves_the_file_it_would_replace(filled, tmp_path, monkeypa
 
 
 def test_a_sessions_percentiles_are_those_of_its_replies(filled):
-    from app.history.recorder import message_metrics, session_metrics
+    from app.history.export import render, render_all
+    from app.history.recorder import message_metrics
     from app.ui.history_tab import percentile_table
     from engine.metrics import percentile
 
     replies = [message_metrics(m, filled.steps(m["id"])) for m in filled.messages(1) if m["role"] == "assistant"]
-    count, summary = session_metrics(filled, 1)
+    texts, data = render_all(filled, 1)  # what the History tab writes and shows
+    assert texts == {fmt: render(filled, fmt, 1) for fmt in ("csv", "json", "trace")}
+    summary = dict(data["sessions"][0]["summary"])
+    count = summary.pop("replies")
     assert 2 == count == len(replies) and list(summary) == ["ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"]
     assert summary["ttft_ms"]["p50"] == percentile([m.ttft_ms for m in replies], 50)
     assert summary["itl_ms"]["p99"] == percentile([v for m in replies for v in m.itl_ms], 99)
-    html = percentile_table(filled, 1, "zh")
+    html = percentile_table(data["sessions"][0]["summary"], "zh")
     assert "本会话 2 条回复" in html and html.count("<tr>") == 5  # a header and TTFT, TPOT, ITL, E2E
 
 

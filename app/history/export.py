@@ -80,7 +80,7 @@ def to_json(store: Store, session_id: int | None = None) -> dict:
         rows = [(m, store.steps(m["id"])) for m in store.messages(sid)]
         metrics = [message_metrics(m, steps) if m["role"] == "assistant" else None for m, steps in rows]
         messages = [_message_json(m, steps, metric) for (m, steps), metric in zip(rows, metrics)]
-        # as the History tab shows them (session_metrics), from the metrics above: each step is read once
+        # the History tab shows these (render_all), made from the metrics above: each step is read once
         replies, percentiles_of = replies_summary([m for m in metrics if m is not None])
         sessions.append({**session, "settings": json.loads(session["settings"] or "{}"),
                          "summary": {"replies": replies, **percentiles_of}, "messages": messages})
@@ -144,12 +144,24 @@ def check_size(store: Store, session_id: int | None = None) -> None:
                          "(PHASESCOPE_MAX_EXPORT_STEPS): export one session at a time")
 
 
+def _json_text(fmt: str, data: dict) -> str:
+    return json.dumps(data, ensure_ascii=False, indent=1 if fmt == "json" else None)
+
+
 def render(store: Store, fmt: str, session_id: int | None = None) -> str:
     check_size(store, session_id)
     if fmt == "csv":
         return to_csv(store, session_id)
-    data = to_json(store, session_id) if fmt == "json" else to_trace(store, session_id)
-    return json.dumps(data, ensure_ascii=False, indent=1 if fmt == "json" else None)
+    return _json_text(fmt, to_json(store, session_id) if fmt == "json" else to_trace(store, session_id))
+
+
+def render_all(store: Store, session_id: int | None = None) -> tuple[dict[str, str], dict]:
+    """Every format's text after one size check, and the JSON export's data: its sessions' summaries are
+    what the History tab shows, so it need not read the steps again for them."""
+    check_size(store, session_id)
+    data = to_json(store, session_id)
+    return {"csv": to_csv(store, session_id), "json": _json_text("json", data),
+            "trace": _json_text("trace", to_trace(store, session_id))}, data
 
 
 def write_export(store: Store, fmt: str, path: Path, session_id: int | None = None, force: bool = False) -> Path:

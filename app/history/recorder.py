@@ -134,12 +134,6 @@ def replies_summary(replies: list[RequestMetrics]) -> tuple[int, dict[str, dict[
     return len(measured), session_summary(measured)
 
 
-def session_metrics(store: Store, session_id: int) -> tuple[int, dict[str, dict[str, float | None]]]:
-    """replies_summary of a stored session."""
-    return replies_summary([message_metrics(m, store.steps(m["id"])) for m in store.messages(session_id)
-                            if m["role"] == "assistant"])
-
-
 def message_events(message: dict, steps: list[dict]) -> list[Event]:
     """Rebuild a reply's events from its stored rows (top-5 alternatives are not stored)."""
     request_id = str(message["id"])

@@ -14,8 +14,8 @@ import gradio as gr
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .language import Texts
-from ..history.export import FORMATS, export_filename, render as render_export
-from ..history.recorder import load_chat, session_metrics
+from ..history.export import FORMATS, export_filename, render_all
+from ..history.recorder import load_chat
 from ..history.store import Store, StoreError
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
@@ -52,9 +52,10 @@ def sessions_table(store: Store, search: str, lang: str) -> gr.Dataframe:
     return gr.Dataframe(value=rows, headers=columns(lang), label=note, show_label=note is not None)
 
 
-def percentile_table(store: Store, session_id: int, lang: str) -> str:
-    """p50/p90/p99 of the session's TTFT, TPOT, ITL and E2E, as vLLM's benchmarks report them."""
-    replies, summary = session_metrics(store, session_id)
+def percentile_table(summary: dict, lang: str) -> str:
+    """p50/p90/p99 of a session's TTFT, TPOT, ITL and E2E, as vLLM's benchmarks report them, from its
+    summary in the JSON export ({"replies": n, "ttft_ms": {"p50": ...}, ...})."""
+    replies = summary["replies"]
     if not replies:
         return ""
 
@@ -62,21 +63,22 @@ def percentile_table(store: Store, session_id: int, lang: str) -> str:
         return "–" if value is None else f"{value:,.1f}"
 
     names = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
-    rows = "".join(f"<tr><th>{names[key]}</th>{''.join(f'<td>{cell(v)}</td>' for v in values.values())}</tr>"
-                   for key, values in summary.items())
-    head = "".join(f"<th>{q}</th>" for q in next(iter(summary.values())))
+    rows = "".join(f"<tr><th>{names[key]}</th>{''.join(f'<td>{cell(v)}</td>' for v in summary[key].values())}</tr>"
+                   for key in names)
+    head = "".join(f"<th>{q}</th>" for q in summary["ttft_ms"])
     return (f'<div class="ps-percentiles-note">{escape(t(lang, "saved.percentiles", replies=replies))}</div>'
             f'<table class="ps-percentiles"><tr><th></th>{head}</tr>{rows}</table>')
 
 
-def write_exports(store: Store, folder: Path, session_id: int | None) -> list[str]:
-    """One file per format, named without user text; returns their paths."""
+def write_exports(store: Store, folder: Path, session_id: int | None) -> tuple[list[str], dict]:
+    """One file per format, named without user text; returns their paths and the JSON export's data."""
+    texts, data = render_all(store, session_id)
     paths = []
     for fmt in FORMATS:
         path = folder / export_filename(fmt, session_id)
-        path.write_text(render_export(store, fmt, session_id), encoding="utf-8", newline="")
+        path.write_text(texts[fmt], encoding="utf-8", newline="")
         paths.append(str(path))
-    return paths
+    return paths, data
 
 
 def export_folder() -> Path:
@@ -124,14 +126,14 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return sessions_table(store, query or "", lang_choice)
 
     def listing(query, lang_choice):
-        paths = write_exports(store, folder, None)
+        paths, _ = write_exports(store, folder, None)
         return [table_value(query, lang_choice)] + [gr.DownloadButton(value=p) for p in paths]
 
     def select(rows, lang_choice, event: gr.SelectData):
         session_id = int(rows.iloc[event.index[0], 0])
-        paths = write_exports(store, folder, session_id)
+        paths, data = write_exports(store, folder, session_id)
         label = t(lang_choice, "saved.selected", id=session_id, title=escape(str(rows.iloc[event.index[0], 1])))
-        label += percentile_table(store, session_id, lang_choice)
+        label += percentile_table(data["sessions"][0]["summary"], lang_choice)
         return [session_id, label, gr.Button(visible=False)] + [gr.DownloadButton(value=p, interactive=True)
                                                                   for p in paths]
 
