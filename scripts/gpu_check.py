@@ -3,8 +3,9 @@
 Random weights in SmolLM2-135M's exact shape (the bundled model's weights do not travel to the GPU
 machine), on CUDA in bf16: decode tg128 at batch 1 and 8 and prefill pp512 for the lean path with and
 without CUDA graphs, beside transformers' eager `generate` and its static cache with `torch.compile`;
-then greedy tokens with graphs against the eager ops in fp32. Prints one JSON object and writes it to
-$OUT/gpu_check.json (or --out).
+greedy tokens with graphs against the eager ops in fp32 come first, and the kernels of an eager decode
+step are profiled (kernels.txt). Prints one JSON object and writes it to $OUT/gpu_check.json (or --out)
+after each section, so that a run stopped at its time limit keeps what it measured.
 
     python scripts/gpu_check.py [--out DIR] [--no-compile]
 
@@ -123,6 +124,57 @@ def hf_decode(model, batch: int, prompt_tokens: int, new_tokens: int) -> float:
     return batch * (new_tokens - 1) / (run(new_tokens) - run(1))
 
 
+def hf_prefill(model, length: int) -> float:
+    ids = prompts(1, length)[0].to(DEVICE)[None]
+    with torch.inference_mode():
+        model(ids)  # warm-up
+        return length / seconds(lambda: model(ids))
+
+
+def replay_ms(lean: LeanLlama, pool, batch: int) -> float:
+    """Milliseconds of one replay of the (batch, 256) graph alone: the GPU's share of a decode step, the
+    rest of a step being Python and copies."""
+    graph = lean.graphs.pools[pool].graphs[(batch, 256)]
+    graph.replay()
+    return 1000 * seconds(lambda: [graph.replay() for _ in range(100)]) / 100
+
+
+def kernel_profile(lean: LeanLlama, pool, out: Path, steps: int = 20) -> dict:
+    """The kernels of `steps` eager decode steps at batch 1 (the same kernels a graph replays; one 16-token
+    prefill is counted with them), written to out/kernels.txt; returns kernels per step and their GPU time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with without_graphs(lean), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        lean_greedy(lean, pool, 1, 16, steps + 1)
+    events = prof.key_averages()
+    (out / "kernels.txt").write_text(events.table(sort_by="cuda_time_total", row_limit=25) + "\n")
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernels per step": round(sum(e.count for e in kernels) / steps),
+            "kernel time per step, ms": round(sum(e.device_time_total for e in kernels) / steps / 1000, 3)}
+
+
+class Report(dict):
+    """The figures so far, written out after each section (a run stopped at its time limit keeps them);
+    a section that fails is recorded as failed and the next one runs."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out, self.started = out, time.perf_counter()
+        out.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def section(self, name: str):
+        start = time.perf_counter()
+        print(f"[{start - self.started:6.1f} s] {name}", flush=True)
+        try:
+            yield
+        except Exception as error:  # noqa: BLE001 (recorded: the other sections' figures stand)
+            self.setdefault("failed", {})[name] = f"{type(error).__name__}: {error}"[:400]
+            print(f"  failed: {self.get('failed')[name]}", flush=True)
+        self.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        (self.out / "gpu_check.json").write_text(json.dumps(self, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -134,42 +186,51 @@ def main() -> None:
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here")
-    report: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__}
+    report = Report(Path(args.out))
+    report["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    report["torch"] = torch.__version__
+
+    # correctness first: greedy tokens of 8 sequences, graphs against the eager ops, in fp32
+    with report.section("fp32 greedy tokens, graphs vs PyTorch ops"):
+        lean = lean_model(random_model(torch.float32, args.layers), "fp32")
+        pool = lean.new_pool(1 << 30)
+        graph_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
+        with without_graphs(lean):
+            eager_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
+        same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
+        report["fp32 greedy tokens, graphs vs PyTorch ops"] = (
+            "identical" if graph_tokens == eager_tokens else f"differ ({same} of 8 sequences identical)")
+        del lean, pool
 
     model = random_model(torch.bfloat16, args.layers)
     lean = lean_model(model, "auto")
     pool = lean.new_pool(1 << 30)
     report["decode_path"] = lean.decode_path
     for batch in (1, 8):
-        lean_greedy(lean, pool, batch, 16, 8)  # warm-up: captures this batch's graph
-        _, graphs = lean_greedy(lean, pool, batch, 16, 128)
-        with without_graphs(lean):
-            _, eager = lean_greedy(lean, pool, batch, 16, 128)
-        report[f"tg128 batch {batch}"] = {"lean, CUDA graphs": round(graphs, 1), "lean, PyTorch ops": round(eager, 1)}
-    report["pp512"] = {"lean": round(lean_prefill(lean, 512), 1)}
-    report["tg128 batch 1"]["transformers eager"] = round(hf_decode(model, 1, 16, 128), 1)
-    if not args.no_compile:
-        try:
+        with report.section(f"tg128 batch {batch}"):
+            figures = report[f"tg128 batch {batch}"] = {}
+            lean_greedy(lean, pool, batch, 16, 8)  # warm-up: captures this batch's graph
+            figures["lean, CUDA graphs"] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
+            if DEVICE == "cuda":
+                figures["graph replay alone, ms per step"] = round(replay_ms(lean, pool, batch), 3)
+            with without_graphs(lean):
+                figures["lean, PyTorch ops"] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
+    with report.section("pp512"):
+        report["pp512"] = {"lean": round(lean_prefill(lean, 512), 1),
+                           "transformers eager": round(hf_prefill(model, 512), 1)}
+    if DEVICE == "cuda":
+        with report.section("kernels of an eager decode step, batch 1"):
+            report["kernels of an eager decode step, batch 1"] = kernel_profile(lean, pool, report.out)
+    with report.section("transformers eager decode"):
+        for batch in (1, 8):
+            report[f"tg128 batch {batch}"]["transformers eager"] = round(hf_decode(model, batch, 16, 128), 1)
+    if not args.no_compile:  # last: its compilation takes the longest
+        with report.section("transformers static cache + torch.compile"):
             model.generation_config.cache_implementation = "static"
             model.forward = torch.compile(model.forward)
-            report["tg128 batch 1"]["transformers static cache + torch.compile"] = round(hf_decode(model, 1, 16, 128), 1)
-        except Exception as error:  # noqa: BLE001 (reported, not fatal: the lean figures stand)
-            report["tg128 batch 1"]["transformers static cache + torch.compile"] = f"failed: {error}"[:300]
-    del model, lean, pool
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-    lean = lean_model(random_model(torch.float32, args.layers), "fp32")
-    pool = lean.new_pool(1 << 30)
-    graph_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
-    with without_graphs(lean):
-        eager_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
-    report["fp32 greedy tokens, graphs vs PyTorch ops"] = "identical" if graph_tokens == eager_tokens else "differ"
-
-    text = json.dumps(report, indent=2)
-    print(text)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_check.json").write_text(text + "\n")
+            report["tg128 batch 1"]["transformers static cache + torch.compile"] = round(
+                hf_decode(model, 1, 16, 128), 1)
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
