@@ -33,6 +33,15 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 FIRST_CONTEXT_BUCKET = 256  # tokens; then doubled up to the context window
 
 
+@torch.library.custom_op("phasescope::write_kv", mutates_args=("kv",))
+def write_kv(kv: torch.Tensor, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Layer's new keys and values k, v [B, KV, D] into the pool kv [layers, 2, KV, slots, D] at slots [B].
+    One op that says what it writes, so that torch.compile writes the pool in place: traced as plain
+    index_copy_ on a view of it, the compiled step copied the whole pool on every step."""
+    kv[layer, 0].index_copy_(1, slot, k.transpose(0, 1).to(kv.dtype))
+    kv[layer, 1].index_copy_(1, slot, v.transpose(0, 1).to(kv.dtype))
+
+
 def bucket(size: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket that holds size, or None when size exceeds the largest."""
     return next((b for b in buckets if b >= size), None)
@@ -59,42 +68,47 @@ def why_not(model, pool: KVPool, capture: bool = True) -> str | None:
     return None
 
 
-@dataclass
 class StaticInputs:
-    """One bucket's input buffers, [batch] or [batch, context]; their addresses never change."""
-    ids: torch.Tensor  # the tokens
-    rope: torch.Tensor  # each token's position in the text (its rotary angle)
-    slot: torch.Tensor  # the pool slot its key and value go to
-    key_slots: torch.Tensor  # [batch, context] the pool slots of positions 0 .. context - 1
-    visible: torch.Tensor  # [batch, 1, 1, context] bool: positions 0 .. the token's own
+    """One bucket's inputs, [batch] or [batch, blocks], as views of one device buffer whose address never
+    changes, so that a step's inputs go over in one host-to-device copy: token ids, positions in the
+    cache, rotary positions (position in the text), the pool slot each new key and value go to, and each
+    row's block table (its first `context` positions' blocks)."""
 
-    @classmethod
-    def empty(cls, batch: int, context: int, device: torch.device) -> StaticInputs:
-        long = dict(dtype=torch.long, device=device)
-        return cls(torch.zeros(batch, **long), torch.zeros(batch, **long), torch.zeros(batch, **long),
-                   torch.zeros(batch, context, **long), torch.zeros(batch, 1, 1, context, dtype=torch.bool,
-                                                                  device=device))
+    def __init__(self, batch: int, context: int, block_size: int, device: torch.device) -> None:
+        self.batch, self.context, self.block_size = batch, context, block_size
+        self.num_blocks = context // block_size
+        self.packed = torch.zeros(batch * (4 + self.num_blocks), dtype=torch.long, device=device)
+        self.ids, self.positions, self.rope, self.slot = self.packed[:4 * batch].view(4, batch)
+        self.block_table = self.packed[4 * batch:].view(batch, self.num_blocks)
+        offsets = torch.arange(context, device=device)  # a row's positions 0 .. context - 1
+        self._offsets, self._block_of, self._within = offsets, offsets // block_size, offsets % block_size
 
-    def fill(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV], scratch_slot: int,
-             block_size: int) -> None:
-        """Copy a batch's step into the buffers (one host-to-device copy each); rows past the batch pad it:
-        token 0 at position 0, each in a slot of its own of the scratch block (a bucket pads fewer rows
-        than a block holds), which it writes and reads alone."""
-        batch, context = self.key_slots.shape
-        own = [scratch_slot + (row - len(tokens)) % block_size for row in range(batch)]  # a padding row's slot
-        ids, rope, slot = [0] * batch, [0] * batch, own
-        key_slots = torch.tensor(own)[:, None].repeat(1, context)
-        visible = torch.zeros(batch, context, dtype=torch.bool)
-        visible[:, 0] = True
-        for row, (token, pos, seq) in enumerate(zip(tokens, positions, sequences)):
-            slots = seq.slot_ids(pos + 1)
-            ids[row], rope[row], slot[row] = token, pos + seq.num_dropped, int(slots[pos])
-            key_slots[row, :pos + 1] = slots
-            visible[row, :pos + 1] = True
-        for buffer, values in ((self.ids, ids), (self.rope, rope), (self.slot, slot)):
-            buffer.copy_(torch.tensor(values), non_blocking=True)
-        self.key_slots.copy_(key_slots, non_blocking=True)
-        self.visible.copy_(visible[:, None, None, :], non_blocking=True)
+    def fill(self, tokens: list[int], positions: list[int], sequences: list[SequenceKV], scratch_slot: int) -> None:
+        """Copy a batch's step into the buffer (one host-to-device copy); rows past the batch pad it: token
+        0 at position 0, each in a slot of its own of the scratch block (a bucket pads fewer rows than a
+        block holds), which it writes and reads alone."""
+        size, num_blocks, pad = self.block_size, self.num_blocks, self.batch - len(tokens)
+        scratch_block = scratch_slot // size
+        slots, tables = [], []
+        for pos, seq in zip(positions, sequences):
+            slots.append(seq.block_ids[pos // size] * size + pos % size)
+            table = seq.block_ids[:num_blocks]
+            tables += table + [scratch_block] * (num_blocks - len(table))
+        values = (tokens + [0] * pad + positions + [0] * pad + [p + s.num_dropped for p, s in zip(positions, sequences)]
+                  + [0] * pad + slots + [scratch_slot + row for row in range(pad)] + tables
+                  + [scratch_block] * (pad * num_blocks))
+        self.packed.copy_(torch.tensor(values), non_blocking=True)
+
+    def key_slots(self) -> torch.Tensor:
+        """[batch, context] the pool slot of each position a row reads: those before its own from its block
+        table; its own, and those it may not see, its new slot (written this step, so finite: a masked
+        position weighs 0, but 0 times a NaN that unwritten memory may hold would still be NaN)."""
+        table = self.block_table[:, self._block_of] * self.block_size + self._within
+        return torch.where(self._offsets < self.positions[:, None], table, self.slot[:, None])
+
+    def visible(self) -> torch.Tensor:
+        """[batch, 1, 1, context] bool: positions 0 .. the row's own."""
+        return (self._offsets <= self.positions[:, None])[:, None, None, :]
 
 
 class StaticDecode:
@@ -106,35 +120,41 @@ class StaticDecode:
 
         self.model, self.kv = model, pool.kv  # the tensor, not the pool: GraphDecode.pools holds pools weakly
         self.untimed = StageClock(None, model.device)
-        self.inputs = StaticInputs.empty(batch, context, pool.kv.device)
+        self.inputs = StaticInputs(batch, context, pool.block_size, pool.kv.device)
         self.logits = torch.zeros(batch, model.lm_head.output_features, dtype=model.dtype, device=pool.kv.device)
 
-    @torch.inference_mode()
+        self.forward = self._forward  # torch.compile may replace it (GraphDecode's compile)
+
     def run(self) -> None:
+        with torch.inference_mode():
+            self.forward()
+
+    def _forward(self) -> None:
         m, inputs = self.model, self.inputs
+        key_slots, visible = inputs.key_slots(), inputs.visible()  # once per step, for every layer
         x = F.embedding(inputs.ids, m.embed)  # [B, C]
         for index, layer in enumerate(m.layers):
             h = F.rms_norm(x, x.shape[-1:], layer.attn_norm, m.eps)
-            x = x + layer.o(self._attention(index, layer.qkv(h)))
+            x = x + layer.o(self._attention(index, layer.qkv(h), key_slots, visible))
             x = x + m._mlp_block(layer, x, self.untimed)  # the eager forward's own MLP: nothing in it varies
         self.logits.copy_(m.lm_head(F.rms_norm(x, x.shape[-1:], m.final_norm, m.eps)))
 
-    def _attention(self, index: int, qkv: torch.Tensor) -> torch.Tensor:
+    def _attention(self, index: int, qkv: torch.Tensor, key_slots: torch.Tensor, visible: torch.Tensor
+                   ) -> torch.Tensor:
         """qkv [B, (H + 2KV) * D] -> attention output [B, H * D]; the new keys and values go into the pool."""
         m, inputs = self.model, self.inputs
         batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
         qk = m._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim), inputs.rope)
         q, k = qk.split([heads, kv_heads], dim=1)  # [B, H, D], [B, KV, D]
         v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
+        write_kv(self.kv, index, inputs.slot, k, v)
         cache = self.kv[index]  # [2, KV, slots, D]
-        cache[0].index_copy_(1, inputs.slot, k.transpose(0, 1).to(cache.dtype))
-        cache[1].index_copy_(1, inputs.slot, v.transpose(0, 1).to(cache.dtype))
-        keys = cache[0][:, inputs.key_slots].transpose(0, 1).to(qkv.dtype)  # [B, KV, L, D]
-        values = cache[1][:, inputs.key_slots].transpose(0, 1).to(qkv.dtype)
+        keys = cache[0][:, key_slots].transpose(0, 1).to(qkv.dtype)  # [B, KV, L, D]
+        values = cache[1][:, key_slots].transpose(0, 1).to(qkv.dtype)
         # the query heads that share a KV head (h = kv * G + g) as G query rows of it: every SDPA
         # backend takes that shape with a mask, and each KV head's keys are read once for its G heads
         out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
-                                             attn_mask=inputs.visible)  # [B, KV, G, D]
+                                             attn_mask=visible)  # [B, KV, G, D]
         return out.reshape(batch, heads * head_dim)
 
 
@@ -151,10 +171,12 @@ class _PoolGraphs:
 class GraphDecode:
     """Decode steps of one LeanLlama as replayed CUDA graphs, one per (batch, context) bucket and pool
     (an engine's variants share the model with pools of their own), captured on first use;
-    capture=False runs the same static step without graphs (the CPU, and the tests)."""
+    capture=False runs the same static step without graphs (the CPU, and the tests). compile=True has
+    torch.compile fuse each step's small kernels (norms, rotary, SiLU, residuals) before it is captured:
+    fewer kernels per replay, for a compilation of tens of seconds per bucket."""
 
-    def __init__(self, model, capture: bool = True) -> None:
-        self.model, self.capture = model, capture
+    def __init__(self, model, capture: bool = True, compile: bool = False) -> None:
+        self.model, self.capture, self.compile = model, capture, compile
         self.pools: weakref.WeakKeyDictionary[KVPool, _PoolGraphs] = weakref.WeakKeyDictionary()
         self._memory = None  # the graphs share one memory pool (vLLM's graph_pool_handle)
 
@@ -190,7 +212,7 @@ class GraphDecode:
         for seq, pos in zip(sequences, positions):
             seq.reserve(pos, 1)
         step = state.steps.get(shape) or self._build(state, pool, shape)
-        step.inputs.fill(tokens, positions, sequences, state.scratch_slot, pool.block_size)
+        step.inputs.fill(tokens, positions, sequences, state.scratch_slot)
         if shape in state.graphs:
             state.graphs[shape].replay()
         else:
@@ -201,8 +223,10 @@ class GraphDecode:
 
     def _build(self, state: _PoolGraphs, pool: KVPool, shape: tuple[int, int]) -> StaticDecode:
         step = state.steps[shape] = StaticDecode(self.model, pool, *shape)
+        if self.compile:  # compiled by the first run below (one graph of the whole step, its shapes fixed)
+            step.forward = torch.compile(step._forward, dynamic=False)
         if self.capture:
-            step.inputs.fill([], [], [], state.scratch_slot, pool.block_size)  # every row a padding row
+            step.inputs.fill([], [], [], state.scratch_slot)  # every row a padding row
             side = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graph asks
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

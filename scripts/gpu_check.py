@@ -44,12 +44,14 @@ def random_model(dtype: torch.dtype, layers: int):
     return model.to(device=DEVICE, dtype=dtype)
 
 
-def lean_model(model, precision: str) -> LeanLlama:
-    """The lean path over model; on the CPU (checking this script) with the static step run without
-    capture in place of the graphs, and no native step, so that the same Python runs as on a GPU."""
+def lean_model(model, precision: str, compile: bool = False) -> LeanLlama:
+    """The lean path over model, its graphs' steps compiled or not; on the CPU (checking this script)
+    with the static step run without capture in place of the graphs, and no native step, so that the
+    same Python runs as on a GPU."""
     lean = LeanLlama(model, precision)
     if DEVICE == "cpu":
-        lean.fused, lean.graphs = None, GraphDecode(lean, capture=False)
+        lean.fused = None
+    lean.graphs = GraphDecode(lean, capture=DEVICE == "cuda", compile=compile)
     return lean
 
 
@@ -179,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--no-compile", action="store_true", help="skip transformers + torch.compile")
+    parser.add_argument("--lean-only", action="store_true", help="skip transformers' figures")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to check this script")
     parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"], help="fewer for a check")
     args = parser.parse_args()
@@ -190,41 +193,47 @@ def main() -> None:
     report["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     report["torch"] = torch.__version__
 
+    graphs = {False: "lean, CUDA graphs", True: "lean, CUDA graphs + torch.compile"}
     # correctness first: greedy tokens of 8 sequences, graphs against the eager ops, in fp32
-    with report.section("fp32 greedy tokens, graphs vs PyTorch ops"):
-        lean = lean_model(random_model(torch.float32, args.layers), "fp32")
-        pool = lean.new_pool(1 << 30)
-        graph_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
-        with without_graphs(lean):
-            eager_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
-        same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
-        report["fp32 greedy tokens, graphs vs PyTorch ops"] = (
-            "identical" if graph_tokens == eager_tokens else f"differ ({same} of 8 sequences identical)")
-        del lean, pool
+    for compiled in (False, True):
+        name = f"fp32 greedy tokens, {graphs[compiled]} vs PyTorch ops"
+        with report.section(name):
+            lean = lean_model(random_model(torch.float32, args.layers), "fp32", compiled)
+            pool = lean.new_pool(1 << 30)
+            graph_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
+            with without_graphs(lean):
+                eager_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
+            same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
+            report[name] = "identical" if graph_tokens == eager_tokens else f"differ ({same} of 8 sequences identical)"
+            del lean, pool
 
     model = random_model(torch.bfloat16, args.layers)
-    lean = lean_model(model, "auto")
-    pool = lean.new_pool(1 << 30)
-    report["decode_path"] = lean.decode_path
+    for compiled in (False, True):
+        with report.section(graphs[compiled]):
+            lean = lean_model(model, "auto", compiled)
+            pool = lean.new_pool(1 << 30)
+            report["decode_path"] = lean.decode_path
+            for batch in (1, 8):
+                figures = report.setdefault(f"tg128 batch {batch}", {})
+                lean_greedy(lean, pool, batch, 16, 8)  # warm-up: captures (and compiles) this batch's graph
+                figures[graphs[compiled]] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
+                if DEVICE == "cuda":
+                    figures[f"{graphs[compiled]}: replay alone, ms per step"] = round(replay_ms(lean, pool, batch), 3)
     for batch in (1, 8):
-        with report.section(f"tg128 batch {batch}"):
-            figures = report[f"tg128 batch {batch}"] = {}
-            lean_greedy(lean, pool, batch, 16, 8)  # warm-up: captures this batch's graph
-            figures["lean, CUDA graphs"] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
-            if DEVICE == "cuda":
-                figures["graph replay alone, ms per step"] = round(replay_ms(lean, pool, batch), 3)
-            with without_graphs(lean):
-                figures["lean, PyTorch ops"] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
+        with report.section(f"tg128 batch {batch}, PyTorch ops"), without_graphs(lean):
+            report[f"tg128 batch {batch}"]["lean, PyTorch ops"] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
     with report.section("pp512"):
-        report["pp512"] = {"lean": round(lean_prefill(lean, 512), 1),
-                           "transformers eager": round(hf_prefill(model, 512), 1)}
+        report["pp512"] = {"lean": round(lean_prefill(lean, 512), 1)}
+        if not args.lean_only:
+            report["pp512"]["transformers eager"] = round(hf_prefill(model, 512), 1)
     if DEVICE == "cuda":
         with report.section("kernels of an eager decode step, batch 1"):
             report["kernels of an eager decode step, batch 1"] = kernel_profile(lean, pool, report.out)
-    with report.section("transformers eager decode"):
-        for batch in (1, 8):
-            report[f"tg128 batch {batch}"]["transformers eager"] = round(hf_decode(model, batch, 16, 128), 1)
-    if not args.no_compile:  # last: its compilation takes the longest
+    if not args.lean_only:
+        with report.section("transformers eager decode"):
+            for batch in (1, 8):
+                report[f"tg128 batch {batch}"]["transformers eager"] = round(hf_decode(model, batch, 16, 128), 1)
+    if not (args.lean_only or args.no_compile):  # last: its compilation takes the longest
         with report.section("transformers static cache + torch.compile"):
             model.generation_config.cache_implementation = "static"
             model.forward = torch.compile(model.forward)

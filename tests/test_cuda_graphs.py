@@ -88,9 +88,9 @@ def test_static_step_gives_the_eager_decodes_tokens_and_cache(tokenizer, dtype):
     state = graphs.pools[static[0].pool]
     assert set(state.steps) == {(4, 512), (2, 256)}  # the longest sequence sets the bucket
     padding = state.steps[(4, 512)].inputs  # its fourth row pads the batch of three, in the scratch block
-    assert padding.slot[3] == state.scratch_slot and padding.key_slots[3, 0] == state.scratch_slot
-    assert padding.visible[3].sum() == 1
-    padding.fill([], [], [], state.scratch_slot, 16)  # a capture's inputs: every row pads, each in its own slot
+    assert padding.slot[3] == state.scratch_slot and (padding.key_slots()[3] == state.scratch_slot).all()
+    assert padding.visible()[3].sum() == 1
+    padding.fill([], [], [], state.scratch_slot)  # a capture's inputs: every row pads, each in its own slot
     assert padding.slot.tolist() == [state.scratch_slot + i for i in range(4)]
     for a, b in zip(eager, static):
         assert a.num_tokens == b.num_tokens
