@@ -52,6 +52,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-kv", action=argparse.BooleanOptionalAction, default=True,
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share "
                              "(default on; --no-split-kv to compare)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="on CUDA: torch.compile each CUDA-graph decode step before it is captured (fewer "
+                             "kernels: 1.5x the tokens per second on an H200, for ~25 s of compilation per batch "
+                             "and context bucket)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="split the model over N processes (Megatron-style): each holds a slice of every "
                              "layer, joined by two all-reduces per layer (on CPU through shared memory, else "
@@ -222,7 +226,8 @@ def engine_config(args: argparse.Namespace):
                         prefix_caching=not args.no_prefix_cache, max_running=args.max_running,
                         kv_cache=not args.no_kv_cache, speculative=args.speculative, draft_tokens=args.draft_tokens,
                         split_kv=args.split_kv, kv_dtype=args.kv_dtype, kv_window=args.kv_window,
-                        kv_sinks=args.kv_sinks, attention=args.attention, tensor_parallel=args.tensor_parallel)
+                        kv_sinks=args.kv_sinks, attention=args.attention, tensor_parallel=args.tensor_parallel,
+                        compile_decode=args.compile_decode)
 
 
 def _engine(args: argparse.Namespace):

@@ -156,6 +156,9 @@ class EngineConfig:
     split_kv: Flash Decoding in the native decode step: the attention of a sequence longer than 512
         positions cut into chunks that the threads share, merged exactly (log-sum-exp). On by default: with
         3 KV heads on 2 threads one thread would otherwise attend for two of them (see the README).
+    compile_decode: on CUDA, torch.compile each CUDA-graph decode step before it is captured: its small
+        kernels fused, fewer per replay (measured on an H200: 718 vs 472 tok/s at batch 1), for about 25 s
+        of compilation the first time each batch and context bucket is met. Off by default.
     """
 
     model: str | None = None
@@ -178,6 +181,7 @@ class EngineConfig:
     kv_sinks: int = 4
     attention: str = "auto"
     tensor_parallel: int = 1
+    compile_decode: bool = False
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:

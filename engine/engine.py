@@ -75,14 +75,19 @@ def _new_pool(runner, config: EngineConfig, budget_bytes: int):
 
 
 def _set_switches(runner, config: EngineConfig) -> None:
-    """The forward's switches: prefill's attention implementation, and Flash Decoding in the native
-    decode step, where the runner has them."""
+    """The forward's switches: prefill's attention implementation, Flash Decoding in the native decode
+    step, and compiling the CUDA-graph decode step, where the runner has them."""
     if hasattr(runner, "attention"):  # always set: engines sharing one runner (variant()) each bring theirs
         runner.attention = config.attention
     elif config.attention != "auto":
         raise ValueError(f"--attention needs the lean forward, not {runner.name}")
     if getattr(runner, "fused", None) is not None:
         runner.fused.split_kv = config.split_kv
+    if config.compile_decode:
+        if getattr(runner, "graphs", None) is None:
+            raise ValueError("--compile-decode compiles the CUDA-graph decode step: it needs a CUDA device "
+                             "and the lean forward")
+        runner.graphs.compile = True
 
 
 class Engine:

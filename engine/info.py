@@ -11,7 +11,8 @@ class ModelInfo:
     device: str
     dtype: str
     model_path: str  # which forward runs: "lean-llama" or "transformers"
-    decode_path: str  # how a decode step runs: "fused C++" (one native call), "CUDA graph" or "PyTorch ops"
+    decode_path: str  # how a decode step runs: "fused C++" (one native call), "CUDA graph" (+ torch.compile),
+    #                   or "PyTorch ops"
     precision: str  # fp32, fp16, bf16 or int8
     num_layers: int
     num_kv_heads: int

@@ -228,9 +228,8 @@ class KVPool:
 
     def take_scratch_block(self) -> int | None:
         """Set the pool's last block aside, out of every sequence's reach, and return its id (CUDA graphs
-        pad a batch with rows that write there, and point the positions a row may not see at it); None
-        when that block is in use. Zeroed: a masked position weighs 0, and 0 times a NaN the pool's
-        uninitialized memory might hold would still be NaN."""
+        pad a batch with rows that write and read there only); None when that block is in use. Zeroed,
+        so that nothing there is ever a NaN."""
         last = self.num_blocks - 1
         if last < 1 or last not in self._free:
             return None

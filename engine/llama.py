@@ -169,7 +169,11 @@ class LeanLlama:
     @property
     def decode_path(self) -> str:
         """How a decode step runs: one native call, replayed CUDA graphs, or PyTorch ops."""
-        return "fused C++" if self.fused is not None else "CUDA graph" if self.graphs is not None else "PyTorch ops"
+        if self.fused is not None:
+            return "fused C++"
+        if self.graphs is not None:
+            return "CUDA graph + torch.compile" if self.graphs.compile else "CUDA graph"
+        return "PyTorch ops"
 
     def _use_native_int8(self, fused, keep_copy: bool = False) -> None:
         """int8 linears run through the native library's matmul, on the int8 rows the decode step reads

@@ -1,13 +1,14 @@
 """The GPU check of the decode step (issue 17): a few minutes on a lent GPU.
 
 Random weights in SmolLM2-135M's exact shape (the bundled model's weights do not travel to the GPU
-machine), on CUDA in bf16: decode tg128 at batch 1 and 8 and prefill pp512 for the lean path with and
-without CUDA graphs, beside transformers' eager `generate` and its static cache with `torch.compile`;
-greedy tokens with graphs against the eager ops in fp32 come first, and the kernels of an eager decode
-step are profiled (kernels.txt). Prints one JSON object and writes it to $OUT/gpu_check.json (or --out)
-after each section, so that a run stopped at its time limit keeps what it measured.
+machine), on CUDA in bf16: decode tg128 at batch 1 and 8 for the lean path with CUDA graphs, with
+graphs of torch.compiled steps (--compile-decode) and with the eager ops, each graph's replay timed
+alone; prefill pp512; transformers' eager `generate` and its static cache with `torch.compile`. Greedy
+tokens with either kind of graph against the eager ops in fp32 come first, and the kernels of an eager
+decode step are profiled (kernels.txt). Prints one JSON object and writes it to $OUT/gpu_check.json (or
+--out) after each section, so that a run stopped at its time limit keeps what it measured.
 
-    python scripts/gpu_check.py [--out DIR] [--no-compile]
+    python scripts/gpu_check.py [--out DIR] [--no-compile] [--lean-only]
 
 `--device cpu --layers 2` runs the same code on the CPU in seconds (the static step run without
 capture where the graphs would be), to check the script before spending device time on it.

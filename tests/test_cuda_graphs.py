@@ -148,3 +148,36 @@ def test_each_pool_has_its_own_steps_and_one_scratch_block(tokenizer):
     del first
     gc.collect()
     assert len(graphs.pools) == 1
+
+
+def test_compiling_the_decode_step_needs_cuda_graphs(tokenizer):
+    from engine import Engine, EngineConfig
+
+    with pytest.raises(ValueError, match="CUDA device"):
+        Engine(tiny_model(tokenizer), EngineConfig(precision="fp32", compile_decode=True))
+
+
+def test_the_compiled_static_step_gives_the_eager_decodes_tokens_and_writes_the_pool(tokenizer):
+    """torch.compile of the static step (on the CPU: Inductor's C++ in place of Triton): the same greedy
+    tokens as the eager decode, its keys and values written into the pool itself, and no recompilation
+    from one step to the next (the bucket's shapes are fixed)."""
+    import torch._dynamo
+
+    lean = LeanLlama(tiny_model(tokenizer).model, "fp32")
+    lean.fused = None
+    graphs = GraphDecode(lean, capture=False, compile=True)
+    prompts = [torch.tensor(tokenizer(PROMPT * repeat)["input_ids"]) for repeat in (1, 2)]
+    eager, static = prefilled(lean, prompts, 6), prefilled(lean, prompts, 6)
+    torch._dynamo.reset()
+    tokens = [int(ids[-1]) for ids in prompts]
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        for step in range(6):
+            positions = [len(ids) + step for ids in prompts]
+            expected = lean.decode(tokens, positions, eager)
+            assert graphs(tokens, positions, static).argmax(-1).tolist() == expected.argmax(-1).tolist()
+            tokens = expected.argmax(-1).tolist()
+            if step == 0:
+                torch._dynamo.config.error_on_recompile = True  # compiled once, at the first step
+    for a, b in zip(eager, static):
+        slots = [block * 16 + i for block in a.block_ids for i in range(16)][:a.num_tokens]
+        assert torch.allclose(a.pool.kv[:, :, :, slots], b.pool.kv[:, :, :, slots], atol=1e-5)
