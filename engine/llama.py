@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cuda_graphs import GraphDecode
 from .fused import load_fused_decode
@@ -31,6 +32,10 @@ INT8_FORMAT = 1  # the layout of the cached int8 weights: raise it when LeanLlam
 # int8, 2 % in fp32, alternating in one process; every row's sums are the same)
 MLP_ROWS = 512
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# SDPA's kernels for the eager ops on CUDA: all but cuDNN's, which builds a plan for each new shape (tens to
+# hundreds of ms; a prompt's length is new, and so is each decode step's context). The CUDA graphs' buckets
+# fix their shapes, so they keep it.
+EAGER_CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _fused(make, *parts: tuple[torch.nn.Module, int]):
@@ -366,6 +371,10 @@ class LeanLlama:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
 
+    def _sdpa_kernels(self):
+        """The SDPA kernels the eager ops may use: on CUDA all but cuDNN's (EAGER_CUDA_ATTENTION), else any."""
+        return sdpa_kernel(EAGER_CUDA_ATTENTION) if self.device.type == "cuda" else nullcontext()
+
     def _causal_mask(self, pos: int, num_tokens: int) -> torch.Tensor | None:
         if num_tokens == 1:
             return None  # one query attends to every cached key
@@ -409,7 +418,8 @@ class LeanLlama:
         if self.attention == "eager":
             out = eager_attention(q.transpose(0, 1), keys, values, self._causal_mask(pos, num_tokens))
         else:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                                 attn_mask=self._causal_mask(pos, num_tokens),
-                                                 enable_gqa=heads != keys.shape[0])[0]  # [H, T, D]
+            with self._sdpa_kernels():
+                out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                                     attn_mask=self._causal_mask(pos, num_tokens),
+                                                     enable_gqa=heads != keys.shape[0])[0]  # [H, T, D]
         return out.transpose(0, 1).reshape(num_tokens, heads * head_dim)
