@@ -223,6 +223,9 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # nothing scrolls sideways
         page.get_by_role("tab").nth(1).click()  # the Explain tab's "Demos:" on a line, not a letter per line
         assert page.locator("#ps-demos > :first-child").bounding_box()["width"] > 300
+        candidates, grid = (page.locator(f"#ps-explain-{name}").bounding_box() for name in ("candidates", "kv"))
+        assert candidates["y"] + candidates["height"] <= grid["y"] and grid["width"] > 300  # charts stacked
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # the pipeline scrolls alone
     finally:
         page.close()
 
