@@ -102,10 +102,6 @@ class SequenceKV:
             self._table = torch.tensor(self.block_ids, dtype=torch.int64)
         return self._table
 
-    def slot_ids(self, end: int) -> torch.Tensor:
-        """Pool slots of positions [0, end), int64 on the CPU (CUDA graphs copy them into their inputs)."""
-        return self._slot_ids(self.block_table, 0, end)
-
     def _slot_ids(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end), from the block table on the device it is on."""
         positions, size = torch.arange(start, end, device=table.device), self.pool.block_size
