@@ -181,6 +181,7 @@ class GraphDecode:
 
     def __init__(self, model, capture: bool = True, compile: bool = False) -> None:
         self.model, self.capture, self.compile = model, capture, compile
+        self.compile_options: dict = {}  # torch.compile's, beside dynamic=False (scripts/gpu_variants.py tries some)
         self.pools: weakref.WeakKeyDictionary[KVPool, _PoolGraphs] = weakref.WeakKeyDictionary()
         self._memory = None  # the graphs share one memory pool (vLLM's graph_pool_handle)
 
@@ -230,7 +231,7 @@ class GraphDecode:
         if self.compile:  # compiled by the first run below (one graph of the whole step, its shapes fixed)
             # each bucket is a recompilation of the same code: past dynamo's limit (8) it would run uncompiled
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            step.forward = torch.compile(step._forward, dynamic=False)
+            step.forward = torch.compile(step._forward, dynamic=False, **self.compile_options)
         if self.capture:
             step.inputs.fill([], [], [], state.scratch_slot)  # every row a padding row
             side = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graph asks

@@ -160,9 +160,9 @@ class Report(dict):
     """The figures so far, written out after each section (a run stopped at its time limit keeps them);
     a section that fails is recorded as failed and the next one runs."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, name: str = "gpu_check.json") -> None:
         super().__init__()
-        self.out, self.started = out, time.perf_counter()
+        self.out, self.name, self.started = out, name, time.perf_counter()
         out.mkdir(parents=True, exist_ok=True)
 
     @contextmanager
@@ -175,7 +175,7 @@ class Report(dict):
             self.setdefault("failed", {})[name] = f"{type(error).__name__}: {error}"[:400]
             print(f"  failed: {self.get('failed')[name]}", flush=True)
         self.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
-        (self.out / "gpu_check.json").write_text(json.dumps(self, indent=2) + "\n")
+        (self.out / self.name).write_text(json.dumps(self, indent=2) + "\n")
 
 
 def main() -> None:

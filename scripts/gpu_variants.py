@@ -1,0 +1,118 @@
+"""Two ways to shorten the compiled decode step's replay on a GPU, measured against it (issue 17).
+
+On an H200 the compiled graph replays in 1.25 ms at batch 1 (718 tok/s; 1,000 is the target). This
+script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batch 1 for:
+
+- the compiled step as it is (SDPA over keys and values gathered from the pool), with its kernels
+  profiled (kernels_compiled.txt);
+- attention written as sums (q.k, softmax, weights.v), which Inductor can fuse with the gathers from
+  the pool instead of copying the keys and values out for SDPA; fp32 greedy tokens checked against the
+  eager ops;
+- the step compiled with mode="max-autotune-no-cudagraphs" (Triton matrix products with their
+  epilogues fused, chosen by timing; minutes of compilation).
+
+    python scripts/gpu_variants.py [--out DIR]       # ~3 minutes; `--device cpu --layers 2` checks it here
+
+Writes $OUT/gpu_variants.json after each section. A variant that wins moves into engine/cuda_graphs.py.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check as check  # noqa: E402
+from engine.cuda_graphs import StaticDecode, write_kv  # noqa: E402
+
+SDPA_ATTENTION = StaticDecode._attention
+
+
+def attention_as_sums(self: StaticDecode, index: int, qkv: torch.Tensor, key_slots: torch.Tensor,
+                      visible: torch.Tensor) -> torch.Tensor:
+    """StaticDecode._attention without SDPA: scores and the weighted sum as reductions over the pool's
+    gathered rows, which Inductor can fuse with the gathers."""
+    m, inputs = self.model, self.inputs
+    batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
+    qk = m._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim), inputs.rope)
+    q, k = qk.split([heads, kv_heads], dim=1)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
+    write_kv(self.kv, index, inputs.slot, k, v)
+    cache = self.kv[index]
+    keys = cache[0][:, key_slots].transpose(0, 1)  # [B, KV, L, D]
+    values = cache[1][:, key_slots].transpose(0, 1)
+    q = q.reshape(batch, kv_heads, heads // kv_heads, 1, head_dim).float()
+    scores = (q * keys[:, :, None].float()).sum(-1) / math.sqrt(head_dim)  # [B, KV, G, L]
+    weights = torch.softmax(scores.masked_fill(~visible.view(batch, 1, 1, -1), float("-inf")), dim=-1)
+    out = (weights[..., None] * values[:, :, None].float()).sum(-2)  # [B, KV, G, D]
+    return out.to(qkv.dtype).reshape(batch, heads * head_dim)
+
+
+def compiled(model, precision: str, attention, mode: str | None):
+    """A lean path whose graphs compile its steps with this attention and torch.compile mode."""
+    torch._dynamo.reset()  # the code compiled for the previous variant would otherwise serve this one
+    StaticDecode._attention = attention
+    lean = check.lean_model(model, precision, compile=True)
+    if mode is not None:
+        lean.graphs.compile_options = {"mode": mode}
+    return lean
+
+
+def kernels(step: StaticDecode, out: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step.run()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    (out / "kernels_compiled.txt").write_text(events.table(sort_by="cuda_time_total", row_limit=40) + "\n")
+    ran = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernels per step": round(sum(e.count for e in ran) / 10),
+            "kernel ms per step": round(sum(e.device_time_total for e in ran) / 10_000, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    check.DEVICE = args.device
+    report = check.Report(Path(args.out), "gpu_variants.json")
+    model = check.random_model(torch.bfloat16, args.layers)
+    variants = [("compiled, SDPA", SDPA_ATTENTION, None), ("compiled, attention as sums", attention_as_sums, None)]
+    for name, attention, mode in variants:
+        with report.section(name):
+            lean = compiled(model, "auto", attention, mode)
+            pool = lean.new_pool(1 << 30)
+            check.lean_greedy(lean, pool, 1, 16, 8)  # compiles and captures
+            report[name] = {"tg128 batch 1": round(check.lean_greedy(lean, pool, 1, 16, 128)[1], 1)}
+            if args.device == "cuda":
+                report[name]["replay ms"] = round(check.replay_ms(lean, pool, 1), 3)
+                if attention is SDPA_ATTENTION:
+                    report[name].update(kernels(lean.graphs.pools[pool].steps[(1, 256)], report.out))
+    with report.section("fp32 greedy tokens, attention as sums vs PyTorch ops"):
+        lean = compiled(check.random_model(torch.float32, args.layers), "fp32", attention_as_sums, None)
+        pool = lean.new_pool(1 << 30)
+        graph_tokens, _ = check.lean_greedy(lean, pool, 8, 16, 64)
+        with check.without_graphs(lean):
+            eager_tokens, _ = check.lean_greedy(lean, pool, 8, 16, 64)
+        report["fp32 greedy tokens, attention as sums"] = "identical" if graph_tokens == eager_tokens else "differ"
+    name = "compiled, SDPA, max-autotune-no-cudagraphs"  # last: its compilation takes the longest
+    with report.section(name):
+        lean = compiled(model, "auto", SDPA_ATTENTION, "max-autotune-no-cudagraphs")
+        pool = lean.new_pool(1 << 30)
+        check.lean_greedy(lean, pool, 1, 16, 8)
+        report[name] = {"tg128 batch 1": round(check.lean_greedy(lean, pool, 1, 16, 128)[1], 1)}
+        if args.device == "cuda":
+            report[name]["replay ms"] = round(check.replay_ms(lean, pool, 1), 3)
+    StaticDecode._attention = SDPA_ATTENTION
+
+
+if __name__ == "__main__":
+    main()
