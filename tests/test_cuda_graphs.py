@@ -150,11 +150,17 @@ def test_each_pool_has_its_own_steps_and_one_scratch_block(tokenizer):
     assert len(graphs.pools) == 1
 
 
-def test_compiling_the_decode_step_needs_cuda_graphs(tokenizer):
+def test_compiling_the_decode_step_needs_cuda_graphs_and_is_said_in_the_model_line(tokenizer):
     from engine import Engine, EngineConfig
 
     with pytest.raises(ValueError, match="CUDA device"):
         Engine(tiny_model(tokenizer), EngineConfig(precision="fp32", compile_decode=True))
+    loaded = tiny_model(tokenizer)
+    runner = LeanLlama(loaded.model, "fp32")
+    runner.fused, runner.graphs = None, GraphDecode(runner, capture=False)  # as on a GPU, uncaptured
+    engine = Engine(loaded, EngineConfig(precision="fp32", compile_decode=True), runner=runner)
+    assert runner.graphs.compile and engine.info.decode_path == "CUDA graph + torch.compile"
+    assert engine.variant(kv_dtype="fp16").info.decode_path == "CUDA graph + torch.compile"  # the Lab's variants
 
 
 def test_the_compiled_static_step_gives_the_eager_decodes_tokens_and_writes_the_pool(tokenizer):
