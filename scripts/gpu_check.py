@@ -142,15 +142,34 @@ def replay_ms(lean: LeanLlama, pool, batch: int) -> float:
     return 1000 * seconds(lambda: [graph.replay() for _ in range(100)]) / 100
 
 
-def kernel_profile(lean: LeanLlama, pool, out: Path, steps: int = 20) -> dict:
-    """The kernels of `steps` eager decode steps at batch 1 (the same kernels a graph replays; one 16-token
-    prefill is counted with them), written to out/kernels.txt; returns kernels per step and their GPU time per step."""
+def graph_tg128(lean: LeanLlama, pool, batch: int) -> tuple[float, float | None]:
+    """tg128 tok/s of `batch` sequences through the graphs, after a warm-up that captures (and compiles)
+    the batch's graph, and one replay of that graph alone in ms (None off CUDA)."""
+    lean_greedy(lean, pool, batch, 16, 8)
+    tokens_per_s = lean_greedy(lean, pool, batch, 16, 128)[1]
+    return tokens_per_s, replay_ms(lean, pool, batch) if DEVICE == "cuda" else None
+
+
+def greedy_against_eager(lean: LeanLlama) -> str:
+    """Greedy tokens of 8 sequences (64 each) through the graphs against the eager ops'."""
+    pool = lean.new_pool(1 << 30)
+    graph_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
+    with without_graphs(lean):
+        eager_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
+    same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
+    return "identical" if graph_tokens == eager_tokens else f"differ ({same} of 8 sequences identical)"
+
+
+def profile_kernels(run, steps: int, path: Path) -> dict:
+    """The GPU kernels of run() (`steps` decode steps), their table written to path; returns kernels per
+    step and their GPU time per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    with without_graphs(lean), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        lean_greedy(lean, pool, 1, 16, steps + 1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        synchronize()
     events = prof.key_averages()
-    (out / "kernels.txt").write_text(events.table(sort_by="cuda_time_total", row_limit=25) + "\n")
+    path.write_text(events.table(sort_by="cuda_time_total", row_limit=40) + "\n")
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"kernels per step": round(sum(e.count for e in kernels) / steps),
             "kernel time per step, ms": round(sum(e.device_time_total for e in kernels) / steps / 1000, 3)}
@@ -199,14 +218,7 @@ def main() -> None:
     for compiled in (False, True):
         name = f"fp32 greedy tokens, {graphs[compiled]} vs PyTorch ops"
         with report.section(name):
-            lean = lean_model(random_model(torch.float32, args.layers), "fp32", compiled)
-            pool = lean.new_pool(1 << 30)
-            graph_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
-            with without_graphs(lean):
-                eager_tokens, _ = lean_greedy(lean, pool, 8, 16, 64)
-            same = sum(a == b for a, b in zip(graph_tokens, eager_tokens))
-            report[name] = "identical" if graph_tokens == eager_tokens else f"differ ({same} of 8 sequences identical)"
-            del lean, pool
+            report[name] = greedy_against_eager(lean_model(random_model(torch.float32, args.layers), "fp32", compiled))
 
     model = random_model(torch.bfloat16, args.layers)
     for compiled in (False, True):
@@ -216,10 +228,10 @@ def main() -> None:
             report["decode_path"] = lean.decode_path
             for batch in (1, 8):
                 figures = report.setdefault(f"tg128 batch {batch}", {})
-                lean_greedy(lean, pool, batch, 16, 8)  # warm-up: captures (and compiles) this batch's graph
-                figures[graphs[compiled]] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
-                if DEVICE == "cuda":
-                    figures[f"{graphs[compiled]}: replay alone, ms per step"] = round(replay_ms(lean, pool, batch), 3)
+                tokens_per_s, replay = graph_tg128(lean, pool, batch)
+                figures[graphs[compiled]] = round(tokens_per_s, 1)
+                if replay is not None:
+                    figures[f"{graphs[compiled]}: replay alone, ms per step"] = round(replay, 3)
     for batch in (1, 8):
         with report.section(f"tg128 batch {batch}, PyTorch ops"), without_graphs(lean):
             report[f"tg128 batch {batch}"]["lean, PyTorch ops"] = round(lean_greedy(lean, pool, batch, 16, 128)[1], 1)
@@ -229,7 +241,9 @@ def main() -> None:
             report["pp512"]["transformers eager"] = round(hf_prefill(model, 512), 1)
     if DEVICE == "cuda":
         with report.section("kernels of an eager decode step, batch 1"):
-            report["kernels of an eager decode step, batch 1"] = kernel_profile(lean, pool, report.out)
+            with without_graphs(lean):  # the kernels a graph replays (one 16-token prefill counted with them)
+                report["kernels of an eager decode step, batch 1"] = profile_kernels(
+                    lambda: lean_greedy(lean, pool, 1, 16, 21), 20, report.out / "kernels.txt")
     if not args.lean_only:
         with report.section("transformers eager decode"):
             for batch in (1, 8):

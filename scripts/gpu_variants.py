@@ -62,20 +62,6 @@ def compiled(model, precision: str, attention, mode: str | None):
     return lean
 
 
-def kernels(step: StaticDecode, out: Path) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step.run()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    (out / "kernels_compiled.txt").write_text(events.table(sort_by="cuda_time_total", row_limit=40) + "\n")
-    ran = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"kernels per step": round(sum(e.count for e in ran) / 10),
-            "kernel ms per step": round(sum(e.device_time_total for e in ran) / 10_000, 3)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -85,32 +71,28 @@ def main() -> None:
     check.DEVICE = args.device
     report = check.Report(Path(args.out), "gpu_variants.json")
     model = check.random_model(torch.bfloat16, args.layers)
-    variants = [("compiled, SDPA", SDPA_ATTENTION, None), ("compiled, attention as sums", attention_as_sums, None)]
-    for name, attention, mode in variants:
+
+    def measure(name: str, attention, mode: str | None = None) -> None:
         with report.section(name):
             lean = compiled(model, "auto", attention, mode)
             pool = lean.new_pool(1 << 30)
-            check.lean_greedy(lean, pool, 1, 16, 8)  # compiles and captures
-            report[name] = {"tg128 batch 1": round(check.lean_greedy(lean, pool, 1, 16, 128)[1], 1)}
-            if args.device == "cuda":
-                report[name]["replay ms"] = round(check.replay_ms(lean, pool, 1), 3)
-                if attention is SDPA_ATTENTION:
-                    report[name].update(kernels(lean.graphs.pools[pool].steps[(1, 256)], report.out))
-    with report.section("fp32 greedy tokens, attention as sums vs PyTorch ops"):
-        lean = compiled(check.random_model(torch.float32, args.layers), "fp32", attention_as_sums, None)
-        pool = lean.new_pool(1 << 30)
-        graph_tokens, _ = check.lean_greedy(lean, pool, 8, 16, 64)
-        with check.without_graphs(lean):
-            eager_tokens, _ = check.lean_greedy(lean, pool, 8, 16, 64)
-        report["fp32 greedy tokens, attention as sums"] = "identical" if graph_tokens == eager_tokens else "differ"
-    name = "compiled, SDPA, max-autotune-no-cudagraphs"  # last: its compilation takes the longest
+            tokens_per_s, replay = check.graph_tg128(lean, pool, 1)
+            report[name] = {"tg128 batch 1": round(tokens_per_s, 1)}
+            if replay is not None:
+                report[name]["replay ms"] = round(replay, 3)
+                if mode is None and attention is SDPA_ATTENTION:
+                    step = lean.graphs.pools[pool].steps[(1, 256)]
+                    report[name].update(check.profile_kernels(lambda: [step.run() for _ in range(10)], 10,
+                                                              report.out / "kernels_compiled.txt"))
+
+    measure("compiled, SDPA", SDPA_ATTENTION)
+    measure("compiled, attention as sums", attention_as_sums)
+    name = "fp32 greedy tokens, attention as sums vs PyTorch ops"
     with report.section(name):
-        lean = compiled(model, "auto", SDPA_ATTENTION, "max-autotune-no-cudagraphs")
-        pool = lean.new_pool(1 << 30)
-        check.lean_greedy(lean, pool, 1, 16, 8)
-        report[name] = {"tg128 batch 1": round(check.lean_greedy(lean, pool, 1, 16, 128)[1], 1)}
-        if args.device == "cuda":
-            report[name]["replay ms"] = round(check.replay_ms(lean, pool, 1), 3)
+        report[name] = check.greedy_against_eager(
+            compiled(check.random_model(torch.float32, args.layers), "fp32", attention_as_sums, None))
+    measure("compiled, SDPA, max-autotune-no-cudagraphs", SDPA_ATTENTION,
+            "max-autotune-no-cudagraphs")  # last: its compilation takes the longest
     StaticDecode._attention = SDPA_ATTENTION
 
 
