@@ -46,13 +46,29 @@ def _session_ids(store: Store, session_id: int | None) -> list[int]:
     return [row["id"] for row in reversed(store.sessions())]  # oldest first
 
 
+# A read of the store: each session with its messages, each with its steps
+Rows = list[tuple[dict, list[tuple[dict, list[dict]]]]]
+
+
+def _read(store: Store, session_id: int | None) -> Rows:
+    """The sessions to export (one, or all, oldest first) with their messages and steps, read once for
+    every format built from them."""
+    return [(store.session(sid), [(m, store.steps(m["id"])) for m in store.messages(sid)])
+            for sid in _session_ids(store, session_id)]
+
+
 def to_csv(store: Store, session_id: int | None = None) -> str:
+    return _csv(_read(store, session_id))
+
+
+def _csv(rows: Rows) -> str:
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
-    for sid in _session_ids(store, session_id):
-        for message in store.messages(sid):
-            for step in store.steps(message["id"]):
+    for session, messages in rows:
+        sid = session["id"]
+        for message, steps in messages:
+            for step in steps:
                 writer.writerow([sid, message["id"], message["turn"], step["phase"], step["idx"],
                                  step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
                                  step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
@@ -74,12 +90,14 @@ def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) ->
 
 
 def to_json(store: Store, session_id: int | None = None) -> dict:
+    return _json(_read(store, session_id))
+
+
+def _json(rows: Rows) -> dict:
     sessions = []
-    for sid in _session_ids(store, session_id):
-        session = store.session(sid)
-        rows = [(m, store.steps(m["id"])) for m in store.messages(sid)]
-        metrics = [message_metrics(m, steps) if m["role"] == "assistant" else None for m, steps in rows]
-        messages = [_message_json(m, steps, metric) for (m, steps), metric in zip(rows, metrics)]
+    for session, messages_rows in rows:
+        metrics = [message_metrics(m, steps) if m["role"] == "assistant" else None for m, steps in messages_rows]
+        messages = [_message_json(m, steps, metric) for (m, steps), metric in zip(messages_rows, metrics)]
         # the History tab shows these (render_all), made from the metrics above: each step is read once
         replies, percentiles_of = replies_summary([m for m in metrics if m is not None])
         sessions.append({**session, "settings": json.loads(session["settings"] or "{}"),
@@ -119,13 +137,16 @@ def _trace_events(session: dict, message: dict, steps: list[dict], origin_us: fl
 def to_trace(store: Store, session_id: int | None = None) -> dict:
     """Chrome Trace Event Format: a process per session, a thread per reply, steps as "X" events,
     the KV cache size as a "C" counter. Timestamps are microseconds from the first exported message."""
-    sessions = [store.session(sid) for sid in _session_ids(store, session_id)]
-    replies = [(s, m) for s in sessions for m in store.messages(s["id"]) if m["role"] == "assistant"]
-    origin_us = min((_epoch_us(m["created_at"]) for _, m in replies), default=0.0)
+    return _trace(_read(store, session_id))
+
+
+def _trace(rows: Rows) -> dict:
+    replies = [(s, m, steps) for s, messages in rows for m, steps in messages if m["role"] == "assistant"]
+    origin_us = min((_epoch_us(m["created_at"]) for _, m, _ in replies), default=0.0)
     events = [{"name": "process_name", "ph": "M", "pid": s["id"], "tid": 0,
-               "args": {"name": f"session {s['id']}: {s['title']}"}} for s in sessions]
-    for session, message in replies:
-        events += _trace_events(session, message, store.steps(message["id"]), origin_us)
+               "args": {"name": f"session {s['id']}: {s['title']}"}} for s, _ in rows]
+    for session, message, steps in replies:
+        events += _trace_events(session, message, steps, origin_us)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": "PhaseScope", "origin": "first exported message"}}
 
@@ -156,12 +177,12 @@ def render(store: Store, fmt: str, session_id: int | None = None) -> str:
 
 
 def render_all(store: Store, session_id: int | None = None) -> tuple[dict[str, str], dict]:
-    """Every format's text after one size check, and the JSON export's data: its sessions' summaries are
-    what the History tab shows, so it need not read the steps again for them."""
+    """Every format's text after one size check and one read of the store, and the JSON export's data: its
+    sessions' summaries are what the History tab shows, so it need not read the steps again for them."""
     check_size(store, session_id)
-    data = to_json(store, session_id)
-    return {"csv": to_csv(store, session_id), "json": _json_text("json", data),
-            "trace": _json_text("trace", to_trace(store, session_id))}, data
+    rows = _read(store, session_id)
+    data = _json(rows)
+    return {"csv": _csv(rows), "json": _json_text("json", data), "trace": _json_text("trace", _trace(rows))}, data
 
 
 def write_export(store: Store, fmt: str, path: Path, session_id: int | None = None, force: bool = False) -> Path:
