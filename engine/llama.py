@@ -418,8 +418,12 @@ class LeanLlama:
         if self.attention == "eager":
             out = eager_attention(q.transpose(0, 1), keys, values, self._causal_mask(pos, num_tokens))
         else:
+            # from position 0 the mask is the plain causal one, which the fused kernels apply themselves and
+            # skip the blocks above its diagonal (half the work; on CUDA it also lets FlashAttention run)
+            from_start = pos == 0 and num_tokens > 1
             with self._sdpa_kernels():
+                mask = None if from_start else self._causal_mask(pos, num_tokens)
                 out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                                     attn_mask=self._causal_mask(pos, num_tokens),
+                                                     attn_mask=mask, is_causal=from_start,
                                                      enable_gqa=heads != keys.shape[0])[0]  # [H, T, D]
         return out.transpose(0, 1).reshape(num_tokens, heads * head_dim)
