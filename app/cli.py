@@ -543,6 +543,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from app.bench import tables as bench
+    from app.bench.browser import browser_available
 
     if args.endpoint:
         return _load_sweep(args)
@@ -558,6 +559,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--depth takes numbers separated by commas, got {args.depth!r}") from None
     if any(d < 0 for d in depths):
         raise ValueError("--depth takes numbers >= 0")
+    if args.llama_bench:  # at once, not after the twenty minutes that come before llama.cpp's turn
+        _check_program(args.llama_bench, "--llama-bench")
+    if args.browser and (why_not := browser_available()):
+        print(f"phasescope bench: the browser will not be measured: {why_not}", file=sys.stderr)
     print(f"phasescope bench: pp{args.n_prompt}, tg{args.n_gen}, {args.repetitions} repetitions, modes "
           f"{', '.join(modes)}", file=sys.stderr)
     report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
@@ -655,6 +660,15 @@ def _levels(text: str) -> tuple[int, ...]:
         return tuple(sorted({int(b) for b in text.split(",") if b.strip() and int(b) > 0}))
     except ValueError:
         raise ValueError(f"--concurrency takes numbers separated by commas, got {text!r}") from None
+
+
+def _check_program(path: str, option: str) -> None:
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{option} {path}: no such file")
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"{option} {path}: not executable (chmod +x it)")
 
 
 def _browser_bench(modes: tuple[str, ...], quick: bool) -> dict:

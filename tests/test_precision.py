@@ -169,6 +169,23 @@ def test_llama_bench_depth_rows_are_named_as_ours(tmp_path):
     assert [110.0] == results[-1][2]
 
 
+def test_a_wrong_llama_bench_path_stops_the_bench_before_it_starts(tmp_path):
+    """A mistyped --llama-bench fails at once, not after the twenty minutes before llama.cpp's turn; one
+    that stops running meanwhile leaves the rows measured so far."""
+    from app.bench.extras import llama_bench
+
+    plain = tmp_path / "llama-bench"
+    plain.write_text("#!/bin/sh\n")
+    for path, message in ((tmp_path / "nope", "no such file"), (plain, "not executable")):
+        out = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--llama-bench", str(path)],
+                             capture_output=True, text=True)
+        assert out.returncode == 2 and f"--llama-bench {path}: {message}" in out.stderr
+        assert "phasescope bench: pp" not in out.stderr and "Traceback" not in out.stderr  # nothing ran
+    lines = []
+    assert llama_bench(str(tmp_path / "gone"), "model.gguf", 512, 128, 1, log=lines.append) == []
+    assert "llama-bench did not run" in lines[0]
+
+
 def test_headline_figures_read_what_the_run_measured_and_leave_out_the_rest():
     from app.bench.figures import headline
 

@@ -354,9 +354,13 @@ def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
         log("  llama.cpp: llama-bench not found (give it with --llama-bench PATH); not compared")
         return []
     threads = str(torch.get_num_threads())
-    out = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-pg", f"{pp},{tg}",
-                          "-r", str(repetitions), "-t", threads, "-o", "json"], capture_output=True, text=True,
-                         timeout=1800)
+    try:
+        out = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-pg", f"{pp},{tg}",
+                              "-r", str(repetitions), "-t", threads, "-o", "json"], capture_output=True, text=True,
+                             timeout=1800)
+    except OSError as exc:  # gone or unrunnable since the start: the rows measured so far still count
+        log(f"  llama.cpp: llama-bench did not run: {exc}")
+        return []
     if out.returncode != 0:
         log(f"  llama.cpp: llama-bench failed: {out.stderr.strip()[-300:]}")
         return []
