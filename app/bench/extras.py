@@ -354,25 +354,27 @@ def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
         log("  llama.cpp: llama-bench not found (give it with --llama-bench PATH); not compared")
         return []
     threads = str(torch.get_num_threads())
-    try:
-        out = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-pg", f"{pp},{tg}",
-                              "-r", str(repetitions), "-t", threads, "-o", "json"], capture_output=True, text=True,
-                             timeout=1800)
-    except OSError as exc:  # gone or unrunnable since the start: the rows measured so far still count
-        log(f"  llama.cpp: llama-bench did not run: {exc}")
+
+    def run(tests: list[str], name: str, timeout: int) -> list[dict] | None:
+        """llama-bench's JSON rows for these tests on the GGUF, or None (said in the log) if it fails"""
+        try:
+            out = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), *tests,
+                                  "-r", str(repetitions), "-t", threads, "-o", "json"],
+                                 capture_output=True, text=True, timeout=timeout)
+        except OSError as exc:  # gone or unrunnable since the start: the rows measured so far still count
+            log(f"  llama.cpp: {name} did not run: {exc}")
+            return None
+        if out.returncode != 0:
+            log(f"  llama.cpp: {name} failed: {out.stderr.strip()[-300:]}")
+            return None
+        return json.loads(out.stdout)
+
+    rows = run(["-pg", f"{pp},{tg}"], "llama-bench", 1800)
+    if rows is None:
         return []
-    if out.returncode != 0:
-        log(f"  llama.cpp: llama-bench failed: {out.stderr.strip()[-300:]}")
-        return []
-    rows = json.loads(out.stdout)
     if depths:
-        deep = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), "-d", ",".join(map(str, depths)),
-                               "-r", str(repetitions), "-t", threads, "-o", "json"], capture_output=True, text=True,
-                              timeout=3600)
-        if deep.returncode == 0:
-            rows += [dict(row, depth=row.get("n_depth", 0)) for row in json.loads(deep.stdout)]
-        else:
-            log(f"  llama.cpp: llama-bench -d failed: {deep.stderr.strip()[-300:]}")
+        deep = run(["-d", ",".join(map(str, depths))], "llama-bench -d", 3600)
+        rows += [dict(row, depth=row.get("n_depth", 0)) for row in deep or []]
     results = []
     for row in rows:
         test = (f"pp{row['n_prompt']}+tg{row['n_gen']}" if row["n_prompt"] and row["n_gen"]
