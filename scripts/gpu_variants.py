@@ -9,7 +9,7 @@ script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batc
   the pool instead of copying the keys and values out for SDPA; fp32 greedy tokens checked against the
   eager ops;
 - the step compiled with mode="max-autotune-no-cudagraphs" (Triton matrix products with their
-  epilogues fused, chosen by timing; minutes of compilation).
+  epilogues fused, chosen by timing; minutes of compilation), with the faster of the two attentions.
 
     python scripts/gpu_variants.py [--out DIR]       # ~3 minutes; `--device cpu --layers 2` checks it here
 
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check as check  # noqa: E402
@@ -52,14 +53,44 @@ def attention_as_sums(self: StaticDecode, index: int, qkv: torch.Tensor, key_slo
     return out.to(qkv.dtype).reshape(batch, heads * head_dim)
 
 
-def compiled(model, precision: str, attention, mode: str | None):
-    """A lean path whose graphs compile its steps with this attention and torch.compile mode."""
+def gemv(linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) for a few rows x [B, K] as a sum over K, which Inductor writes as a reduction kernel that
+    can take the ops before and after it in (a norm's scale, SiLU(gate) * up, the residual add), where
+    cuBLAS runs a matrix product of ~3.8 us at one row for any of these sizes."""
+    y = (x[:, None, :].float() * linear.weight[None].float()).sum(-1)
+    return (y if linear.bias is None else y + linear.bias.float()).to(x.dtype)
+
+
+def forward_with_gemv(self: StaticDecode) -> None:
+    """StaticDecode._forward with every matrix product a gemv."""
+    m, inputs = self.model, self.inputs
+    key_slots, visible = inputs.key_slots(), inputs.visible()
+    x = F.embedding(inputs.ids, m.embed)
+    for index, layer in enumerate(m.layers):
+        h = F.rms_norm(x, x.shape[-1:], layer.attn_norm, m.eps)
+        x = x + gemv(layer.o, self._attention(index, gemv(layer.qkv, h), key_slots, visible))
+        h = F.rms_norm(x, x.shape[-1:], layer.mlp_norm, m.eps)
+        gate, up = gemv(layer.gate_up, h).chunk(2, dim=-1)
+        x = x + gemv(layer.down, F.silu(gate) * up)
+    self.logits.copy_(gemv(m.lm_head, F.rms_norm(x, x.shape[-1:], m.final_norm, m.eps)))
+
+
+SDPA_FORWARD = StaticDecode._forward
+
+
+def compiled(model, precision: str, attention, mode: str | None, forward=SDPA_FORWARD, tuning: bool = False):
+    """A lean path whose graphs compile its steps with this attention, forward and torch.compile mode
+    (tuning: Inductor's coordinate-descent tuning of each kernel's block sizes)."""
     torch._dynamo.reset()  # the code compiled for the previous variant would otherwise serve this one
-    StaticDecode._attention = attention
+    StaticDecode._attention, StaticDecode._forward = attention, forward
+    torch._inductor.config.coordinate_descent_tuning = tuning
     lean = check.lean_model(model, precision, compile=True)
     if mode is not None:
         lean.graphs.compile_options = {"mode": mode}
     return lean
+
+
+VARIANTS = ("sdpa", "sums", "sums-fp32", "autotune", "gemv", "gemv-tuned", "gemv-fp32")
 
 
 def main() -> None:
@@ -67,33 +98,50 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--only", default=",".join(VARIANTS[:4]), help=f"some of {','.join(VARIANTS)}")
     args = parser.parse_args()
+    only = args.only.split(",")
     check.DEVICE = args.device
     report = check.Report(Path(args.out), "gpu_variants.json")
     model = check.random_model(torch.bfloat16, args.layers)
 
-    def measure(name: str, attention, mode: str | None = None) -> None:
+    def measure(name: str, attention, mode: str | None = None, **options) -> float:
         with report.section(name):
-            lean = compiled(model, "auto", attention, mode)
+            lean = compiled(model, "auto", attention, mode, **options)
             pool = lean.new_pool(1 << 30)
             tokens_per_s, replay = check.graph_tg128(lean, pool, 1)
             report[name] = {"tg128 batch 1": round(tokens_per_s, 1)}
             if replay is not None:
                 report[name]["replay ms"] = round(replay, 3)
-                if mode is None and attention is SDPA_ATTENTION:
+                if mode is None:
                     step = lean.graphs.pools[pool].steps[(1, 256)]
+                    file = "kernels_" + name.replace(" ", "_").replace(",", "").replace("+", "") + ".txt"
                     report[name].update(check.profile_kernels(lambda: [step.run() for _ in range(10)], 10,
-                                                              report.out / "kernels_compiled.txt"))
+                                                              report.out / file))
+        return report.get(name, {}).get("replay ms") or float("inf")
 
-    measure("compiled, SDPA", SDPA_ATTENTION)
-    measure("compiled, attention as sums", attention_as_sums)
-    name = "fp32 greedy tokens, attention as sums vs PyTorch ops"
-    with report.section(name):
-        report[name] = check.greedy_against_eager(
-            compiled(check.random_model(torch.float32, args.layers), "fp32", attention_as_sums, None))
-    measure("compiled, SDPA, max-autotune-no-cudagraphs", SDPA_ATTENTION,
-            "max-autotune-no-cudagraphs")  # last: its compilation takes the longest
-    StaticDecode._attention = SDPA_ATTENTION
+    def greedy(name: str, attention, forward=SDPA_FORWARD) -> None:
+        with report.section(name):
+            report[name] = check.greedy_against_eager(
+                compiled(check.random_model(torch.float32, args.layers), "fp32", attention, None, forward))
+
+    sdpa = sums = float("inf")
+    if "sdpa" in only:
+        sdpa = measure("compiled, SDPA", SDPA_ATTENTION)
+    if "sums" in only:
+        sums = measure("compiled, attention as sums", attention_as_sums)
+    if "sums-fp32" in only:
+        greedy("fp32 greedy tokens, attention as sums vs PyTorch ops", attention_as_sums)
+    if "gemv" in only:
+        measure("compiled, attention as sums + gemv", attention_as_sums, forward=forward_with_gemv)
+    if "gemv-fp32" in only:
+        greedy("fp32 greedy tokens, attention as sums + gemv vs PyTorch ops", attention_as_sums, forward_with_gemv)
+    if "gemv-tuned" in only:
+        measure("compiled, attention as sums + gemv, tuned", attention_as_sums, forward=forward_with_gemv, tuning=True)
+    if "autotune" in only:  # last: its compilation takes the longest
+        faster = ("attention as sums", attention_as_sums) if sums < sdpa else ("SDPA", SDPA_ATTENTION)
+        measure(f"compiled, {faster[0]}, max-autotune-no-cudagraphs", faster[1], "max-autotune-no-cudagraphs")
+    StaticDecode._attention, StaticDecode._forward = SDPA_ATTENTION, SDPA_FORWARD
 
 
 if __name__ == "__main__":
