@@ -11,7 +11,10 @@ script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batc
 - the step compiled with mode="max-autotune-no-cudagraphs" (Triton matrix products with their
   epilogues fused, chosen by timing; minutes of compilation), with the faster of the two attentions.
 
-    python scripts/gpu_variants.py [--out DIR]       # ~3 minutes; `--device cpu --layers 2` checks it here
+Each variant's tg128 step is also split into its parts (step_parts), for the time a step spends outside
+its replay.
+
+    python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]       # ~3 minutes; `--device cpu --layers 2` checks it here
 
 Writes $OUT/gpu_variants.json after each section. A variant that wins moves into engine/cuda_graphs.py.
 """
@@ -21,6 +24,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,6 +82,34 @@ def forward_with_gemv(self: StaticDecode) -> None:
 SDPA_FORWARD = StaticDecode._forward
 
 
+def step_parts(lean, pool, steps: int = 127) -> dict:
+    """Where a tg128 step's time goes, ms per step: the engine's decode call until it returns (the inputs
+    filled, the graph launched, the logits' copy queued), then until the GPU is done, then the argmax
+    read back; and one replay waited for alone (replay_ms's are back to back). In run 1 and 2 of
+    2026-12-04 18:06 a step with attention as sums took ~0.4 ms more than its replay, SDPA's ~0.1."""
+    ids = check.prompts(1, 16)[0].to(check.DEVICE)
+    cache = pool.allocate([], 16 + steps + 1)
+    token = int(lean.forward(ids, 0, cache).argmax())
+    parts = [0.0, 0.0, 0.0]
+    for step in range(steps):
+        start = time.perf_counter()
+        logits = lean.decode([token], [16 + step], [cache])
+        returned = time.perf_counter()
+        check.synchronize()
+        done = time.perf_counter()
+        token = logits.argmax(-1).tolist()[0]
+        for i, took in enumerate((returned - start, done - returned, time.perf_counter() - done)):
+            parts[i] += took
+    pool.free(cache)
+    names = ("decode call, ms", "then the GPU, ms", "argmax read, ms")
+    found = {name: round(1000 * took / steps, 3) for name, took in zip(names, parts)}
+    if check.DEVICE == "cuda":
+        graph = lean.graphs.pools[pool].graphs[(1, 256)]
+        found["one replay waited for, ms"] = round(
+            1000 * check.seconds(lambda: [(graph.replay(), check.synchronize()) for _ in range(100)]) / 100, 3)
+    return found
+
+
 def compiled(model, precision: str, attention, mode: str | None, forward=SDPA_FORWARD, tuning: bool = False):
     """A lean path whose graphs compile its steps with this attention, forward and torch.compile mode
     (tuning: Inductor's coordinate-descent tuning of each kernel's block sizes)."""
@@ -110,7 +142,7 @@ def main() -> None:
             lean = compiled(model, "auto", attention, mode, **options)
             pool = lean.new_pool(1 << 30)
             tokens_per_s, replay = check.graph_tg128(lean, pool, 1)
-            report[name] = {"tg128 batch 1": round(tokens_per_s, 1)}
+            report[name] = {"tg128 batch 1": round(tokens_per_s, 1), **step_parts(lean, pool)}
             if replay is not None:
                 report[name]["replay ms"] = round(replay, 3)
                 if mode is None:
