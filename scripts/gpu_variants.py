@@ -1,22 +1,25 @@
-"""Two ways to shorten the compiled decode step's replay on a GPU, measured against it (issue 17).
+"""Ways to shorten the compiled decode step's replay on a GPU, measured against it (issue 17).
 
-On an H200 the compiled graph replays in 1.25 ms at batch 1 (718 tok/s; 1,000 is the target). This
-script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batch 1 for:
+On an H200 the compiled graph replays in 1.25 ms at batch 1 (718-744 tok/s; 1,000 is the target). This
+script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batch 1 for (--only):
 
-- the compiled step as it is (SDPA over keys and values gathered from the pool), with its kernels
-  profiled (kernels_compiled.txt);
-- attention written as sums (q.k, softmax, weights.v), which Inductor can fuse with the gathers from
-  the pool instead of copying the keys and values out for SDPA; fp32 greedy tokens checked against the
-  eager ops;
-- the step compiled with mode="max-autotune-no-cudagraphs" (Triton matrix products with their
-  epilogues fused, chosen by timing; minutes of compilation), with the faster of the two attentions.
+- sdpa: the compiled step as it is (SDPA over keys and values gathered from the pool);
+- sums: attention written as sums (q.k, softmax, weights.v), which Inductor can fuse with the gathers
+  from the pool instead of copying the keys and values out for SDPA (sums-fp32: its fp32 greedy
+  tokens against the eager ops');
+- gemv: the matrix products written as sums too, which Inductor fuses with the norms, SiLU and
+  residual adds around them (gemv-fp32: greedy tokens; gemv-tuned: with coordinate-descent tuning);
+- autotune: mode="max-autotune-no-cudagraphs" (Triton matrix products with their epilogues fused,
+  chosen by timing; minutes of compilation), with the faster of sdpa and sums.
 
-Each variant's tg128 step is also split into its parts (step_parts), for the time a step spends outside
-its replay.
+Each variant's kernels are profiled (kernels_*.txt) and its tg128 step split into its parts
+(step_parts), for the time a step spends outside its replay. Measured 2026-12-04 18:06 (docs/
+measurements.md): replay 1.257 ms (sdpa), 1.119 (sums), 0.929 (gemv); tg128 unchanged.
 
-    python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]       # ~3 minutes; `--device cpu --layers 2` checks it here
+    python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]   # default sdpa,sums,sums-fp32,autotune
 
-Writes $OUT/gpu_variants.json after each section. A variant that wins moves into engine/cuda_graphs.py.
+~3 minutes for the default; `--device cpu --layers 2` checks it here. Writes $OUT/gpu_variants.json after
+each section. A variant that wins moves into engine/cuda_graphs.py.
 """
 from __future__ import annotations
 
