@@ -38,12 +38,12 @@ FIRST_CONTEXT_BUCKET = 256  # tokens; then doubled up to the context window
 
 
 @torch.library.custom_op("phasescope::write_kv", mutates_args=("kv",))
-def write_kv(kv: torch.Tensor, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Layer's new keys and values k, v [B, KV, D] into the pool kv [layers, 2, KV, slots, D] at slots [B].
+def write_kv(kv: torch.Tensor, layer: int, slot: torch.Tensor, new: torch.Tensor) -> None:
+    """Layer's new keys and values, new [B, 2 * KV, D] (keys, then values), into the pool kv [layers, 2,
+    KV, slots, D] at slots [B], in one copy (one kernel, where keys and values apart took two).
     One op that says what it writes, so that torch.compile writes the pool in place: traced as plain
     index_copy_ on a view of it, the compiled step copied the whole pool on every step."""
-    kv[layer, 0].index_copy_(1, slot, k.transpose(0, 1).to(kv.dtype))
-    kv[layer, 1].index_copy_(1, slot, v.transpose(0, 1).to(kv.dtype))
+    kv[layer].flatten(0, 1).index_copy_(1, slot, new.transpose(0, 1).to(kv.dtype))
 
 
 def bucket(size: int, buckets: tuple[int, ...]) -> int | None:
@@ -151,7 +151,8 @@ class StaticDecode:
         qk = m._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim), inputs.rope)
         q, k = qk.split([heads, kv_heads], dim=1)  # [B, H, D], [B, KV, D]
         v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
-        write_kv(self.kv, index, inputs.slot, k, v)
+        # keys and values in one tensor for one write (compiled, Inductor may fill it in the rotary kernel)
+        write_kv(self.kv, index, inputs.slot, torch.cat([k, v], dim=1))
         cache = self.kv[index]  # [2, KV, slots, D]
         keys = cache[0][:, key_slots].transpose(0, 1).to(qkv.dtype)  # [B, KV, L, D]
         values = cache[1][:, key_slots].transpose(0, 1).to(qkv.dtype)

@@ -49,7 +49,7 @@ def attention_as_sums(self: StaticDecode, index: int, qkv: torch.Tensor, key_slo
     qk = m._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim), inputs.rope)
     q, k = qk.split([heads, kv_heads], dim=1)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
-    write_kv(self.kv, index, inputs.slot, k, v)
+    write_kv(self.kv, index, inputs.slot, torch.cat([k, v], dim=1))
     cache = self.kv[index]
     keys = cache[0][:, key_slots].transpose(0, 1)  # [B, KV, L, D]
     values = cache[1][:, key_slots].transpose(0, 1)
