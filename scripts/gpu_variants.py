@@ -12,8 +12,10 @@ script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batc
 - autotune: mode="max-autotune-no-cudagraphs" (Triton matrix products with their epilogues fused,
   chosen by timing; minutes of compilation), with the faster of sdpa and sums.
 
-Each variant's kernels are profiled (kernels_*.txt) and its tg128 step split into its parts
-(step_parts), for the time a step spends outside its replay. Measured 2026-12-04 18:06 (docs/
+Each variant's kernels are profiled (kernels_*.txt), its tg128 step split into its parts (step_parts),
+for the time a step spends outside its replay, and its tg128 run again with the next token taken on the
+device (device_greedy_tg128): every replay queued before any token is read back, the ceiling of a
+multi-step decode. Measured 2026-12-04 18:06 (docs/
 measurements.md): replay 1.257 ms (sdpa), 1.119 (sums), 0.929 (gemv); tg128 unchanged.
 
     python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]   # default sdpa,sums,sums-fp32,autotune
@@ -113,6 +115,52 @@ def step_parts(lean, pool, steps: int = 127) -> dict:
     return found
 
 
+def device_greedy_tg128(lean, pool, steps: int = 127) -> dict:
+    """tg128 at batch 1 with the host out of the loop: after each replay a second small graph takes the
+    step's argmax as the next token on the device and moves the position, rotary position and pool slot
+    on by one, so that every replay is queued before any token is read back (the ceiling of a multi-step
+    or asynchronous decode, as vLLM's asynchronous scheduling runs it). tok/s, and whether its tokens are
+    lean_greedy's."""
+    expected = check.lean_greedy(lean, pool, 1, 16, steps + 1)[0][0]
+    cache = pool.allocate([], 16 + steps + 1)  # every block of the reply, so the block table holds them all
+    first = int(lean.forward(check.prompts(1, 16)[0].to(check.DEVICE), 0, cache).argmax())
+    lean.decode([first], [16], [cache])  # the (1, 256) step's inputs filled for position 16, and run
+    state = lean.graphs.pools[pool]
+    step, graph = state.steps[(1, 256)], state.graphs.get((1, 256))
+    inputs, size = step.inputs, pool.block_size
+    tokens = torch.zeros(steps, dtype=torch.long, device=check.DEVICE)
+    count = torch.zeros(1, dtype=torch.long, device=check.DEVICE)
+
+    @torch.inference_mode()  # the inputs were made in it, by the engine's decode
+    def advance() -> None:
+        token = step.logits[:1].argmax(-1)
+        tokens.index_copy_(0, count, token)
+        count.add_(1)
+        inputs.ids.copy_(token)
+        inputs.positions.add_(1)
+        inputs.rope.add_(1)
+        inputs.slot.copy_(inputs.block_table[0, inputs.positions // size] * size + inputs.positions % size)
+
+    run_step, run_advance = (graph.replay, advance) if graph is not None else (step.run, advance)
+    if graph is not None:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):  # recorded, not run: the inputs stay at position 16
+            advance()
+        run_advance = captured.replay
+
+    def loop() -> None:
+        for _ in range(steps - 1):
+            run_advance()
+            run_step()
+        run_advance()
+
+    elapsed = check.seconds(loop)
+    found = [first] + tokens.tolist()
+    pool.free(cache)
+    return {"tg128 batch 1, token on the device": round((steps - 1) / elapsed, 1),
+            "token on the device, same tokens": found == expected}
+
+
 def compiled(model, precision: str, attention, mode: str | None, forward=SDPA_FORWARD, tuning: bool = False):
     """A lean path whose graphs compile its steps with this attention, forward and torch.compile mode
     (tuning: Inductor's coordinate-descent tuning of each kernel's block sizes)."""
@@ -145,7 +193,8 @@ def main() -> None:
             lean = compiled(model, "auto", attention, mode, **options)
             pool = lean.new_pool(1 << 30)
             tokens_per_s, replay = check.graph_tg128(lean, pool, 1)
-            report[name] = {"tg128 batch 1": round(tokens_per_s, 1), **step_parts(lean, pool)}
+            report[name] = {"tg128 batch 1": round(tokens_per_s, 1), **step_parts(lean, pool),
+                            **device_greedy_tg128(lean, pool)}
             if replay is not None:
                 report[name]["replay ms"] = round(replay, 3)
                 if mode is None:
