@@ -15,8 +15,8 @@ script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batc
 Each variant's kernels are profiled (kernels_*.txt), its tg128 step split into its parts (step_parts),
 for the time a step spends outside its replay, and its tg128 run again with the next token taken on the
 device (device_greedy_tg128): every replay queued before any token is read back, the ceiling of a
-multi-step decode. Measured 2026-12-04 18:06 (docs/
-measurements.md): replay 1.257 ms (sdpa), 1.119 (sums), 0.929 (gemv); tg128 unchanged.
+multi-step decode. Measured 2026-12-04 18:06 (docs/measurements.md): replay 1.257 ms (sdpa), 1.119
+(sums), 0.929 (gemv); tg128 unchanged.
 
     python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]   # default sdpa,sums,sums-fp32,autotune
 
@@ -141,7 +141,7 @@ def device_greedy_tg128(lean, pool, steps: int = 127) -> dict:
         inputs.rope.add_(1)
         inputs.slot.copy_(inputs.block_table[0, inputs.positions // size] * size + inputs.positions % size)
 
-    run_step, run_advance = (graph.replay, advance) if graph is not None else (step.run, advance)
+    run_step, run_advance = (step.run if graph is None else graph.replay), advance
     if graph is not None:
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):  # recorded, not run: the inputs stay at position 16
