@@ -14,8 +14,8 @@ script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batc
 
 Each variant's kernels are profiled (kernels_*.txt), its tg128 step split into its parts (step_parts),
 for the time a step spends outside its replay, and its tg128 run again with the next token taken on the
-device (device_greedy_tg128): every replay queued before any token is read back, the ceiling of a
-multi-step decode. Measured 2026-12-04 18:06 (docs/measurements.md): replay 1.257 ms (sdpa), 1.119
+device (device_greedy_tg128): every replay queued before any token is read back (the ceiling of a
+multi-step decode), and each token read while the next step runs (an asynchronous decode). Measured 2026-12-04 18:06 (docs/measurements.md): replay 1.257 ms (sdpa), 1.119
 (sums), 0.929 (gemv); tg128 unchanged.
 
     python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]   # default sdpa,sums,sums-fp32,autotune
@@ -116,20 +116,31 @@ def step_parts(lean, pool, steps: int = 127) -> dict:
 
 
 def device_greedy_tg128(lean, pool, steps: int = 127) -> dict:
-    """tg128 at batch 1 with the host out of the loop: after each replay a second small graph takes the
-    step's argmax as the next token on the device and moves the position, rotary position and pool slot
-    on by one, so that every replay is queued before any token is read back (the ceiling of a multi-step
-    or asynchronous decode, as vLLM's asynchronous scheduling runs it). tok/s, and whether its tokens are
-    lean_greedy's."""
+    """tg128 at batch 1 with the next token taken on the device: after each replay a second small graph
+    takes the step's argmax as the next token and moves the position, rotary position and pool slot on by
+    one, so that the host never waits for a token before it queues the next step. Two ways: every step
+    queued before any token is read back (the ceiling of a multi-step decode), and each token read while
+    the next step runs (an asynchronous decode, as vLLM's asynchronous scheduling runs it: what an engine
+    that streams each token would get). tok/s of each, and whether their tokens are lean_greedy's."""
     expected = check.lean_greedy(lean, pool, 1, 16, steps + 1)[0][0]
-    cache = pool.allocate([], 16 + steps + 1)  # every block of the reply, so the block table holds them all
-    first = int(lean.forward(check.prompts(1, 16)[0].to(check.DEVICE), 0, cache).argmax())
-    lean.decode([first], [16], [cache])  # the (1, 256) step's inputs filled for position 16, and run
+    cuda = check.DEVICE == "cuda"
+    tokens = torch.zeros(steps, dtype=torch.long, device=check.DEVICE)
+    count = torch.zeros(1, dtype=torch.long, device=check.DEVICE)
+    advance_graph = None
+
+    def begin():
+        """A reply's prompt prefilled and its first decode step run, through the engine: the (1, 256) step's
+        inputs are then filled for position 16, with every block of the reply in its block table."""
+        cache = pool.allocate([], 16 + steps + 1)
+        first = int(lean.forward(check.prompts(1, 16)[0].to(check.DEVICE), 0, cache).argmax())
+        lean.decode([first], [16], [cache])
+        count.zero_()
+        return first, cache
+
+    first, cache = begin()
     state = lean.graphs.pools[pool]
     step, graph = state.steps[(1, 256)], state.graphs.get((1, 256))
     inputs, size = step.inputs, pool.block_size
-    tokens = torch.zeros(steps, dtype=torch.long, device=check.DEVICE)
-    count = torch.zeros(1, dtype=torch.long, device=check.DEVICE)
 
     @torch.inference_mode()  # the inputs were made in it, by the engine's decode
     def advance() -> None:
@@ -141,24 +152,58 @@ def device_greedy_tg128(lean, pool, steps: int = 127) -> dict:
         inputs.rope.add_(1)
         inputs.slot.copy_(inputs.block_table[0, inputs.positions // size] * size + inputs.positions % size)
 
-    run_step, run_advance = (step.run if graph is None else graph.replay), advance
-    if graph is not None:
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):  # recorded, not run: the inputs stay at position 16
+    if cuda:
+        advance()  # a warm-up (kernels loaded before the capture), which moves the inputs on: begin again
+        advance_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(advance_graph):  # recorded, not run
             advance()
-        run_advance = captured.replay
+        pool.free(cache)
+        first, cache = begin()
+        side, host = torch.cuda.Stream(), torch.zeros(1, dtype=torch.long, pin_memory=True)
+    run_step = graph.replay if cuda else step.run
+    run_advance = advance_graph.replay if cuda else advance
 
-    def loop() -> None:
+    def read(index: int, ready) -> int:
+        """Token `index`, once the advance that wrote it is done, copied on a stream of its own: the step
+        queued after that advance keeps running."""
+        if not cuda:
+            return int(tokens[index])
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            host.copy_(tokens[index:index + 1], non_blocking=True)
+        side.synchronize()
+        return int(host[0])
+
+    def queued() -> None:
         for _ in range(steps - 1):
             run_advance()
             run_step()
         run_advance()
 
-    elapsed = check.seconds(loop)
-    found = [first] + tokens.tolist()
+    def each_read() -> list[int]:
+        found = []
+        for index in range(steps):
+            run_advance()
+            ready = torch.cuda.Event() if cuda else None
+            if cuda:
+                ready.record()
+            if index < steps - 1:
+                run_step()
+            found.append(read(index, ready))
+        return found
+
+    figures = {}
+    elapsed = check.seconds(queued)
+    figures["tg128 batch 1, token on the device"] = round((steps - 1) / elapsed, 1)
+    figures["token on the device, same tokens"] = [first] + tokens.tolist() == expected
     pool.free(cache)
-    return {"tg128 batch 1, token on the device": round((steps - 1) / elapsed, 1),
-            "token on the device, same tokens": found == expected}
+    first, cache = begin()
+    streamed = []
+    elapsed = check.seconds(lambda: streamed.extend(each_read()))
+    figures["tg128 batch 1, token on the device, each read"] = round((steps - 1) / elapsed, 1)
+    figures["each read, same tokens"] = [first] + streamed == expected
+    pool.free(cache)
+    return figures
 
 
 def compiled(model, precision: str, attention, mode: str | None, forward=SDPA_FORWARD, tuning: bool = False):
