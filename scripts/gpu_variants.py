@@ -11,6 +11,7 @@ script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batc
   residual adds around them (gemv-fp32: greedy tokens; gemv-tuned: with coordinate-descent tuning);
 - autotune: mode="max-autotune-no-cudagraphs" (Triton matrix products with their epilogues fused,
   chosen by timing; minutes of compilation), with the faster of sdpa and sums.
+- batch8: each variant measured also at batch 8 (its (8, 256) graph compiled, ~30 s more each).
 
 Each variant's kernels are profiled (kernels_*.txt), its tg128 step split into its parts (step_parts),
 for the time a step spends outside its replay, and its tg128 run again with the next token taken on the
@@ -218,7 +219,7 @@ def compiled(model, precision: str, attention, mode: str | None, forward=SDPA_FO
     return lean
 
 
-VARIANTS = ("sdpa", "sums", "sums-fp32", "autotune", "gemv", "gemv-tuned", "gemv-fp32")
+VARIANTS = ("sdpa", "sums", "sums-fp32", "autotune", "gemv", "gemv-tuned", "gemv-fp32", "batch8")
 
 
 def main() -> None:
@@ -247,6 +248,11 @@ def main() -> None:
                     file = "kernels_" + name.replace(" ", "_").replace(",", "").replace("+", "") + ".txt"
                     report[name].update(check.profile_kernels(lambda: [step.run() for _ in range(10)], 10,
                                                               report.out / file))
+            if "batch8" in only:  # each row of a batch reads the weights again where the products are sums
+                tokens_per_s, replay = check.graph_tg128(lean, pool, 8)
+                report[name]["tg128 batch 8"] = round(tokens_per_s, 1)
+                if replay is not None:
+                    report[name]["batch 8, replay ms"] = round(replay, 3)
         return report.get(name, {}).get("replay ms") or float("inf")
 
     def greedy(name: str, attention, forward=SDPA_FORWARD) -> None:
