@@ -10,14 +10,15 @@ script, for a session lent a GPU after scripts/gpu_check.py, times tg128 at batc
 - gemv: the matrix products written as sums too, which Inductor fuses with the norms, SiLU and
   residual adds around them (gemv-fp32: greedy tokens; gemv-tuned: with coordinate-descent tuning);
 - autotune: mode="max-autotune-no-cudagraphs" (Triton matrix products with their epilogues fused,
-  chosen by timing; minutes of compilation), with the faster of sdpa and sums.
+  chosen by timing; minutes of compilation), with the faster of sdpa and sums;
 - batch8: each variant measured also at batch 8 (its (8, 256) graph compiled, ~30 s more each).
 
 Each variant's kernels are profiled (kernels_*.txt), its tg128 step split into its parts (step_parts),
 for the time a step spends outside its replay, and its tg128 run again with the next token taken on the
 device (device_greedy_tg128): every replay queued before any token is read back (the ceiling of a
-multi-step decode), and each token read while the next step runs (an asynchronous decode). Measured 2026-12-04 18:06 (docs/measurements.md): replay 1.257 ms (sdpa), 1.119
-(sums), 0.929 (gemv); tg128 unchanged.
+multi-step decode), and each token read while the next step runs (an asynchronous decode). Measured
+2026-12-04 18:06 (docs/measurements.md): replay 1.257 ms (sdpa), 1.119 (sums), 0.929 (gemv); tg128
+unchanged.
 
     python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]   # default sdpa,sums,sums-fp32,autotune
 
@@ -239,15 +240,16 @@ def main() -> None:
             lean = compiled(model, "auto", attention, mode, **options)
             pool = lean.new_pool(1 << 30)
             tokens_per_s, replay = check.graph_tg128(lean, pool, 1)
-            report[name] = {"tg128 batch 1": round(tokens_per_s, 1), **step_parts(lean, pool),
-                            **device_greedy_tg128(lean, pool)}
+            report[name] = {"tg128 batch 1": round(tokens_per_s, 1)}  # each figure kept as soon as it is had
             if replay is not None:
                 report[name]["replay ms"] = round(replay, 3)
-                if mode is None:
-                    step = lean.graphs.pools[pool].steps[(1, 256)]
-                    file = "kernels_" + name.replace(" ", "_").replace(",", "").replace("+", "") + ".txt"
-                    report[name].update(check.profile_kernels(lambda: [step.run() for _ in range(10)], 10,
-                                                              report.out / file))
+            report[name].update(step_parts(lean, pool))
+            if replay is not None and mode is None:
+                step = lean.graphs.pools[pool].steps[(1, 256)]
+                file = "kernels_" + name.replace(" ", "_").replace(",", "").replace("+", "") + ".txt"
+                report[name].update(check.profile_kernels(lambda: [step.run() for _ in range(10)], 10,
+                                                          report.out / file))
+            report[name].update(device_greedy_tg128(lean, pool))
             if "batch8" in only:  # each row of a batch reads the weights again where the products are sums
                 tokens_per_s, replay = check.graph_tg128(lean, pool, 8)
                 report[name]["tg128 batch 8"] = round(tokens_per_s, 1)
