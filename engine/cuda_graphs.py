@@ -146,6 +146,19 @@ class StaticDecode:
     def _attention(self, index: int, qkv: torch.Tensor, key_slots: torch.Tensor, visible: torch.Tensor
                    ) -> torch.Tensor:
         """qkv [B, (H + 2KV) * D] -> attention output [B, H * D]; the new keys and values go into the pool."""
+        m = self.model
+        batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
+        q, keys, values = self._queries_and_pool(index, qkv, key_slots)
+        # the query heads that share a KV head (h = kv * G + g) as G query rows of it: every SDPA
+        # backend takes that shape with a mask, and each KV head's keys are read once for its G heads
+        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
+                                             attn_mask=visible)  # [B, KV, G, D]
+        return out.reshape(batch, heads * head_dim)
+
+    def _queries_and_pool(self, index: int, qkv: torch.Tensor, key_slots: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's rotated queries [B, H, D], its new keys and values written into the pool, and the
+        keys and values each row reads from it [B, KV, L, D] (key_slots [B, L])."""
         m, inputs = self.model, self.inputs
         batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
         qk = m._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim), inputs.rope)
@@ -156,11 +169,7 @@ class StaticDecode:
         cache = self.kv[index]  # [2, KV, slots, D]
         keys = cache[0][:, key_slots].transpose(0, 1).to(qkv.dtype)  # [B, KV, L, D]
         values = cache[1][:, key_slots].transpose(0, 1).to(qkv.dtype)
-        # the query heads that share a KV head (h = kv * G + g) as G query rows of it: every SDPA
-        # backend takes that shape with a mask, and each KV head's keys are read once for its G heads
-        out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
-                                             attn_mask=visible)  # [B, KV, G, D]
-        return out.reshape(batch, heads * head_dim)
+        return q, keys, values
 
 
 @dataclass
