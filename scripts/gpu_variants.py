@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check as check  # noqa: E402
-from engine.cuda_graphs import StaticDecode, write_kv  # noqa: E402
+from engine.cuda_graphs import StaticDecode  # noqa: E402
 
 SDPA_ATTENTION = StaticDecode._attention
 
@@ -48,15 +48,9 @@ def attention_as_sums(self: StaticDecode, index: int, qkv: torch.Tensor, key_slo
                       visible: torch.Tensor) -> torch.Tensor:
     """StaticDecode._attention without SDPA: scores and the weighted sum as reductions over the pool's
     gathered rows, which Inductor can fuse with the gathers."""
-    m, inputs = self.model, self.inputs
+    m = self.model
     batch, heads, kv_heads, head_dim = qkv.shape[0], m.num_heads, m.num_kv_heads, m.head_dim
-    qk = m._rotate(qkv[:, :(heads + kv_heads) * head_dim].view(batch, heads + kv_heads, head_dim), inputs.rope)
-    q, k = qk.split([heads, kv_heads], dim=1)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(batch, kv_heads, head_dim)
-    write_kv(self.kv, index, inputs.slot, torch.cat([k, v], dim=1))
-    cache = self.kv[index]
-    keys = cache[0][:, key_slots].transpose(0, 1)  # [B, KV, L, D]
-    values = cache[1][:, key_slots].transpose(0, 1)
+    q, keys, values = self._queries_and_pool(index, qkv, key_slots)  # [B, H, D], [B, KV, L, D] twice
     q = q.reshape(batch, kv_heads, heads // kv_heads, 1, head_dim).float()
     scores = (q * keys[:, :, None].float()).sum(-1) / math.sqrt(head_dim)  # [B, KV, G, L]
     weights = torch.softmax(scores.masked_fill(~visible.view(batch, 1, 1, -1), float("-inf")), dim=-1)
@@ -89,14 +83,19 @@ def forward_with_gemv(self: StaticDecode) -> None:
 SDPA_FORWARD = StaticDecode._forward
 
 
+def prefilled(lean, pool, steps: int) -> tuple[int, object]:
+    """A reply's 16-token prompt prefilled in a cache with room for `steps` more tokens (every block of
+    the reply allocated), and its first token."""
+    cache = pool.allocate([], 16 + steps + 1)
+    return int(lean.forward(check.prompts(1, 16)[0].to(check.DEVICE), 0, cache).argmax()), cache
+
+
 def step_parts(lean, pool, steps: int = 127) -> dict:
     """Where a tg128 step's time goes, ms per step: the engine's decode call until it returns (the inputs
     filled, the graph launched, the logits' copy queued), then until the GPU is done, then the argmax
     read back; and one replay waited for alone (replay_ms's are back to back). In run 1 and 2 of
     2026-12-04 18:06 a step with attention as sums took ~0.4 ms more than its replay, SDPA's ~0.1."""
-    ids = check.prompts(1, 16)[0].to(check.DEVICE)
-    cache = pool.allocate([], 16 + steps + 1)
-    token = int(lean.forward(ids, 0, cache).argmax())
+    token, cache = prefilled(lean, pool, steps)
     parts = [0.0, 0.0, 0.0]
     for step in range(steps):
         start = time.perf_counter()
@@ -133,8 +132,7 @@ def device_greedy_tg128(lean, pool, steps: int = 127) -> dict:
     def begin():
         """A reply's prompt prefilled and its first decode step run, through the engine: the (1, 256) step's
         inputs are then filled for position 16, with every block of the reply in its block table."""
-        cache = pool.allocate([], 16 + steps + 1)
-        first = int(lean.forward(check.prompts(1, 16)[0].to(check.DEVICE), 0, cache).argmax())
+        first, cache = prefilled(lean, pool, steps)
         lean.decode([first], [16], [cache])
         count.zero_()
         return first, cache
