@@ -663,8 +663,12 @@ def _levels(text: str) -> tuple[int, ...]:
 
 
 def _check_program(path: str, option: str) -> None:
-    import os
+    """That path names a program that can run: a file that is executable, or a name found on PATH as
+    subprocess would find it."""
+    import shutil
 
+    if shutil.which(path):
+        return
     if not os.path.isfile(path):
         raise ValueError(f"{option} {path}: no such file")
     if not os.access(path, os.X_OK):
