@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .i18n import DEFAULT as DEFAULT_LANGUAGE, LANGUAGES
-from .serve.access import bare_host
+from .serve.access import bare_host, port_number
 from .startup import pause_collector, settle
 
 DEFAULT_HOST = "127.0.0.1"
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui = commands.add_parser("ui", help="start the browser app (the default)")
     _add_model_options(ui)
     ui.add_argument("--host", default=DEFAULT_HOST, type=bare_host)
-    ui.add_argument("--port", type=int, default=DEFAULT_PORT)
+    ui.add_argument("--port", type=port_number, default=DEFAULT_PORT)
     _add_db_option(ui)
     ui.add_argument("--open", action="store_true", help="open the default browser on the app")
     _add_access_options(ui)
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=DEFAULT_HOST, type=bare_host,
                        help="the address to bind (default 127.0.0.1: this machine only; any other needs --api-key "
                             "or --insecure)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("PHASESCOPE_API_KEY"),
                        help="require Authorization: Bearer KEY on /v1 (env PHASESCOPE_API_KEY)")
     serve.add_argument("--ui", action="store_true", help="also serve the browser app at /ui")
@@ -338,7 +338,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from app.ui.trace import ReplyTrace
 
     sampling = _sampling(args)
-    store = Store.open(args.db)  # first: a bad --db or --session fails before the model loads
+    # first: a bad --db or --session fails before the model loads (and a chat to continue needs its database)
+    store = Store.open(args.db, create=args.session is None)
     if args.session is not None and not store.has_session(args.session):
         raise ValueError(f"no session with id {args.session} in {store.path} (see `phasescope sessions`)")
     endpoint = _endpoint(args) if args.endpoint else None
@@ -512,7 +513,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_sessions(args: argparse.Namespace) -> int:
     from app.history.store import Store
 
-    store = Store.open(args.db)
+    store = Store.open(args.db, create=False)
     rows = store.sessions(args.search)
     if not rows:
         print("no sessions" + (f" matching {args.search!r}" if args.search else ""))
@@ -532,7 +533,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from app.history.export import render, write_export
     from app.history.store import Store
 
-    store = Store.open(args.db)
+    store = Store.open(args.db, create=False)
     if args.output:
         path = write_export(store, args.format, Path(args.output), args.session, force=args.force)
         print(f"wrote {path}", file=sys.stderr)

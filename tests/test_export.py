@@ -171,17 +171,23 @@ def test_cli_sessions_and_export(tiny, tmp_path):
     assert stdout.stdout.startswith("session_id,message_id")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["export", "--session", "42", "--format", "csv"], "no session with id 42"),
-    (["sessions"], "is not a SQLite database"),
+@pytest.mark.parametrize("db_is, args, message", [
+    ("empty", ["export", "--session", "42", "--format", "csv"], "no session with id 42"),
+    ("not sqlite", ["sessions"], "is not a SQLite database"),
+    ("missing", ["sessions"], "no history database at"),
+    ("missing", ["export", "--all", "--format", "csv"], "no history database at"),
+    ("missing", ["chat", "--session", "1"], "no history database at"),
 ])
-def test_cli_store_errors_exit_2(tmp_path, args, message):
-    db = tmp_path / ("bad.db" if args == ["sessions"] else "h.db")
-    if args == ["sessions"]:
+def test_cli_store_errors_exit_2(tmp_path, db_is, args, message):
+    db = tmp_path / "h.db"
+    if db_is == "empty":
+        Store.open(db).close()
+    if db_is == "not sqlite":
         db.write_text("not a database")
     result = cli(*args, "--db", str(db))
     assert 2 == result.returncode and message in result.stderr
     assert 1 == len(result.stderr.strip().splitlines())
+    assert db.exists() == (db_is != "missing")  # a command that reads the history leaves no empty one behind
 
 
 def test_the_apps_export_folder_goes_when_the_process_exits():
@@ -195,6 +201,7 @@ def test_the_apps_export_folder_goes_when_the_process_exits():
 
 def test_cli_says_which_file_it_cannot_write(tmp_path):
     out = tmp_path / "no folder" / "s.csv"
+    Store.open(tmp_path / "h.db").close()
     result = cli("export", "--db", str(tmp_path / "h.db"), "--all", "--format", "csv", "-o", str(out))
     assert 2 == result.returncode
     assert f"phasescope: error: {out}: no such file or directory" == result.stderr.strip()

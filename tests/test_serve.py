@@ -325,6 +325,14 @@ def test_an_ipv6_host_is_bracketed_in_urls_and_not_in_binds():
     assert "http://127.0.0.1:8000" == url_of("127.0.0.1", 8000)
 
 
+@pytest.mark.parametrize("port", ["99999", "0", "80a"])
+def test_a_port_out_of_range_is_one_line(port):
+    out = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--port", port],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert 2 == out.returncode  # argparse's usage, then one line that says what is wrong
+    assert "argument --port: a port is" in out.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("command", ["ui", "serve"])
 def test_a_port_in_use_is_said_before_the_model_loads(command):
     import socket

@@ -114,9 +114,13 @@ class Store:
         self._lock = threading.RLock()
 
     @classmethod
-    def open(cls, path: str | Path | None = None, upgrade: bool = True) -> Store:
-        """Open (creating if needed) the database at path, migrate it, and repair interrupted replies."""
+    def open(cls, path: str | Path | None = None, upgrade: bool = True, create: bool = True) -> Store:
+        """Open the database at path (creating it if needed, unless create is False: commands that only
+        read it say that it is missing instead of leaving an empty one behind), migrate it, and repair
+        interrupted replies."""
         path = Path(path).expanduser() if path else default_db_path()
+        if not create and not path.exists():
+            raise StoreError(f"no history database at {path} (the first chat makes it; choose another with --db)")
         _check_file(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ the API, a user and password for the UI) or an explicit --insecure, which is sai
 the address can be served at all, asked before the model loads."""
 from __future__ import annotations
 
+import argparse
 import errno
 import ipaddress
 import os
@@ -55,6 +56,17 @@ def check_exposure(host: str, *, ui: bool, api: bool, auth: tuple[str, str] | No
 def bare_host(value: str) -> str:
     """--host as given, an IPv6 address with or without its URL brackets ("[::1]" or "::1"), without them."""
     return value[1:-1] if value.startswith("[") and value.endswith("]") else value
+
+
+def port_number(value: str) -> int:
+    """--port: a TCP port, 1 to 65535 (argparse says what is wrong with any other value in one line)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port is a whole number, got {value!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is between 1 and 65535, got {port}")
+    return port
 
 
 def url_host(host: str) -> str:
