@@ -333,6 +333,12 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page = open_chat(browser, url)
         open_history(page)
         assert ["What is prefill?"] == history_titles(page)
+        for button in ("#ps-history-open", "#ps-history-rename", "#ps-history-delete"):  # nothing selected yet
+            page.click(button)
+            page.wait_for_selector("#ps-history-selected .ps-attention:has-text('Select a session first.')")
+            page.reload()  # the next button from a fresh page
+            page.wait_for_selector("#ps-model-line .ps-model:not([data-loading])")
+            open_history(page)
         page.locator(HISTORY_CELLS, has_text="What is prefill?").first.click()
         page.wait_for_selector("#ps-history-selected b")
         percentiles = page.inner_text("#ps-history-selected table.ps-percentiles")  # over its two replies
@@ -354,6 +360,9 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         wait_phase(page, "done")
         open_history(page)
         page.locator(HISTORY_CELLS, has_text="What is prefill?").first.click()
+        page.click("#ps-history-rename")  # no new title typed: the title stays
+        page.wait_for_selector("#ps-history-selected .ps-attention:has-text('Type the new title first.')")
+        assert ["What is prefill?"] == history_titles(page)
         page.fill("#ps-history-title textarea, #ps-history-title input", "Phases")
         page.click("#ps-history-rename")
         page.wait_for_function("() => document.querySelector('#ps-history-table').innerText.includes('Phases')")

@@ -30,6 +30,11 @@ COLUMNS = ["saved.col_id", "saved.col_title", "saved.col_updated", "saved.col_mo
 COLUMN_WIDTHS = ["4%", "42%", "15%", "17%", "6%", "8%", "8%"]
 
 
+def attention(text: str) -> str:
+    """A line in the selection's place that says what a button needs first (or what went wrong)."""
+    return f'<span class="ps-attention">{escape(text)}</span>'
+
+
 def columns(lang: str) -> list[str]:
     return [t(lang, key) for key in COLUMNS]
 
@@ -142,24 +147,33 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return [session_id, label, gr.Button(visible=False)] + [gr.DownloadButton(value=p, interactive=True)
                                                                   for p in paths]
 
+    # What a button needs first is said where the selection is named: these events run outside Gradio's
+    # queue (queue=False), and Gradio 6 shows no toast for a gr.Error raised there (the click did nothing).
     def open_session(session_id, lang_choice):
         if session_id is None:
-            raise gr.Error(t(lang_choice, "saved.select_first"))
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), attention(t(lang_choice, "saved.select_first")))
         session = load_chat(store, session_id, lang_choice)
         trace = session.traces[-1] if session.traces else None
-        return (*render(session, engine, trace), gr.Tabs(selected="chat"))
+        return (*render(session, engine, trace), gr.Tabs(selected="chat"), gr.skip())
 
     def do_rename(session_id, new_title, query, lang_choice):
-        if session_id is None:
-            raise gr.Error(t(lang_choice, "saved.select_first"))
+        if session_id is None or not (new_title or "").strip():
+            key = "saved.select_first" if session_id is None else "saved.title_first"
+            return gr.skip(), gr.skip(), attention(t(lang_choice, key))
         store.rename_session(session_id, new_title)
-        return "", table_value(query, lang_choice)
+        return "", table_value(query, lang_choice), gr.skip()
+
+    def ask_to_delete(session_id, lang_choice):
+        if session_id is None:
+            return gr.Button(visible=False), attention(t(lang_choice, "saved.select_first"))
+        return gr.Button(visible=True), gr.skip()
 
     def do_delete(session_id, query, lang_choice):
         try:
             store.delete_session(session_id)
         except StoreError as exc:
-            raise gr.Error(t(lang_choice, "error.other", detail=exc))
+            return [gr.skip(), attention(t(lang_choice, "error.other", detail=exc)), gr.Button(visible=False),
+                    gr.skip()] + [gr.skip() for _ in FORMATS]
         return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice)] + \
             [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
 
@@ -170,9 +184,9 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     # with a long history (2.7 s for 527 sessions), holding the interpreter lock beside a running reply
     page.select(listing, [search, lang], listing_outputs, queue=False)
     table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
-    open_button.click(open_session, [selected, lang], [*chat.outputs, tabs], queue=False)
-    rename.click(do_rename, [selected, title, search, lang], [title, table], queue=False)
-    delete.click(lambda s: gr.Button(visible=s is not None), [selected], [confirm], queue=False)
+    open_button.click(open_session, [selected, lang], [*chat.outputs, tabs, chosen], queue=False)
+    rename.click(do_rename, [selected, title, search, lang], [title, table, chosen], queue=False)
+    delete.click(ask_to_delete, [selected, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, lang], [selected, chosen, confirm, table, *one], queue=False)
     texts.on_switch(lambda lang_choice, query: (table_value(query, lang_choice), t(lang_choice, "saved.select_hint")),
                     [search], [table, chosen])
