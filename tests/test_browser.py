@@ -557,9 +557,14 @@ def test_chat_with_a_remote_endpoint_from_the_page(page, app_db):
     try:
         page.click("#ps-backend button")
         page.get_by_label("An OpenAI-compatible endpoint", exact=False).check()
+        page.fill("#ps-endpoint-url textarea, #ps-endpoint-url input", "http://127.0.0.1:1")  # nothing listens
+        page.click("#ps-use-backend")
+        page.wait_for_selector("#ps-model-line .ps-attention")  # why not, under the engine the chat keeps
+        assert "SmolLM2-135M-Instruct" in page.inner_text("#ps-model-line")
         page.fill("#ps-endpoint-url textarea, #ps-endpoint-url input", url)
         page.click("#ps-use-backend")
         page.wait_for_function("() => document.querySelector('#ps-model-line').innerText.includes('client-side')")
+        assert 0 == page.locator("#ps-model-line .ps-attention").count()
         assert f"{url}/v1" in page.inner_text("#ps-model-line")
         set_setting(page, "ps-temperature", 0)
         set_setting(page, "ps-max-new", 12)

@@ -339,9 +339,10 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         try:
             endpoint = Endpoint(url.strip(), (model or "").strip() or None, (key or "").strip() or None)
             endpoint.resolve_model()
-        except ValueError as exc:
-            gr.Warning(user_error(lang_choice, exc))
-            return chat, gr.skip()
+        except ValueError as exc:  # said under the model line: the backend this chat keeps, and why not that one
+            kept = panels.endpoint_html(chat.endpoint, lang_choice) if chat.endpoint else panels.model_html(
+                engine.info, lang_choice)
+            return chat, kept + panels.attention(user_error(lang_choice, exc))
         chat.endpoint = endpoint
         return chat, panels.endpoint_html(endpoint, lang_choice)
 

@@ -13,6 +13,7 @@ import gradio as gr
 
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
+from .panels import attention
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render_all
 from ..history.recorder import load_chat
@@ -28,11 +29,6 @@ COLUMNS = ["saved.col_id", "saved.col_title", "saved.col_updated", "saved.col_mo
 # Shares of the table's width: the title takes what the others leave (at Gradio's even split "turns" broke
 # in two in a 1,400-pixel-wide page)
 COLUMN_WIDTHS = ["4%", "42%", "15%", "17%", "6%", "8%", "8%"]
-
-
-def attention(text: str) -> str:
-    """A line in the selection's place that says what a button needs first (or what went wrong)."""
-    return f'<span class="ps-attention">{escape(text)}</span>'
 
 
 def columns(lang: str) -> list[str]:
@@ -147,8 +143,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return [session_id, label, gr.Button(visible=False)] + [gr.DownloadButton(value=p, interactive=True)
                                                                   for p in paths]
 
-    # What a button needs first is said where the selection is named: these events run outside Gradio's
-    # queue (queue=False), and Gradio 6 shows no toast for a gr.Error raised there (the click did nothing).
+    # What a button needs first is said where the selection is named (panels.attention)
     def open_session(session_id, lang_choice):
         if session_id is None:
             return (*(gr.skip(),) * len(chat.outputs), gr.skip(), attention(t(lang_choice, "saved.select_first")))

@@ -117,6 +117,12 @@ def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT) -> str
     return " · ".join(parts)
 
 
+def attention(text: str) -> str:
+    """A line that says what a button needs first, or why it did nothing, where the user looks: Gradio 6
+    shows no toast (gr.Warning, gr.Error) for an event outside its queue (queue=False)."""
+    return f'<div class="ps-attention">{escape(text)}</div>'
+
+
 def endpoint_html(endpoint, lang: str = DEFAULT) -> str:
     """The model line of a chat against a remote endpoint: what is measured where."""
     return (f'<div class="ps-model"><b>{escape(endpoint.model or "")}</b> · {escape(endpoint.url)}<br>'
