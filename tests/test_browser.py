@@ -511,6 +511,8 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
     """The Lab tab: one experiment run from the browser draws both settings in one figure with its table,
     is saved in the database file, comes back from the saved runs, and reads in Chinese on a switch."""
     page.get_by_role("tab", name="Lab").click()
+    page.click("#ps-lab-open")  # no saved run picked yet
+    page.wait_for_selector("[data-testid=toast-body]:has-text('Pick a saved run first.')")
     page.locator("#ps-lab-experiment input").click()
     page.get_by_role("option", name="Batching", exact=True).click()
     page.wait_for_function("() => document.querySelector('#ps-lab-prompt textarea').value.includes('poem')")

@@ -124,6 +124,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
     def on_open(run_id, lang_choice):
         if run_id is None:
+            gr.Warning(t(lang_choice, "lab.pick_first"))  # a queued event: Gradio shows it as a toast
             return [gr.skip()] * 6
         try:
             row = store.lab_run(int(run_id))
