@@ -363,9 +363,11 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page.click("#ps-history-rename")  # no new title typed: the title stays
         page.wait_for_selector("#ps-history-selected .ps-attention:has-text('Type the new title first.')")
         assert ["What is prefill?"] == history_titles(page)
+        assert "#1" in page.inner_text("#ps-history-selected")  # the selection's line stays above it
         page.fill("#ps-history-title textarea, #ps-history-title input", "Phases")
         page.click("#ps-history-rename")
         page.wait_for_function("() => document.querySelector('#ps-history-table').innerText.includes('Phases')")
+        page.wait_for_selector("#ps-history-selected .ps-attention", state="detached")
         assert ["Phases"] == history_titles(page)
         assert "3" in page.locator(HISTORY_CELLS).all_inner_texts()[4]  # three turns now
         page.locator(HISTORY_CELLS, has_text="Phases").first.click()

@@ -85,6 +85,13 @@ def test_empty_figures_are_valid_and_draw_no_axes_until_a_point():
         assert drawn.layout.xaxis.visible is True and drawn.layout.yaxis.visible is True
 
 
+def test_an_attention_line_goes_under_a_panel_and_off_it_again():
+    line = panels.attention("Select <b>first</b>.")
+    assert 'class="ps-attention"' in line and "&lt;b&gt;" in line  # text, never markup
+    assert "Selected: #1" == panels.without_attention("Selected: #1" + line + line)
+    assert "" == panels.without_attention(None)
+
+
 def test_phase_indicator_follows_the_reply():
     assert "Ready" in panels.phase_html(None)
     trace = ReplyTrace(turn=1)

@@ -13,7 +13,7 @@ import gradio as gr
 
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
-from .panels import attention
+from .panels import attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render_all
 from ..history.recorder import load_chat
@@ -143,25 +143,26 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return [session_id, label, gr.Button(visible=False)] + [gr.DownloadButton(value=p, interactive=True)
                                                                   for p in paths]
 
-    # What a button needs first is said where the selection is named (panels.attention)
-    def open_session(session_id, lang_choice):
+    # What a button needs first is said under the selection's line (panels.attention), which stays
+    def open_session(session_id, shown, lang_choice):
         if session_id is None:
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), attention(t(lang_choice, "saved.select_first")))
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(),
+                    without_attention(shown) + attention(t(lang_choice, "saved.select_first")))
         session = load_chat(store, session_id, lang_choice)
         trace = session.traces[-1] if session.traces else None
-        return (*render(session, engine, trace), gr.Tabs(selected="chat"), gr.skip())
+        return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown))
 
-    def do_rename(session_id, new_title, query, lang_choice):
+    def do_rename(session_id, new_title, query, shown, lang_choice):
         if session_id is None or not (new_title or "").strip():
             key = "saved.select_first" if session_id is None else "saved.title_first"
-            return gr.skip(), gr.skip(), attention(t(lang_choice, key))
+            return gr.skip(), gr.skip(), without_attention(shown) + attention(t(lang_choice, key))
         store.rename_session(session_id, new_title)
-        return "", table_value(query, lang_choice), gr.skip()
+        return "", table_value(query, lang_choice), without_attention(shown)
 
-    def ask_to_delete(session_id, lang_choice):
+    def ask_to_delete(session_id, shown, lang_choice):
         if session_id is None:
-            return gr.Button(visible=False), attention(t(lang_choice, "saved.select_first"))
-        return gr.Button(visible=True), gr.skip()
+            return gr.Button(visible=False), without_attention(shown) + attention(t(lang_choice, "saved.select_first"))
+        return gr.Button(visible=True), without_attention(shown)
 
     def do_delete(session_id, query, lang_choice):
         try:
@@ -179,9 +180,9 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     # with a long history (2.7 s for 527 sessions), holding the interpreter lock beside a running reply
     page.select(listing, [search, lang], listing_outputs, queue=False)
     table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
-    open_button.click(open_session, [selected, lang], [*chat.outputs, tabs, chosen], queue=False)
-    rename.click(do_rename, [selected, title, search, lang], [title, table, chosen], queue=False)
-    delete.click(ask_to_delete, [selected, lang], [confirm, chosen], queue=False)
+    open_button.click(open_session, [selected, chosen, lang], [*chat.outputs, tabs, chosen], queue=False)
+    rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen], queue=False)
+    delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, lang], [selected, chosen, confirm, table, *one], queue=False)
     texts.on_switch(lambda lang_choice, query: (table_value(query, lang_choice), t(lang_choice, "saved.select_hint")),
                     [search], [table, chosen])

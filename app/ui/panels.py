@@ -117,10 +117,18 @@ def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT) -> str
     return " · ".join(parts)
 
 
+ATTENTION = '<div class="ps-attention">'
+
+
 def attention(text: str) -> str:
     """A line that says what a button needs first, or why it did nothing, where the user looks: Gradio 6
     shows no toast (gr.Warning, gr.Error) for an event outside its queue (queue=False)."""
-    return f'<div class="ps-attention">{escape(text)}</div>'
+    return f"{ATTENTION}{escape(text)}</div>"
+
+
+def without_attention(html: str | None) -> str:
+    """html as it was before attention lines were added to its end."""
+    return (html or "").split(ATTENTION)[0]
 
 
 def endpoint_html(endpoint, lang: str = DEFAULT) -> str:
