@@ -368,6 +368,10 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page.click("#ps-history-rename")
         page.wait_for_function("() => document.querySelector('#ps-history-table').innerText.includes('Phases')")
         page.wait_for_selector("#ps-history-selected .ps-attention", state="detached")
+        page.wait_for_selector("#ps-history-selected:has-text('Phases')")  # its line and its files renamed too
+        with page.expect_download() as download:
+            page.click("#ps-export-json")
+        assert "Phases" == json.loads(Path(download.value.path()).read_text())["sessions"][0]["title"]
         assert ["Phases"] == history_titles(page)
         assert "3" in page.locator(HISTORY_CELLS).all_inner_texts()[4]  # three turns now
         page.locator(HISTORY_CELLS, has_text="Phases").first.click()

@@ -135,13 +135,18 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         paths, _ = write_exports(store, folder, None)
         return [table_value(query, lang_choice)] + [gr.DownloadButton(value=p) for p in paths]
 
+    def selection(session_id, lang_choice) -> list:
+        """The selection's line and its session's export files, as they are now in the database."""
+        paths, data = write_exports(store, folder, session_id)
+        saved = data["sessions"][0]
+        label = t(lang_choice, "saved.selected", id=session_id, title=escape(str(saved["title"])))
+        label += percentile_table(saved["summary"], lang_choice)
+        return [label] + [gr.DownloadButton(value=p, interactive=True) for p in paths]
+
     def select(rows, lang_choice, event: gr.SelectData):
         session_id = int(rows.iloc[event.index[0], 0])
-        paths, data = write_exports(store, folder, session_id)
-        label = t(lang_choice, "saved.selected", id=session_id, title=escape(str(rows.iloc[event.index[0], 1])))
-        label += percentile_table(data["sessions"][0]["summary"], lang_choice)
-        return [session_id, label, gr.Button(visible=False)] + [gr.DownloadButton(value=p, interactive=True)
-                                                                  for p in paths]
+        label, *downloads = selection(session_id, lang_choice)
+        return [session_id, label, gr.Button(visible=False), *downloads]
 
     # What a button needs first is said under the selection's line (panels.attention), which stays
     def open_session(session_id, shown, lang_choice):
@@ -155,9 +160,10 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def do_rename(session_id, new_title, query, shown, lang_choice):
         if session_id is None or not (new_title or "").strip():
             key = "saved.select_first" if session_id is None else "saved.title_first"
-            return gr.skip(), gr.skip(), without_attention(shown) + attention(t(lang_choice, key))
+            return gr.skip(), gr.skip(), without_attention(shown) + attention(t(lang_choice, key)), \
+                *[gr.skip() for _ in FORMATS]
         store.rename_session(session_id, new_title)
-        return "", table_value(query, lang_choice), without_attention(shown)
+        return "", table_value(query, lang_choice), *selection(session_id, lang_choice)  # the new title's files
 
     def ask_to_delete(session_id, shown, lang_choice):
         if session_id is None:
@@ -181,7 +187,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     page.select(listing, [search, lang], listing_outputs, queue=False)
     table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
     open_button.click(open_session, [selected, chosen, lang], [*chat.outputs, tabs, chosen], queue=False)
-    rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen], queue=False)
+    rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, lang], [selected, chosen, confirm, table, *one], queue=False)
     texts.on_switch(lambda lang_choice, query: (table_value(query, lang_choice), t(lang_choice, "saved.select_hint")),
