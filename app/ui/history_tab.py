@@ -26,11 +26,6 @@ COLUMNS = ["saved.col_id", "saved.col_title", "saved.col_updated", "saved.col_mo
            "saved.col_ttft", "saved.col_tpot"]
 
 
-# Shares of the table's width: the title takes what the others leave (at Gradio's even split "turns" broke
-# in two in a 1,400-pixel-wide page)
-COLUMN_WIDTHS = ["4%", "42%", "15%", "17%", "6%", "8%", "8%"]
-
-
 def columns(lang: str) -> list[str]:
     return [t(lang, key) for key in COLUMNS]
 
@@ -114,7 +109,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
                        elem_id="ps-history-search")
         refresh = texts(gr.Button, value=K("saved.refresh"), scale=1, elem_id="ps-history-refresh")
     table = gr.Dataframe(headers=columns(DEFAULT), value=[], interactive=False, wrap=True, show_label=False,
-                         column_widths=COLUMN_WIDTHS, elem_id="ps-history-table")  # filled when the page loads (on_switch)
+                         elem_id="ps-history-table")  # filled when the page loads (on_switch)
     chosen = gr.HTML(t(DEFAULT, "saved.select_hint"), elem_id="ps-history-selected")
     with gr.Row():
         open_button = texts(gr.Button, value=K("saved.open"), variant="primary", elem_id="ps-history-open")
