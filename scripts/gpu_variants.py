@@ -229,6 +229,8 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(VARIANTS[:4]), help=f"some of {','.join(VARIANTS)}")
     args = parser.parse_args()
     only = args.only.split(",")
+    if unknown := set(only) - set(VARIANTS):  # at once: a typo would spend a lent GPU's minutes on nothing
+        parser.error(f"--only: no variant {', '.join(sorted(unknown))}; choose from {','.join(VARIANTS)}")
     check.DEVICE = args.device
     report = check.Report(Path(args.out), "gpu_variants.json")
     model = check.random_model(torch.bfloat16, args.layers)

@@ -90,6 +90,7 @@ def test_an_attention_line_goes_under_a_panel_and_off_it_again():
     assert 'class="ps-attention"' in line and "&lt;b&gt;" in line  # text, never markup
     assert "Selected: #1" == panels.without_attention("Selected: #1" + line + line)
     assert "" == panels.without_attention(None)
+    assert "Selected: #1" + line == panels.with_attention("Selected: #1" + line, "Select <b>first</b>.")
 
 
 def test_phase_indicator_follows_the_reply():

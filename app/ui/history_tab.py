@@ -13,7 +13,7 @@ import gradio as gr
 
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
-from .panels import attention, without_attention
+from .panels import attention, with_attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render_all
 from ..history.recorder import load_chat
@@ -146,8 +146,8 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     # What a button needs first is said under the selection's line (panels.attention), which stays
     def open_session(session_id, shown, lang_choice):
         if session_id is None:
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(),
-                    without_attention(shown) + attention(t(lang_choice, "saved.select_first")))
+            first = with_attention(shown, t(lang_choice, "saved.select_first"))
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), first)
         session = load_chat(store, session_id, lang_choice)
         trace = session.traces[-1] if session.traces else None
         return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown))
@@ -155,14 +155,13 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def do_rename(session_id, new_title, query, shown, lang_choice):
         if session_id is None or not (new_title or "").strip():
             key = "saved.select_first" if session_id is None else "saved.title_first"
-            return gr.skip(), gr.skip(), without_attention(shown) + attention(t(lang_choice, key)), \
-                *[gr.skip() for _ in FORMATS]
+            return gr.skip(), gr.skip(), with_attention(shown, t(lang_choice, key)), *[gr.skip() for _ in FORMATS]
         store.rename_session(session_id, new_title)
         return "", table_value(query, lang_choice), *selection(session_id, lang_choice)  # the new title's files
 
     def ask_to_delete(session_id, shown, lang_choice):
         if session_id is None:
-            return gr.Button(visible=False), without_attention(shown) + attention(t(lang_choice, "saved.select_first"))
+            return gr.Button(visible=False), with_attention(shown, t(lang_choice, "saved.select_first"))
         return gr.Button(visible=True), without_attention(shown)
 
     def do_delete(session_id, query, lang_choice):

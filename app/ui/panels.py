@@ -131,6 +131,11 @@ def without_attention(html: str | None) -> str:
     return (html or "").split(ATTENTION)[0]
 
 
+def with_attention(html: str | None, text: str) -> str:
+    """html with one attention line under it (in place of any it had)."""
+    return without_attention(html) + attention(text)
+
+
 def endpoint_html(endpoint, lang: str = DEFAULT) -> str:
     """The model line of a chat against a remote endpoint: what is measured where."""
     return (f'<div class="ps-model"><b>{escape(endpoint.model or "")}</b> · {escape(endpoint.url)}<br>'
