@@ -20,7 +20,9 @@ def check_messages(messages: list[dict], max_chars: int | None = None) -> None:
             raise ValueError(f"each message needs a role ({', '.join(ROLES)}) and text content")
         if max_chars is not None and len(message["content"]) > max_chars:
             raise ValueError(f"a message holds {len(message['content']):,} characters; the limit is {max_chars:,}")
-    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+    if messages[-1]["role"] != "user":
+        raise ValueError(f"the last message must be the user's, not the {messages[-1]['role']}'s")
+    if not messages[-1]["content"].strip():
         raise ValueError("the message is empty")
 
 

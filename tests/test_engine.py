@@ -199,7 +199,7 @@ def test_reply_is_clipped_to_the_context_window(tokenizer):
     (user(""), "message is empty"),
     (user("   \n"), "message is empty"),
     ([{"role": "robot", "content": "x"}], "role"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "message is empty"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "must be the user's, not the assistant's"),
 ])
 def test_bad_conversations_are_refused(tiny_engine, messages, message):
     with pytest.raises(ValueError, match=message):

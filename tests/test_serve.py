@@ -54,9 +54,9 @@ def client(server):
     return OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=120, max_retries=0)
 
 
-def post(url: str, body, key: str | None = KEY) -> tuple[int, dict]:
+def post(url: str, body, key: str | None = KEY, content_type: str = "application/json") -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {key}"} if key else {})}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=60) as answer:
             return answer.status, json.loads(answer.read())
@@ -269,10 +269,24 @@ def test_bad_requests_get_openai_errors(server, body, status):
     assert answer["error"]["message"] and answer["error"]["type"]
 
 
+@pytest.mark.parametrize("body, content_type, said", [
+    (b'{"messages": [', "application/json", "the request body is not valid JSON (Expecting value at character 14)"),
+    (b"messages=hi", "application/x-www-form-urlencoded", "the request body must be a JSON object"),
+    (b"", "application/json", "the request body must be a JSON object"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]}, "application/json",
+     "the last message must be the user's, not the assistant's"),
+])
+def test_bad_request_bodies_are_said_in_one_line(server, body, content_type, said):
+    code, answer = post(f"{server}/v1/chat/completions", body, content_type=content_type)
+    assert code == 400 and answer["error"]["message"].startswith(said), answer
+
+
 def test_bad_completion_prompts_and_a_missing_key(server):
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [10**9]})[0] == 400
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [[5, 6], [10**9]]})[0] == 400
-    assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": []})[0] == 400
+    for empty in ([], "", [[]], ["a", ""]):
+        code, answer = post(f"{server}/v1/completions", {"model": MODEL, "prompt": empty})
+        assert code == 400 and answer["error"]["message"] == "the prompt is empty", answer
     code, answer = post(f"{server}/v1/completions", {"model": MODEL, "prompt": "def f(", "suffix": "return 1"})
     assert code == 400 and answer["error"]["param"] == "suffix"
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3})[0] == 400

@@ -46,10 +46,8 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
 
     @api.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:])
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return JSONResponse(APIError(400, message, param=where or None).body(), status_code=400)
+        message, param = _validation_message(exc.errors()[0] if exc.errors() else {})
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @api.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):
@@ -154,6 +152,19 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
         return await answer.whole()
 
     return api
+
+
+def _validation_message(error: dict) -> tuple[str, str | None]:
+    """pydantic's first complaint about a request as one line, and the field it names (if any)."""
+    kind, loc = error.get("type"), tuple(error.get("loc", ()))
+    if kind == "json_invalid":  # loc: ("body", the character where parsing stopped)
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"the request body is not valid JSON ({error.get('ctx', {}).get('error', 'decode error')}{where})", None
+    if loc == ("body",):  # no body, or one that is not a JSON object (a form, text, a list)
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    where = ".".join(str(part) for part in loc[1:])
+    message = error.get("msg", "invalid request")
+    return (f"{where}: {message}" if where else message), where or None
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

@@ -113,7 +113,7 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)  # one prompt, or several
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (an empty one: check_supported)
     max_tokens: int | None = Field(16, ge=1, le=10_000_000)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # the prompt before the completion; with logprobs, the prompt tokens' too
@@ -126,6 +126,8 @@ class CompletionRequest(_Common):
         return replace(super().sampling(max_tokens, limit), prompt_logprobs=self.echo and self.logprobs is not None)
 
     def check_supported(self) -> None:
+        if not self.prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
         if self.suffix:
             raise APIError(400, "suffix is not supported here: the model only continues the prompt", param="suffix")
         if self.best_of not in (None, self.n):
