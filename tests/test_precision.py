@@ -186,6 +186,13 @@ def test_a_wrong_llama_bench_path_stops_the_bench_before_it_starts(tmp_path):
     assert "llama-bench did not run" in lines[0]
 
 
+def test_more_ranks_than_the_model_has_heads_stop_the_bench_before_it_measures():
+    out = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--tensor-parallel", "10"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "this model has 9, so 1 to 9 ranks, not 10" in out.stderr, out.stderr
+    assert "tok/s" not in out.stderr and "Traceback" not in out.stderr  # nothing was measured
+
+
 def test_headline_figures_read_what_the_run_measured_and_leave_out_the_rest():
     from app.bench.figures import headline
 

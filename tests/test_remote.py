@@ -137,6 +137,15 @@ def test_each_fault_is_one_clear_line_with_the_partial_reply(faulty, fault, mess
     assert seconds < 10
 
 
+@pytest.mark.parametrize("text", ["ttft:abc", "ttft:-5", "ttft", "speed:10"])
+def test_a_bad_slo_is_one_line(text):
+    from app.remote.sweep import parse_slo
+
+    with pytest.raises(ValueError, match=f"--slo takes ttft:MS,tpot:MS,e2e:MS with milliseconds above 0, got '{text}'"):
+        parse_slo(text)
+    assert parse_slo("ttft:500, tpot:50") == {"ttft_ms": 500.0, "tpot_ms": 50.0}
+
+
 def test_connection_refused_is_said_at_once():
     events, seconds = reply(f"http://127.0.0.1:{free_port()}")
     assert "connection refused" in events[-1].error and seconds < 10

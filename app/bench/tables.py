@@ -21,6 +21,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import in_dtype, make_runner
+from engine.tensor_parallel import split_plan
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
                      native_vs_ops, quality_vs, random_prompt, sampling_cost)
@@ -110,6 +111,8 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     """quick: a smoke run's shortcuts where a measurement's cost grows with its text (every 4th prefix
     for int8 prefill's quality, 96 tokens of the long text)."""
     loaded = load_model(model, device=device, dtype="float32")
+    if tensor_parallel > 1:
+        split_plan(loaded.model.config, tensor_parallel)  # too many ranks for the heads: said now, not at the end
     engines = mode_engines(loaded, list(modes))
     vocab, bos = loaded.model.config.vocab_size, loaded.tokenizer.bos_token_id
     contenders = [("phasescope", name, lambda p, n, g, e=e: engine_tokens_per_s(e, p, n, g))

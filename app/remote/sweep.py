@@ -38,9 +38,13 @@ def parse_slo(text: str | None) -> dict[str, float]:
         if not part.strip():
             continue
         name, _, value = part.partition(":")
-        if name.strip() not in ("ttft", "tpot", "e2e") or not value:
-            raise ValueError(f"--slo takes ttft:MS,tpot:MS,e2e:MS, got {part!r}")
-        slo[f"{name.strip()}_ms"] = float(value)
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if name.strip() not in ("ttft", "tpot", "e2e") or not ms > 0:
+            raise ValueError(f"--slo takes ttft:MS,tpot:MS,e2e:MS with milliseconds above 0, got {part!r}")
+        slo[f"{name.strip()}_ms"] = ms
     return slo
 
 
