@@ -197,7 +197,7 @@ class Engine:
         if len(prompt_ids) >= self.context_window:
             raise PromptTooLong(len(prompt_ids), self.context_window)
         if limits.max_prompt_tokens is not None and len(prompt_ids) > limits.max_prompt_tokens:
-            raise PromptTooLong(len(prompt_ids), limits.max_prompt_tokens)
+            raise PromptTooLong(len(prompt_ids), limits.max_prompt_tokens, "--limit-prompt-tokens")
         sampling = sampling or SamplingParams()
         vocab = self.loaded.model.config.vocab_size
         if any(token_id >= vocab for token_id, _ in sampling.logit_bias):

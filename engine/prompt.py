@@ -5,10 +5,13 @@ ROLES = ("system", "user", "assistant")
 
 
 class PromptTooLong(ValueError):
-    def __init__(self, num_tokens: int, limit: int) -> None:
-        super().__init__(f"the conversation is {num_tokens:,} tokens, but the model's context window "
-                         f"is {limit:,} tokens: start a new chat or shorten the message")
-        self.num_tokens, self.limit = num_tokens, limit
+    """option: the setting that chose the limit (None: the model's context window)."""
+
+    def __init__(self, num_tokens: int, limit: int, option: str | None = None) -> None:
+        where = f"the limit is {limit:,} prompt tokens ({option})" if option else \
+            f"the model's context window is {limit:,} tokens"
+        super().__init__(f"the conversation is {num_tokens:,} tokens, but {where}: start a new chat or shorten the message")
+        self.num_tokens, self.limit, self.option = num_tokens, limit, option
 
 
 def check_messages(messages: list[dict], max_chars: int | None = None) -> None:

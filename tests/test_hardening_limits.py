@@ -27,8 +27,12 @@ def test_message_prompt_and_new_token_limits_refuse_with_one_line(tiny):
     engine = engine_with(tiny, max_message_chars=50, max_prompt_tokens=30, max_new_tokens=10)
     with pytest.raises(ValueError, match=r"a message holds 51 characters; the limit is 50"):
         engine.new_request([{"role": "user", "content": "x" * 51}])
-    with pytest.raises(PromptTooLong):
+    with pytest.raises(PromptTooLong, match=r"is 40 tokens, but the limit is 30 prompt tokens \(--limit-prompt-tokens\)"):
         engine.new_request_from_ids(list(range(100, 140)))
+    from app.ui.language import user_error
+    with pytest.raises(PromptTooLong) as refused:
+        engine.new_request_from_ids(list(range(100, 140)))
+    assert "提示词元上限为 30 个（--limit-prompt-tokens）" in user_error("zh", refused.value)
     with pytest.raises(ValueError, match=r"11 new tokens asked for; the limit is 10"):
         engine.new_request_from_ids([5, 6], SamplingParams(max_new_tokens=11))
     engine.new_request_from_ids([5, 6], SamplingParams(max_new_tokens=10))  # at the limit: fine

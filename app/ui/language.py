@@ -65,7 +65,8 @@ def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:
 def user_error(lang: str, error: Exception) -> str:
     """An error a user caused (or can act on), in their language, one line."""
     if isinstance(error, PromptTooLong):
-        return t(lang, "error.too_long", tokens=error.num_tokens, limit=error.limit)
+        key = "error.too_long_limit" if error.option else "error.too_long"
+        return t(lang, key, tokens=error.num_tokens, limit=error.limit, option=error.option)
     if isinstance(error, QueueFull):
         return t(lang, "error.queue_full")
     if isinstance(error, EngineBusy):
