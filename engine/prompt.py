@@ -10,7 +10,8 @@ class PromptTooLong(ValueError):
     def __init__(self, num_tokens: int, limit: int, option: str | None = None) -> None:
         where = f"the limit is {limit:,} prompt tokens ({option})" if option else \
             f"the model's context window is {limit:,} tokens"
-        super().__init__(f"the conversation is {num_tokens:,} tokens, but {where}: start a new chat or shorten the message")
+        super().__init__(f"the conversation is {num_tokens:,} tokens, but {where}: start a new chat or shorten "
+                         "the message")
         self.num_tokens, self.limit, self.option = num_tokens, limit, option
 
 
