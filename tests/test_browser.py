@@ -534,7 +534,9 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
     page.locator("#ps-lab-experiment input").click()
     page.get_by_role("option", name="KV cache on/off", exact=True).click()
     page.locator("#ps-lab-quick input").check()
+    page.fill("#ps-lab-prompt textarea", "")  # runs the experiment's own prompt, and the box says which
     page.click("#ps-lab-run")
+    page.wait_for_function("() => document.querySelector('#ps-lab-prompt textarea').value.includes('KV cache is')")
     page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('lab run #2')",
                            timeout=120_000)
     names = set(plot_traces(page, "ps-lab-plot"))
@@ -545,9 +547,13 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
     assert [row["experiment"] for row in saved[:2]] == ["kv-cache", "batching"]
     page.locator("#ps-lab-runs input").click()
     page.get_by_role("option", name=re.compile(r"#1 · Batching")).click()
+    page.locator("#ps-lab-quick input").uncheck()
     page.click("#ps-lab-open")
     page.wait_for_function("() => document.querySelector('#ps-lab-report').innerText.includes('aggregate tok/s')")
     assert set(plot_traces(page, "ps-lab-plot")) == {"batching · aggregate decode"}
+    # with what it ran: Run repeats it
+    page.wait_for_function("() => document.querySelector('#ps-lab-prompt textarea').value.includes('poem')")
+    assert page.input_value("#ps-lab-experiment input") == "Batching" and page.is_checked("#ps-lab-quick input")
 
     page.get_by_text("简体中文").click()  # the run on show is drawn again in the page's new language
     page.wait_for_function("() => document.querySelector('#ps-lab-report').innerText.includes('总词元/秒')")

@@ -123,15 +123,19 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                gr.Dropdown(choices=_run_choices(store, lang_choice), value=run_id)]
 
     def on_open(run_id, lang_choice):
+        """The saved run, and the experiment, prompt and size it ran with (Run repeats it)."""
         if run_id is None:
             gr.Warning(t(lang_choice, "lab.pick_first"))  # a queued event: Gradio shows it as a toast
-            return [gr.skip()] * 6
+            return [gr.skip()] * 9
         try:
             row = store.lab_run(int(run_id))
         except StoreError as exc:
             gr.Warning(t(lang_choice, "error.other", detail=str(exc)))
-            return [gr.skip()] * 6
-        return _show(lab.LabResult.from_dict(row["results"]), row["id"], lang_choice)
+            return [gr.skip()] * 9
+        result = lab.LabResult.from_dict(row["results"])
+        known = result.experiment in lab.EXPERIMENTS  # a run saved by a later version may name another
+        return [*_show(result, row["id"], lang_choice), result.experiment if known else gr.skip(), result.prompt,
+                result.quick]
 
     def redraw(lang_choice, current, run, shown_now):
         """A language switch: the lists relabelled, and the run on show drawn again in the new language."""
@@ -146,6 +150,9 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
     run.click(on_run, [experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
               concurrency_id="lab")
+    # an emptied prompt runs the experiment's own (lab.run): the box shows which
+    run.click(lambda name, text: text if text.strip() else lab.EXPERIMENTS[name].default_prompt, [experiment, prompt],
+              [prompt], queue=False)
     stop.click(lambda event: event.set() if event else None, [stop_event], None, queue=False)
-    reopen.click(on_open, [runs, lang], shown)
+    reopen.click(on_open, [runs, lang], [*shown, experiment, prompt, quick])
     texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, *shown])
