@@ -91,6 +91,10 @@ def test_every_view_renders_in_each_language(engine, lang):
     ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     assert f'data-tokens="{len(ids)}"' in tokens and "ps-tok-partial" in tokens  # 我 takes two byte tokens
     assert b"".join(token_bytes(engine.tokenizer, i) for i in ids) == PROMPT.encode()
+    text = "The history of the bicycle. " * 100  # a pasted page: its first tokens, and how many more
+    pasted, more = views.tokens_html(engine.tokenizer, text, lang), len(engine.tokenizer(text)["input_ids"]) - 200
+    assert pasted.count('class="ps-tok ') == views.SHOWN_TEXT_TOKENS == 200 and pasted.count("bicycle") < 50
+    assert f"{more} more" in pasted or f"另有 {more} 个" in pasted
     last = walk.trace.steps[-1]
     for figure in (views.candidates_figure(engine.tokenizer, last, walk.request.sampling, lang),
                    views.kv_grid_figure(engine, walk, lang)):

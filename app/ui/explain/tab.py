@@ -52,8 +52,8 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     state = gr.State(None, time_to_live=HOLD_S, delete_callback=lambda walk: walk and walk.cancel())
     demo_state = gr.State(None)  # (demo name, its replies): redrawn in another language without running again
     with gr.Row():
-        prompt = texts(gr.Textbox, value=DEFAULT_PROMPT, label=K("explain.prompt"), scale=4,
-                       elem_id="ps-explain-prompt")
+        prompt = texts(gr.Textbox, value=DEFAULT_PROMPT, label=K("explain.prompt"), scale=4, max_lines=4,
+                       elem_id="ps-explain-prompt")  # a pasted page scrolls in the box; the buttons stay in view
         start = texts(gr.Button, value=K("explain.start"), variant="primary", scale=1, elem_id="ps-explain-start")
         step = texts(gr.Button, value=K("explain.next"), scale=1, elem_id="ps-explain-next")
         run = texts(gr.Button, value=K("explain.run"), scale=1, elem_id="ps-explain-run")

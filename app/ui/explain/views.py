@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
 
 PIPELINE_SVG = Path(__file__).resolve().parents[3] / "static" / "pipeline.svg"
 SHOWN_PROMPT_TOKENS = 48  # the prompt's last tokens shown (the chat template's system prompt is long)
+SHOWN_TEXT_TOKENS = 200  # the user's text as tokens: its first ones (a pasted page would fill screens)
+SHOWN_TEXT_CHARS = 120  # the text itself, quoted above them
 STAGE_NAMES = {"tokenize": "pipe.tokenize", "embedding": "pipe.embedding", "norm": "pipe.norm",
                "attention": "pipe.attention", "ffn": "pipe.ffn", "final_norm": "pipe.final_norm",
                "lm_head": "pipe.lm_head", "sample": "pipe.sample"}
@@ -92,10 +94,13 @@ def _chip(tokenizer, token_id: int, phase: str, lang: str, position: int | None 
 def tokens_html(tokenizer, text: str, lang: str) -> str:
     """The user's text as the tokenizer splits it: one chip per token, id below, bytes on hover."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-    chips = "".join(_chip(tokenizer, i, "p", lang) for i in ids)
+    chips = "".join(_chip(tokenizer, i, "p", lang) for i in ids[:SHOWN_TEXT_TOKENS])
+    if len(ids) > SHOWN_TEXT_TOKENS:
+        chips += f'<span class="ps-note">{t(lang, "explain.tokens_more", n=len(ids) - SHOWN_TEXT_TOKENS)}</span>'
     partial = sum(_is_partial(tokenizer, i) for i in ids)
     note = t(lang, "explain.tokens_partial", n=partial) if partial else ""
-    head = t(lang, "explain.tokens_head", text=escape(text), n=len(ids), chars=len(text), bytes=len(text.encode()))
+    quoted = text if len(text) <= SHOWN_TEXT_CHARS else text[:SHOWN_TEXT_CHARS] + "…"
+    head = t(lang, "explain.tokens_head", text=escape(quoted), n=len(ids), chars=len(text), bytes=len(text.encode()))
     return (f'<div class="ps-token-view" data-tokens="{len(ids)}"><div class="ps-label">{head}</div>'
             f'<div class="ps-tokens">{chips}</div><div class="ps-note">{t(lang, "explain.tokens_why")} {note}'
             '</div></div>')
