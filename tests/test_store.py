@@ -167,6 +167,13 @@ def test_sessions_list_search_rename_delete(tiny, store):
     [row] = store.sessions("penguin")
     assert (first.store_id, "About penguins", 1) == (row["id"], row["title"], row["turns"])
     assert row["mean_ttft_ms"] > 0 and row["mean_tpot_ms"] > 0
+    third, _, _ = record(engine, store, "A 50% discount on file_names")
+    for text in ("50%", "%", "_", "file_n", "5_%", ""):  # the text itself, not LIKE's wildcards
+        holding = [row["id"] for row in store.sessions() if text in row["title"]
+                   or any(text in m["content"] for m in store.messages(row["id"]))]
+        assert holding == [row["id"] for row in store.sessions(text)], text
+        assert (third.store_id in holding) == (text != "5_%"), text
+    store.delete_session(third.store_id)
     store.rename_session(first.store_id, "Birds")
     assert "Birds" == store.session(first.store_id)["title"]
     store.delete_session(first.store_id)

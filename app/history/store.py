@@ -268,13 +268,16 @@ class Store:
     def sessions(self, search: str = "") -> list[dict]:
         """Newest first, with turns and mean TTFT/TPOT (of the replies a Retry did not replace); search
         matches titles and message text."""
-        like = f"%{clean(search.strip())}%"
+        words = clean(search.strip())
+        # the text itself: % and _ are LIKE's wildcards, so "50%" would match every "50"
+        like = "%" + words.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         return self._query(
             "SELECT s.*, COUNT(m.id) AS turns, AVG(m.ttft_ms) AS mean_ttft_ms, AVG(m.tpot_ms) AS mean_tpot_ms "
             "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id AND m.role = 'assistant' "
             "AND m.replaced_by IS NULL "
-            "WHERE ? = '%%' OR s.title LIKE ? OR EXISTS (SELECT 1 FROM messages x WHERE x.session_id = s.id "
-            "AND x.content LIKE ?) GROUP BY s.id ORDER BY s.updated_at DESC, s.id DESC", [like, like, like])
+            "WHERE ? = '' OR s.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages x "
+            "WHERE x.session_id = s.id AND x.content LIKE ? ESCAPE '\\') "
+            "GROUP BY s.id ORDER BY s.updated_at DESC, s.id DESC", [words, like, like])
 
     def session(self, session_id: int) -> dict:
         rows = self._query("SELECT * FROM sessions WHERE id = ?", [session_id])
