@@ -378,6 +378,8 @@ def test_on_the_network_the_api_needs_its_key_and_the_ui_a_login():
             opener.open(f"{url}/ui/login", b"username=teacher&password=wrong", timeout=10)
         opener.open(f"{url}/ui/login", b"username=teacher&password=s3cret", timeout=10)
         assert opener.open(f"{url}/ui/config", timeout=10).status == 200
+        for path in ("/", "/favicon.ico"):  # a browser at the server's root is sent to the page
+            assert opener.open(f"{url}{path}", timeout=10).geturl() == f"{url}/ui{path}"
     finally:
         process.terminate()
         process.wait(timeout=30)
