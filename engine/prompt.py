@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 ROLES = ("system", "user", "assistant")
+WHICH = {"system": "the system prompt", "user": "a message", "assistant": "a reply"}  # for a message too long
 
 
 class PromptTooLong(ValueError):
@@ -23,7 +24,8 @@ def check_messages(messages: list[dict], max_chars: int | None = None) -> None:
                 or not isinstance(message.get("content"), str):
             raise ValueError(f"each message needs a role ({', '.join(ROLES)}) and text content")
         if max_chars is not None and len(message["content"]) > max_chars:
-            raise ValueError(f"a message holds {len(message['content']):,} characters; the limit is {max_chars:,}")
+            raise ValueError(f"{WHICH[message['role']]} holds {len(message['content']):,} characters; the limit is "
+                             f"{max_chars:,} (--limit-message-chars)")
     if messages[-1]["role"] != "user":
         raise ValueError(f"the last message must be the user's, not the {messages[-1]['role']}'s")
     if not messages[-1]["content"].strip():

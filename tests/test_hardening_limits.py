@@ -25,8 +25,10 @@ def engine_with(tiny, **limits) -> Engine:
 
 def test_message_prompt_and_new_token_limits_refuse_with_one_line(tiny):
     engine = engine_with(tiny, max_message_chars=50, max_prompt_tokens=30, max_new_tokens=10)
-    with pytest.raises(ValueError, match=r"a message holds 51 characters; the limit is 50"):
+    with pytest.raises(ValueError, match=r"^a message holds 51 characters; the limit is 50 \(--limit-message-chars\)$"):
         engine.new_request([{"role": "user", "content": "x" * 51}])
+    with pytest.raises(ValueError, match=r"^the system prompt holds 60 characters; the limit is 50"):
+        engine.new_request([{"role": "system", "content": "y" * 60}, {"role": "user", "content": "hi"}])
     with pytest.raises(PromptTooLong, match=r"40 tokens, but the limit is 30 prompt tokens \(--limit-prompt-tokens\)"):
         engine.new_request_from_ids(list(range(100, 140)))
     from app.ui.language import user_error
