@@ -42,6 +42,14 @@ class Faulty(BaseHTTPRequestHandler):
 
     received: list[dict] = []  # the requests' bodies
 
+    def do_GET(self) -> None:  # noqa: N802: the model list, refused as a server with an API key does
+        body = b'{"error": {"message": "a valid API key is required", "type": "authentication_error"}}'
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.received.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
         fault = self.path.split("/")[1]
@@ -144,6 +152,19 @@ def test_a_bad_slo_is_one_line(text):
     with pytest.raises(ValueError, match=f"--slo takes ttft:MS,tpot:MS,e2e:MS with milliseconds above 0, got '{text}'"):
         parse_slo(text)
     assert parse_slo("ttft:500, tpot:50") == {"ttft_ms": 500.0, "tpot_ms": 50.0}
+
+
+def test_a_key_refused_or_missing_is_said_as_such_and_a_sweep_where_all_fail_stops(faulty):
+    from app.remote.sweep import sweep
+
+    for key, said in ((None, "needs an API key (HTTP 401): give it with"), ("k", "refused the API key (HTTP 401)")):
+        with pytest.raises(ValueError) as error:
+            Endpoint(faulty, api_key=key).resolve_model()
+        assert str(error.value).startswith(f"{faulty}/v1 {said}"), error.value
+    lines = []
+    with pytest.raises(ValueError, match=r"^every request failed; the first: .*HTTP 500.*out of memory"):
+        sweep(Endpoint(f"{faulty}/500", "m", scrape_metrics=False), (1, 2), 2, 5, 4, log=lines.append)
+    assert "first error:" in lines[-1] and not any("concurrency 2" in line for line in lines)
 
 
 def test_connection_refused_is_said_at_once():

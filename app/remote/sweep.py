@@ -106,6 +106,10 @@ def sweep(endpoint: Endpoint, levels: tuple[int, ...], num_requests: int, input_
                        slo or {})
         log(f"    {result['output_tokens_per_s']:,.1f} tok/s, TTFT p50 {result['ttft_ms']['p50']} ms, "
             f"TPOT p50 {result['tpot_ms']['p50']} ms, {result['errors']} errors")
+        if result["errors"]:
+            log(f"    first error: {result['first_error']}")
+        if not report["levels"] and not result["completed"]:  # a wrong model or key: nothing to measure
+            raise ValueError(f"every request failed; the first: {result['first_error']}")
         report["levels"].append(result)
     return report
 
