@@ -64,14 +64,12 @@ class Endpoint:
             self.model = answer.json()["data"][0]["id"]
         except (httpx.ConnectError, httpx.TimeoutException) as exc:  # no server there: a model's name won't help
             raise ValueError(f"cannot reach {self.url}: {_say(exc)}") from None
-        except httpx.HTTPStatusError as exc:
-            if exc.response.status_code in (401, 403):  # a model's name won't help either
-                said = "refused the API key" if self.api_key else "needs an API key"
-                check = "check" if self.api_key else "give it with"
-                raise ValueError(f"{self.url} {said} (HTTP {exc.response.status_code}): {check} --endpoint-key or "
-                                 "PHASESCOPE_ENDPOINT_KEY") from None
-            raise ValueError(f"cannot list the models of {self.url}: {_say(exc)}; give the model's name") from None
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
+            if status in (401, 403):  # a model's name won't help either
+                said, what = ("refused the API key", "check") if self.api_key else ("needs an API key", "give it with")
+                raise ValueError(f"{self.url} {said} (HTTP {status}): {what} --endpoint-key or "
+                                 "PHASESCOPE_ENDPOINT_KEY") from None
             raise ValueError(f"cannot list the models of {self.url}: {_say(exc)}; give the model's name") from None
         return self.model
 

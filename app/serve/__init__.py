@@ -28,10 +28,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     api = metrics_api = create_api(engine, api_key)
     if with_ui:
         import gradio as gr
+        from fastapi.responses import RedirectResponse
 
         from ..main import build_app, launch_options
-
-        from fastapi.responses import RedirectResponse
 
         page = build_app(engine, store)
         page.live_streams.add_route(api, prefix="/ui")  # before the mount, which would take the path
