@@ -108,6 +108,10 @@ def test_write_refuses_to_overwrite_without_force(filled, tmp_path):
     assert "keep me" == path.read_text()
     write_export(filled, "csv", path, force=True)
     assert path.read_text().startswith("session_id,")
+    # a folder: the file goes in it, named as the History tab names it (and is not replaced without force)
+    assert tmp_path / "phasescope-all-sessions.csv" == write_export(filled, "csv", tmp_path)
+    with pytest.raises(FileExistsError, match="phasescope-all-sessions.csv exists; pass --force"):
+        write_export(filled, "csv", tmp_path)
 
 
 def test_a_full_disk_leaves_the_file_it_would_replace(filled, tmp_path, monkeypatch):

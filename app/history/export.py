@@ -188,6 +188,8 @@ def render_all(store: Store, session_id: int | None = None) -> tuple[dict[str, s
 def write_export(store: Store, fmt: str, path: Path, session_id: int | None = None, force: bool = False) -> Path:
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if path.is_dir():  # a folder: the file goes in it, named as the History tab names it
+        path = path / export_filename(fmt, session_id)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force to overwrite it")
     text = render(store, fmt, session_id)  # before opening the file: an unknown session leaves no file
