@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--session", type=int, help="the session id (see `phasescope sessions`)")
     scope.add_argument("--all", action="store_true", help="every session")
     export.add_argument("--format", choices=["csv", "json", "trace"], required=True)
-    export.add_argument("-o", "--output", help="the file to write, or a folder to write it in (default: standard output)")
+    export.add_argument("-o", "--output",
+                        help="the file to write, or a folder to write it in (default: standard output)")
     export.add_argument("--force", action="store_true", help="overwrite the output file if it exists")
     bench = commands.add_parser("bench", help="prefill and decode speed of each mode vs transformers (and llama.cpp)")
     bench.add_argument("--model", default=os.environ.get("PHASESCOPE_MODEL"))
