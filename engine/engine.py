@@ -358,8 +358,9 @@ class Engine:
         config = dataclasses.replace(self.config, precision=precision)  # checks the name
         running, waiting = self.load()
         if running or waiting:
-            raise EngineBusy(f"{running + waiting} replies are running or waiting: stop them or let them "
-                             f"finish, then switch to {precision}")
+            held = sum(not request.may_decode for request in list(self.scheduler.running))
+            raise EngineBusy(f"{running + waiting} replies are running or waiting ({held} held step by step): stop "
+                             f"them or let them finish, then switch to {precision}", held)
         self.close()  # a tensor-parallel runner's workers: the new one starts its own
         runner = self._runner_for(config)
         self.runner, self.config = runner, config

@@ -10,7 +10,12 @@ class KVPoolTooSmall(ValueError):
 
 
 class EngineBusy(RuntimeError):
-    """A change that needs an idle engine (e.g. another precision) asked for while requests run."""
+    """A change that needs an idle engine (e.g. another precision) asked for while requests run; held:
+    how many of them wait step by step for their user (explain mode's walk-through)."""
+
+    def __init__(self, message: str, held: int = 0) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 class QueueFull(EngineBusy):

@@ -466,6 +466,16 @@ def test_explain_tab_steps_one_token_at_a_time(page):
                            ".map(d => [d.name, d.x])")
     assert ["model", "after the cut-offs"] == [name for name, _ in series]
     assert [0, 0, 0] == series[1][1][2:]  # top-k 2 cut the third to fifth
+    # the held walk-through keeps the precision as it is, and the one warning says where it is
+    page.get_by_role("tab", name="Chat").click()
+    page.locator("#ps-precision input").click()
+    page.get_by_role("option", name="fp32", exact=True).click()
+    page.wait_for_selector("[data-testid=toast-body]:has-text('walk-through holds a reply')")
+    page.wait_for_timeout(500)
+    assert 1 == page.locator("[data-testid=toast-body]:has-text('walk-through holds a reply')").count()
+    assert "weights int8" in page.inner_text("#ps-model-line") and "int8" == page.input_value("#ps-precision input")
+    page.get_by_role("tab", name="Explain").click()
+    page.click("#ps-explain-stop")
 
 
 def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, app_url, tmp_path):

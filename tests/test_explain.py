@@ -49,6 +49,20 @@ def test_pressing_next_n_times_gives_the_greedy_runs_tokens(engine):
     engine.step()
 
 
+def test_a_held_walk_through_is_named_when_it_stops_a_precision_switch(engine):
+    from app.ui.language import user_error
+    from engine import EngineBusy
+
+    walk = stepped(engine, 1)
+    with pytest.raises(EngineBusy) as refused:
+        engine.switch_precision("fp16")
+    assert refused.value.held == 1 and "(1 held step by step)" in str(refused.value)
+    assert "Explain tab's walk-through holds a reply" in user_error("en", refused.value)
+    assert "讲解" in user_error("zh", refused.value)
+    walk.cancel()
+    engine.step()
+
+
 def test_the_candidates_are_the_softmax_of_the_models_logits(engine):
     walk = stepped(engine, 3)
     ids = walk.request.prompt_ids + walk.request.generated_ids

@@ -326,7 +326,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         replies.append(reply)
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
     measured = {"report": None}  # the last precision report, for a redraw in another language
-    precision.input(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
+    precision.select(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
                     concurrency_id="engine", show_progress="minimal")
     # New chat cancels the running request and closes its stream (new_chat), and the reply's events (so
     # that finish does not draw the chat it replaced)

@@ -70,7 +70,7 @@ def user_error(lang: str, error: Exception) -> str:
     if isinstance(error, QueueFull):
         return t(lang, "error.queue_full")
     if isinstance(error, EngineBusy):
-        return t(lang, "error.busy")
+        return t(lang, "error.busy_held" if error.held else "error.busy")
     if str(error) in EMPTY_MESSAGES:
         return t(lang, "error.empty")
     return t(lang, "error.other", detail=str(error))
