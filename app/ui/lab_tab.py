@@ -146,9 +146,8 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
         data, run_id = shown_now
         return [*lists, *_show(lab.LabResult.from_dict(data), run_id, lang_choice)]
 
-    # select, not change: a language switch relabels the list without resetting an edited prompt (and not
-    # input, which Gradio 6 sends twice for one pick)
-    experiment.select(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
+    # input, not change: a language switch relabels the list without resetting an edited prompt
+    experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
     run.click(on_run, [experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
               concurrency_id="lab")
     # an emptied prompt runs the experiment's own (lab.run): the box shows which

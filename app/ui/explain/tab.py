@@ -158,7 +158,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     pause.click(hold, [state, *choices], outputs, queue=False)
     stop.click(end, [state, *choices], outputs, queue=False)
     for dropdown in (layer, head):
-        dropdown.select(render, [state, *choices], outputs, queue=False)
+        dropdown.input(render, [state, *choices], outputs, queue=False)
     prompt.input(lambda text, lang_choice: views.tokens_html(engine.tokenizer, text, lang_choice), [prompt, lang],
                  [tokens], queue=False, show_progress="hidden")
     presenter.change(None, [presenter], None, js=PRESENTER_JS)
