@@ -405,9 +405,13 @@ def test_stalls_are_the_gaps_of_twice_the_median_and_the_time_they_add():
     assert stalls([5.0, 6.0, 5.5]) == {"count": 0, "share": 0.0}
 
 
-def _choose_precision(page, precision: str) -> None:
+def _choose_precision(page, precision: str, by_keys: bool = False) -> None:
     page.locator("#ps-precision input").click()
-    page.get_by_role("option", name=precision, exact=True).click()
+    if by_keys:  # the option above the current one
+        page.keyboard.press("ArrowUp")
+        page.keyboard.press("Enter")
+    else:
+        page.get_by_role("option", name=precision, exact=True).click()
     page.wait_for_function(f"() => document.querySelector('#ps-precision-note [data-kpi=precision] b')"
                            f"?.innerText === '{precision}'", timeout=120_000)
 
@@ -416,8 +420,8 @@ def test_precision_switch_keeps_the_app_running(page):
     assert "weights int8" in page.inner_text("#ps-model-line")  # auto: int8 where the native step runs
     set_setting(page, "ps-temperature", 0)
     set_setting(page, "ps-max-new", 8)
-    for precision, weights in (("fp32", "weights float32"), ("int8", "weights int8")):
-        _choose_precision(page, precision)
+    for precision, weights, by_keys in (("fp32", "weights float32", False), ("int8", "weights int8", True)):
+        _choose_precision(page, precision, by_keys)
         assert weights in page.inner_text("#ps-model-line")
         assert "decode: fused C++" in page.inner_text("#ps-model-line")
         send(page, f"Say something in {precision}.")

@@ -326,7 +326,9 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         replies.append(reply)
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
     measured = {"report": None}  # the last precision report, for a redraw in another language
-    precision.select(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
+    # change: once per pick, by mouse or keys (Gradio 6 sends input twice for a click, and select not for
+    # a key); the value put back after a refusal comes here too, and is the engine's already
+    precision.change(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
                     concurrency_id="engine", show_progress="minimal")
     # New chat cancels the running request and closes its stream (new_chat), and the reply's events (so
     # that finish does not draw the chat it replaced)
