@@ -198,10 +198,13 @@ def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _endpoint(args: argparse.Namespace):
-    from app.remote import Endpoint
+    from app.remote import Endpoint, KeyRefused
 
     endpoint = Endpoint(args.endpoint, args.endpoint_model, args.endpoint_key)
-    endpoint.resolve_model()
+    try:
+        endpoint.resolve_model()
+    except KeyRefused as exc:  # the page has a field for the key; here it is an option
+        raise KeyRefused(f"{exc}: give it with --endpoint-key or PHASESCOPE_ENDPOINT_KEY") from None
     return endpoint
 
 

@@ -157,10 +157,14 @@ def test_a_bad_slo_is_one_line(text):
 def test_a_key_refused_or_missing_is_said_as_such_and_a_sweep_where_all_fail_stops(faulty):
     from app.remote.sweep import sweep
 
-    for key, said in ((None, "needs an API key (HTTP 401): give it with"), ("k", "refused the API key (HTTP 401)")):
+    for key, said in ((None, "needs an API key (HTTP 401)"), ("k", "refused the API key (HTTP 401)")):
         with pytest.raises(ValueError) as error:
             Endpoint(faulty, api_key=key).resolve_model()
-        assert str(error.value).startswith(f"{faulty}/v1 {said}"), error.value
+        assert str(error.value) == f"{faulty}/v1 {said}"
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--endpoint", faulty], capture_output=True,
+                         text=True, cwd=ROOT, input="")
+    assert out.stderr.strip().endswith("needs an API key (HTTP 401): give it with --endpoint-key or "
+                                       "PHASESCOPE_ENDPOINT_KEY"), out.stderr
     lines = []
     with pytest.raises(ValueError, match=r"^every request failed; the first: .*HTTP 500.*out of memory"):
         sweep(Endpoint(f"{faulty}/500", "m", scrape_metrics=False), (1, 2), 2, 5, 4, log=lines.append)

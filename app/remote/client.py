@@ -29,6 +29,10 @@ SERVER_METRICS = ("kv_cache_usage_perc", "gpu_cache_usage_perc", "token_usage", 
                   "num_running_reqs")
 
 
+class KeyRefused(ValueError):
+    """The endpoint wants an API key, or another one (HTTP 401 or 403)."""
+
+
 @dataclass
 class Endpoint:
     """An OpenAI-compatible server: its base URL (…/v1), the model to ask for, an optional API key."""
@@ -67,9 +71,8 @@ class Endpoint:
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
             status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else None
             if status in (401, 403):  # a model's name won't help either
-                said, what = ("refused the API key", "check") if self.api_key else ("needs an API key", "give it with")
-                raise ValueError(f"{self.url} {said} (HTTP {status}): {what} --endpoint-key or "
-                                 "PHASESCOPE_ENDPOINT_KEY") from None
+                said = "refused the API key" if self.api_key else "needs an API key"
+                raise KeyRefused(f"{self.url} {said} (HTTP {status})") from None
             raise ValueError(f"cannot list the models of {self.url}: {_say(exc)}; give the model's name") from None
         return self.model
 
