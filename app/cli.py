@@ -462,6 +462,8 @@ def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> I
                 yield again
         elif text in ("/?", "/help"):
             print(f"{CHAT_COMMANDS}. Any other line is sent to the model.")
+        elif text.startswith("/") and " " not in text:  # a mistyped command, not a message (/usr/bin? is sent)
+            print(f"(no command {text}: /? lists them)")
         elif text:
             yield text
 

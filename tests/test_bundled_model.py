@@ -109,12 +109,13 @@ def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     db = tmp_path / "history.db"
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
                           "--db", str(db)],
-                         input="/retry\nMy name is Ada.\n/?\nWhat is my name?\n/clear\nHello\n/retry\n/bye\n",
+                         input="/retry\nMy name is Ada.\n/?\n/claer\nWhat is my name?\n/clear\nHello\n/retry\n/bye\n",
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
     assert len(lines) == 4 and "(new chat)" in out.stdout and "Any other line is sent to the model" in out.stdout
     assert "(no reply to retry yet)" in out.stdout and "(again: Hello)" in out.stdout
+    assert "(no command /claer: /? lists them)" in out.stdout  # a typo is not sent to the model
     (first, _), (second, cached), (third, _), (again, cached_again) = [(int(p), int(c)) for p, c in lines]
     assert second > first and cached > 0  # the second turn carries the first, from the cache
     assert third < second  # after /clear the conversation starts again
