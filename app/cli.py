@@ -551,6 +551,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from app.bench import tables as bench
     from app.bench.browser import browser_available
+    from engine.config import PRECISIONS
 
     if args.endpoint:
         return _load_sweep(args)
@@ -560,6 +561,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("-p, -n and -r must be at least 1")
     levels = _levels(args.concurrency)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not modes or any(m not in PRECISIONS for m in modes):  # at once, before the model loads
+        raise ValueError(f"--modes takes {', '.join(PRECISIONS)}, separated by commas, got {args.modes!r}")
     try:
         depths = tuple(int(d) for d in args.depth.split(",") if d.strip())
     except ValueError:

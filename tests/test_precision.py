@@ -191,6 +191,10 @@ def test_more_ranks_than_the_model_has_heads_stop_the_bench_before_it_measures()
                          capture_output=True, text=True)
     assert out.returncode == 2 and "this model has 9, so 1 to 9 ranks, not 10" in out.stderr, out.stderr
     assert "tok/s" not in out.stderr and "Traceback" not in out.stderr  # nothing was measured
+    out = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--modes", "fp32,int4"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip() == ("phasescope: error: --modes takes auto, fp32, fp16, "
+                                                          "bf16, int8, separated by commas, got 'fp32,int4'")
 
 
 def test_headline_figures_read_what_the_run_measured_and_leave_out_the_rest():
