@@ -186,7 +186,7 @@ def test_a_wrong_llama_bench_path_stops_the_bench_before_it_starts(tmp_path):
     assert "llama-bench did not run" in lines[0]
 
 
-def test_more_ranks_than_the_model_has_heads_stop_the_bench_before_it_measures():
+def test_too_many_ranks_or_an_unknown_mode_stop_the_bench_before_it_measures():
     out = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--tensor-parallel", "10"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "this model has 9, so 1 to 9 ranks, not 10" in out.stderr, out.stderr
