@@ -587,7 +587,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_lab(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from app import lab
     from app.history.store import Store
@@ -601,9 +600,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"no experiment {unknown[0]!r}; choose one of: all, {', '.join(lab.EXPERIMENTS)}")
     store = Store.open(args.db)  # first: a bad --db fails before the model loads
-    png = Path(args.png) if args.png else None
-    if png:
-        png.mkdir(parents=True, exist_ok=True)
+    png = _png_folder(args.png)
     engine = _engine(args)
     engine.warm_up()
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -633,7 +630,6 @@ def _load_sweep(args: argparse.Namespace) -> int:
     import csv
     import io
     import json
-    from pathlib import Path
 
     from app import lab
     from app.remote import sweep
@@ -642,14 +638,13 @@ def _load_sweep(args: argparse.Namespace) -> int:
     if min(args.requests, args.input_words, args.output_tokens) < 1 or (args.request_rate or 1) <= 0:
         raise ValueError("--requests, --input-words, --output-tokens and --request-rate must be positive")
     slo = sweep.parse_slo(args.slo)
+    folder = _png_folder(args.png)  # before the sweep's minutes, not after
     endpoint = _endpoint(args)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"phasescope bench --endpoint {endpoint.url} ({endpoint.model}): concurrency {', '.join(map(str, levels))}")
     report = sweep.sweep(endpoint, levels, args.requests, args.input_words, args.output_tokens, args.random_lengths,
                          args.request_rate, slo, log)
-    if args.png:
-        folder = Path(args.png)
-        folder.mkdir(parents=True, exist_ok=True)
+    if folder:
         log(f"  chart: {lab.write_image(lab.figure(sweep.figure_result(report)), folder / 'load-sweep')}")
     if args.output == "json":
         print(json.dumps(report, indent=1))
@@ -663,6 +658,19 @@ def _load_sweep(args: argparse.Namespace) -> int:
     else:
         print(sweep.markdown(report))
     return 0
+
+
+def _png_folder(text: str | None):
+    """--png's folder, made if missing; None without the option."""
+    from pathlib import Path
+
+    if not text:
+        return None
+    folder = Path(text).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--png takes a folder, and {folder} is a file")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _levels(text: str) -> tuple[int, ...]:

@@ -89,6 +89,14 @@ def test_cli_names_the_experiments_and_refuses_an_unknown_one():
     assert wrong.stderr.strip().splitlines()[-1].startswith("phasescope: error: no experiment 'kv-cach'")
 
 
+def test_a_png_option_naming_a_file_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "figures").write_text("not a folder")
+    out = subprocess.run([sys.executable, "-m", "app.cli", "lab", "batching", "--png", str(tmp_path / "figures"),
+                          "--db", str(tmp_path / "h.db")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "Loading" not in out.stderr
+    assert out.stderr.strip() == f"phasescope: error: --png takes a folder, and {tmp_path / 'figures'} is a file"
+
+
 def test_stop_ends_a_run_between_measurements(tiny):
     engine = Engine(tiny, EngineConfig())
     stop = threading.Event()
