@@ -120,6 +120,7 @@ class Engine:
         self._wakeup = threading.Event()  # a request arrived for the serving loop
         self._stopped = threading.Event()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # calls to run on the serving thread
+        self.calling: str | None = None  # what the call running now is, if its caller named it (see call)
         self.is_serving = False
 
     @classmethod
@@ -328,14 +329,15 @@ class Engine:
             self.is_serving = False
             self._run_jobs()
 
-    def call(self, job: Callable[[], T]) -> T:
+    def call(self, job: Callable[[], T], name: str | None = None) -> T:
         """Run job between two steps on the engine's own thread (the serving one, which owns the OpenMP
-        team; or this one when nothing serves) and return its result or raise its exception here."""
+        team; or this one when nothing serves) and return its result or raise its exception here. name:
+        what requests wait for meanwhile (self.calling), e.g. "lab" for a measurement that takes a while."""
         if not self.is_serving:
             with self._step_lock:
-                return job()
+                return self._named(name, job)
         done, outcome = threading.Event(), {}
-        self._jobs.put((job, done, outcome))
+        self._jobs.put((job, done, outcome, name))
         self._wakeup.set()
         done.wait()
         if "error" in outcome:
@@ -344,12 +346,19 @@ class Engine:
 
     def _run_jobs(self) -> None:
         while not self._jobs.empty():
-            job, done, outcome = self._jobs.get()
+            job, done, outcome, name = self._jobs.get()
             try:
-                outcome["value"] = job()
+                outcome["value"] = self._named(name, job)
             except BaseException as exc:  # handed back to the caller
                 outcome["error"] = exc
             done.set()
+
+    def _named(self, name: str | None, job: Callable[[], T]) -> T:
+        self.calling = name
+        try:
+            return job()
+        finally:
+            self.calling = None
 
     def switch_precision(self, precision: str) -> None:
         """Run the model in another precision from the next request on: the forward is rebuilt from the

@@ -111,6 +111,18 @@ def test_stop_ends_a_run_between_measurements(tiny):
     assert len(seen) == 1
 
 
+def test_a_reply_waiting_for_a_lab_run_says_so(tiny):
+    """The engine names a call while it runs (Engine.calling), and a chat's waiting reply says what holds it."""
+    from app.ui.chat_tab import _phase
+
+    engine = Engine(tiny)
+    assert "lab" == engine.call(lambda: engine.calling, name="lab") and engine.calling is None
+    request = engine.new_request_from_ids([5, 6, 7])
+    assert "the Lab is measuring" in engine.call(lambda: _phase(engine, None, request, "en"), name="lab")
+    assert "实验室正在测量" in engine.call(lambda: _phase(engine, None, request, "zh"), name="lab")
+    assert "Starting" in _phase(engine, None, request, "en")
+
+
 def test_a_variant_shares_the_forward_and_brings_its_own_switches(tiny):
     engine = Engine(tiny, EngineConfig(attention="sdpa"))
     eager = engine.variant(attention="eager", prefix_caching=False)

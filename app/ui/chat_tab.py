@@ -55,6 +55,8 @@ def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None, la
         return panels.phase_html(trace, num_others=0, lang=lang)
     running, _ = engine.load()
     if request is not None and request.status == Status.WAITING:
+        if engine.calling in panels.WAITING_FOR:  # a measurement holds the engine (Engine.call)
+            return panels.waiting_html(engine.calling, lang)
         place = engine.place_in_line(request)
         return panels.queued_html(running + (place or 0), running, lang)
     is_running = request is not None and not request.is_finished
@@ -236,7 +238,7 @@ def make_switch(engine: Engine, measured: dict):
             return engine.info.precision, gr.skip(), gr.skip()
         from ..bench.extras import precision_report  # the bench's modules import torch
 
-        measured["report"] = engine.call(lambda: precision_report(engine.loaded, engine.runner))
+        measured["report"] = engine.call(lambda: precision_report(engine.loaded, engine.runner), name="precision")
         return gr.skip(), panels.model_html(engine.info, lang), panels.precision_html(measured["report"], lang)
 
     return switch

@@ -92,7 +92,8 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
         def work() -> None:
             try:
-                outcome["result"] = engine.call(lambda: lab.run(engine, name, text, is_quick, progress.put, event))
+                outcome["result"] = engine.call(lambda: lab.run(engine, name, text, is_quick, progress.put, event),
+                                                name="lab")  # the chats' phase line says what they wait for
             except BaseException as exc:  # shown to the user below
                 outcome["error"] = exc
 

@@ -33,6 +33,14 @@ def queued_html(num_ahead: int, num_running: int, lang: str = DEFAULT) -> str:
             f'{counted(lang, num_ahead, "phase.queued_one", "phase.queued_many", running=num_running)}</div>')
 
 
+WAITING_FOR = {"lab": "phase.waiting_lab", "precision": "phase.waiting_precision"}  # Engine.calling's names
+
+
+def waiting_html(measuring: str, lang: str = DEFAULT) -> str:
+    """A reply waiting while a measurement holds the engine: the Lab's or a precision switch's."""
+    return f'<div class="ps-phase ps-queued" data-phase="queued">{t(lang, WAITING_FOR[measuring])}</div>'
+
+
 def _others(num_others: int, lang: str) -> str:
     return " · " + counted(lang, num_others, "phase.others_one", "phase.others_many") if num_others > 0 else ""
 
