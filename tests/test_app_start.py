@@ -54,6 +54,18 @@ def test_gradios_queue_looks_for_events_every_20_ms_not_every_millisecond(tmp_pa
     assert gradio.queueing.Queue.start_processing.__code__.co_names.count("sleep_when_free") >= 1
 
 
+def test_every_event_in_the_replies_concurrency_group_allows_the_batch(tmp_path):
+    """Gradio gives a concurrency group the lowest limit of its events once each has run: one event of
+    limit 1 among the replies' (a precision switch, an Explain demo) made every tab's chats reply in turn."""
+    from app.history.store import Store
+    from app.main import LoadingEngine, build_app
+
+    config = EngineConfig()
+    page = build_app(LoadingEngine(config), Store.open(tmp_path / "h.db"))
+    limits = {fn.name: fn.concurrency_limit for fn in page.fns.values() if fn.concurrency_id == "engine"}
+    assert limits and set(limits.values()) == {config.max_running}, limits
+
+
 COLLECTOR_AT_START = """
 import gc
 from app import cli

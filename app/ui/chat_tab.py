@@ -329,9 +329,11 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
     measured = {"report": None}  # the last precision report, for a redraw in another language
     # change: once per pick, by mouse or keys (Gradio 6 sends input twice for a click, and select not for
-    # a key); the value put back after a refusal comes here too, and is the engine's already
+    # a key); the value put back after a refusal comes here too, and is the engine's already. Its own
+    # concurrency group: Gradio gives a group the lowest limit of its events once each has run, and in the
+    # replies' group this one's 1 would have made the chats of every tab reply one at a time
     precision.change(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
-                    concurrency_id="engine", show_progress="minimal")
+                     concurrency_limit=1, concurrency_id="precision", show_progress="minimal")
     # New chat cancels the running request and closes its stream (new_chat), and the reply's events (so
     # that finish does not draw the chat it replaced)
     new.click(new_chat(engine, active, streams), [session, lang], tab.outputs, cancels=replies)

@@ -179,8 +179,10 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         return (demo, *show_demo(demo, lang_choice))
 
     for name, button in demo_buttons.items():
+        # one demo at a time, in a group of their own: in the chats' ("engine"), this event's limit of 1
+        # would become the group's once it ran (Gradio keeps the lowest), and every tab's chats reply in turn
         button.click(functools.partial(run_demo, name), [lang], [demo_state, demo_text, demo_plot],
-                     concurrency_id="engine")
+                     concurrency_limit=1, concurrency_id="explain-demo")
 
     def redraw(lang_choice, walk, layer_choice, head_choice, demo, text):
         """Every panel in another language, or on a page's load; before a walk-through, the prompt's tokens."""
