@@ -281,6 +281,20 @@ def test_bad_request_bodies_are_said_in_one_line(server, body, content_type, sai
     assert code == 400 and answer["error"]["message"].startswith(said), answer
 
 
+def test_more_choices_than_the_queue_takes_are_a_400_not_a_429_to_retry_forever():
+    process, url = start_server("--limit-waiting", "2")
+    try:
+        code, answer = post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3},
+                            key=None)
+        assert code == 400 and answer["error"]["message"] == ("3 choices in one request (prompts × n), but this "
+                                                              "server queues at most 2 requests (--limit-waiting)")
+        assert post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                   "max_tokens": 2}, key=None)[0] == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_bad_completion_prompts_and_a_missing_key(server):
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [10**9]})[0] == 400
     assert post(f"{server}/v1/completions", {"model": MODEL, "prompt": [[5, 6], [10**9]]})[0] == 400

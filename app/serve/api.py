@@ -72,8 +72,12 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
         together, so that the scheduler decodes them as one batch. Their events come into one queue,
         each with its choice's index. A queue full part-way cancels those already submitted: all run or
         none."""
-        if len(new_requests) * body.n > MAX_CHOICES:
+        choices, queue_limit = len(new_requests) * body.n, engine.config.limits.max_waiting
+        if choices > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts × n)", param="n")
+        if choices > queue_limit:  # never room for them all at once: not a 429 to retry forever
+            raise APIError(400, f"{choices} choices in one request (prompts × n), but this server queues at most "
+                                f"{queue_limit} requests (--limit-waiting)", param="n")
         try:
             sampling = body.sampling(max_tokens, engine.config.limits.max_new_tokens)
             jobs = [new_request(sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i))
