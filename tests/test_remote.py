@@ -40,15 +40,17 @@ class Faulty(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
 
-    received: list[dict] = []  # the requests' bodies
-
-    def do_GET(self) -> None:  # noqa: N802: the model list, refused as a server with an API key does
-        body = b'{"error": {"message": "a valid API key is required", "type": "authentication_error"}}'
-        self.send_response(401)
+    def _json(self, status: int, body: bytes) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    received: list[dict] = []  # the requests' bodies
+
+    def do_GET(self) -> None:  # noqa: N802: the model list, refused as a server with an API key does
+        self._json(401, b'{"error": {"message": "a valid API key is required", "type": "authentication_error"}}')
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.received.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
@@ -61,19 +63,9 @@ class Faulty(BaseHTTPRequestHandler):
             self.wfile.write(b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n')
             self.wfile.write(b"data: [DONE]\n\n")
         elif fault == "json":
-            body = b'{"choices": [{"message": {"content": "not a stream"}}]}'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._json(200, b'{"choices": [{"message": {"content": "not a stream"}}]}')
         elif fault == "500":
-            body = b'{"error": {"message": "out of memory", "type": "server_error"}}'
-            self.send_response(500)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self._json(500, b'{"error": {"message": "out of memory", "type": "server_error"}}')
         elif fault == "cut":
             self._start_stream()
             self.wfile.write(_chunk("partial"))
