@@ -737,6 +737,13 @@ class Engine:
         if not r.is_finished:
             self._finish(r, "error", error=f"{type(exc).__name__}: {exc}")
 
+    def finish_cancelled(self) -> None:
+        """End the requests cancelled since the last step, as the next step would. For a long call on the
+        engine's thread (a Lab run, between its measurements): a Stop pressed meanwhile ends its reply then,
+        not when the call is over."""
+        for r in self.scheduler.take_cancelled():
+            self._finish_cancelled(r)
+
     def _finish_cancelled(self, r: Request) -> None:
         """A user's cancel ends a request as cancelled; a limit's, as failed with the limit's message."""
         if r.cancel_error is not None:

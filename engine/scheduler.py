@@ -60,15 +60,18 @@ class Scheduler:
         with self._lock:
             return len(self.running), len(self.waiting) + len(self._inbox)
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan()
+    def take_cancelled(self) -> list[Request]:
+        """The requests cancelled since the last step, out of the running and waiting ones: to end."""
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
-            for queue in (self.running, self.waiting):
-                plan.cancelled += [r for r in queue if r.is_cancelled]
+            cancelled = [r for queue in (self.running, self.waiting) for r in queue if r.is_cancelled]
             self.running = [r for r in self.running if not r.is_cancelled]
             self.waiting = deque(r for r in self.waiting if not r.is_cancelled)
+        return cancelled
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(cancelled=self.take_cancelled())
         budget = self.max_step_tokens
         plan.decodes = [r for r in self.running if r.status == Status.DECODING and r.may_decode]
         budget -= len(plan.decodes)

@@ -111,6 +111,25 @@ def test_stop_ends_a_run_between_measurements(tiny):
     assert len(seen) == 1
 
 
+def test_a_chat_stopped_while_it_waits_for_a_run_ends_at_the_runs_next_measurement(tiny):
+    """A run holds the engine's thread; a reply waiting for it that the user stops ends between two of its
+    measurements, not when the whole run is over."""
+    engine = Engine(tiny, EngineConfig())
+    waiting = engine.new_request_from_ids([5, 6, 7])
+    events = []
+    engine.submit(waiting, [events.append])
+    ended_at = []
+
+    def progress(text) -> None:
+        if not ended_at:
+            waiting.cancel()  # Stop, pressed during the first measurement
+        ended_at.append(bool(events))
+
+    result = lab.run(engine, "batching", quick=True, progress=progress)
+    assert result.experiment == "batching" and ended_at[:2] == [False, True]  # at the second measurement
+    assert events[-1].reason == "cancelled" and waiting.is_finished and engine.load() == (0, 0)
+
+
 def test_a_reply_waiting_for_a_lab_run_says_so(tiny):
     """The engine names a call while it runs (Engine.calling), and a chat's waiting reply says what holds it."""
     from app.ui.chat_tab import _phase

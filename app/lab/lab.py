@@ -26,7 +26,9 @@ class Lab:
     stop: threading.Event | None = None
 
     def step(self, text: str | list) -> None:
-        """Between two measurements: stop here if asked to, else say what comes next (said(...))."""
+        """Between two measurements: stop here if asked to, else say what comes next (said(...)). The chats
+        waiting for the run that were stopped meanwhile end here (the run holds the engine's thread)."""
+        self.engine.finish_cancelled()
         if self.stop is not None and self.stop.is_set():
             raise LabStopped("stopped")
         if self.progress is not None:
