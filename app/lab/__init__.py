@@ -68,17 +68,20 @@ EXPERIMENTS = {e.name: e for e in [
 ]}
 
 
+def prompt_for(name: str, prompt: str | None) -> str:
+    """The prompt an experiment runs: the one given, or its own where none (or only spaces) is."""
+    return prompt if prompt and prompt.strip() else EXPERIMENTS[name].default_prompt
+
+
 def run(engine: Engine, name: str, prompt: str | None = None, quick: bool = False,
         progress: Callable[[str], None] | None = None, stop=None) -> LabResult:
     """Run one experiment on the engine (on the thread that steps it; not while it serves) and return its
     result, timed and with the machine it ran on. Raises LabStopped when stop is set between measurements."""
-    experiment = EXPERIMENTS[name]
-    prompt = prompt if prompt and prompt.strip() else experiment.default_prompt
     start = time.perf_counter()
-    result = experiment.run(Lab(engine, quick, progress, stop), prompt)
+    result = EXPERIMENTS[name].run(Lab(engine, quick, progress, stop), prompt_for(name, prompt))
     result.seconds, result.quick, result.machine = round(time.perf_counter() - start, 2), quick, machine(engine)
     return result
 
 
-__all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "figure", "run", "said", "words",
-           "write_image"]
+__all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "figure", "prompt_for", "run", "said",
+           "words", "write_image"]

@@ -151,9 +151,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
     run.click(on_run, [experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
               concurrency_id="lab")
-    # an emptied prompt runs the experiment's own (lab.run): the box shows which
-    run.click(lambda name, text: text if text.strip() else lab.EXPERIMENTS[name].default_prompt, [experiment, prompt],
-              [prompt], queue=False)
+    run.click(lab.prompt_for, [experiment, prompt], [prompt], queue=False)  # an emptied box shows what runs
     stop.click(lambda event: event.set() if event else None, [stop_event], None, queue=False)
     reopen.click(on_open, [runs, lang], [*shown, experiment, prompt, quick])
     texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, *shown])
