@@ -226,6 +226,33 @@ def test_migrates_the_first_schema_version_keeping_data(tmp_path):
     [message] = store.messages(1)
     assert ("hello", None, None) == (message["content"], message["kv_capacity_tokens"], message["error"])
     assert "old chat" == store.session(1)["title"]
+    assert ["idx_messages_session_id_turn"] == [index.name for index in store.db["messages"].indexes]
+    store.delete_session(1)
+    assert 2 == store.create_session("new chat", "m", "cpu", "float32", {})  # not the deleted chat's id
+
+
+def test_a_deleted_session_id_is_never_given_again(store):
+    """A tab that still holds a deleted session's id (a chat going on, a row selected in History) must not
+    find a stranger's session under it."""
+    first = store.create_session("first", "m", "cpu", "float32", {})
+    newest = store.create_session("newest", "m", "cpu", "float32", {})
+    reply = store.add_reply(newest, 1, "hi")
+    store.update_message(reply, status="complete")
+    store.delete_session(newest)
+    after = store.create_session("after", "m", "cpu", "float32", {})
+    assert after > newest > first
+    assert store.add_reply(after, 1, "hello") > reply
+
+
+def test_a_session_is_not_deleted_while_it_replies(store):
+    session = store.create_session("t", "m", "cpu", "float32", {})
+    reply = store.add_reply(session, 1, "hi")
+    with pytest.raises(StoreError, match=f"session {session} is replying now; delete it when the reply has ended"):
+        store.delete_session(session)
+    assert ["hi", ""] == [m["content"] for m in store.messages(session)]
+    store.update_message(reply, status="stopped")
+    store.delete_session(session)
+    assert not store.has_session(session)
 
 
 def test_a_file_that_is_not_sqlite_is_refused_and_untouched(tmp_path):

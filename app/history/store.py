@@ -87,7 +87,24 @@ def _v5(db: Database) -> None:
     db["messages"].add_column("replaced_by", int)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5]
+def _v6(db: Database) -> None:
+    """Ids are never given twice (AUTOINCREMENT): SQLite gives a new row the highest id + 1, so the id of
+    the newest session, once deleted, went to the next one, and a tab that still held the old id (a chat
+    going on, a row selected in History) wrote to or deleted a stranger's session. SQLite cannot add
+    AUTOINCREMENT to a table: sessions and messages are copied into new tables that have it."""
+    for table in ("sessions", "messages"):
+        sql = db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", [table]).fetchone()[0]
+        primary_key = '"id" INTEGER PRIMARY KEY,'
+        assert primary_key in sql, sql
+        sql = sql.replace(primary_key, '"id" INTEGER PRIMARY KEY AUTOINCREMENT,', 1)
+        db.execute(sql.replace(f'"{table}"', f'"{table}_v6"', 1))
+        db.execute(f'INSERT INTO "{table}_v6" SELECT * FROM "{table}"')  # sets sqlite_sequence to the highest id
+        db.execute(f'DROP TABLE "{table}"')
+        db.execute(f'ALTER TABLE "{table}_v6" RENAME TO "{table}"')
+    db["messages"].create_index(["session_id", "turn"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
 LATEST_VERSION = len(MIGRATIONS)
 
 # a step's columns, in the order add_steps writes them (token_text, token_prob and batch_size last)
@@ -246,8 +263,13 @@ class Store:
             self.db["sessions"].update(session_id, {"title": clean(title.strip()[:80]) or "Untitled"})
 
     def delete_session(self, session_id: int) -> None:
+        """Delete a session with its messages and steps; refused while one of its replies is being written
+        (by a chat in another tab, or another process), whose steps would be left behind with no message."""
         self.session(session_id)
         with self._write():
+            if self.db.execute("SELECT 1 FROM messages WHERE session_id = ? AND status = 'in_progress'",
+                               [session_id]).fetchone():
+                raise StoreError(f"session {session_id} is replying now; delete it when the reply has ended")
             self.db.execute("DELETE FROM steps WHERE message_id IN (SELECT id FROM messages WHERE session_id = ?)",
                             [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])
