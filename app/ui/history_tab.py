@@ -13,7 +13,7 @@ import gradio as gr
 
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
-from .panels import attention, with_attention, without_attention
+from .panels import with_attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render_all
 from ..history.recorder import load_chat
@@ -164,12 +164,12 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             return gr.Button(visible=False), with_attention(shown, t(lang_choice, "saved.select_first"))
         return gr.Button(visible=True), without_attention(shown)
 
-    def do_delete(session_id, query, lang_choice):
+    def do_delete(session_id, query, shown, lang_choice):
         try:
             store.delete_session(session_id)
         except StoreError as exc:
-            return [gr.skip(), attention(t(lang_choice, "error.other", detail=exc)), gr.Button(visible=False),
-                    gr.skip()] + [gr.skip() for _ in FORMATS]
+            line = with_attention(shown, t(lang_choice, "error.other", detail=exc))
+            return [gr.skip(), line, gr.Button(visible=False), gr.skip()] + [gr.skip() for _ in FORMATS]
         return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice)] + \
             [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
 
@@ -183,6 +183,6 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     open_button.click(open_session, [selected, chosen, lang], [*chat.outputs, tabs, chosen], queue=False)
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
-    confirm.click(do_delete, [selected, search, lang], [selected, chosen, confirm, table, *one], queue=False)
+    confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one], queue=False)
     texts.on_switch(lambda lang_choice, query: (table_value(query, lang_choice), t(lang_choice, "saved.select_hint")),
                     [search], [table, chosen])
