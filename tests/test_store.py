@@ -139,6 +139,36 @@ def test_a_retried_reply_takes_the_turn_and_the_replaced_one_stays_in_the_histor
     assert 1 + 6 == len(replaced_rows) and {str(retried["id"])} == {row["replaced_by"] for row in replaced_rows}
 
 
+def test_a_session_continued_in_two_tabs_goes_on_in_a_copy_for_the_second(tiny, store):
+    """Tab one chats on in a session that tab two opened from History: tab two's next turn, or its Retry,
+    must not take tab one's turn as its own (a retry marking tab one's reply replaced, its message lost)."""
+    engine = Engine(tiny)
+    one, _, _ = record(engine, store, "Question 1")
+    record(engine, store, "Question 2", session=one)
+    for retry in (False, True):
+        two = load_chat(store, one.store_id)  # History: Open in chat
+        record(engine, store, "Tab one's next question", session=one)
+        if retry:  # of the last turn tab two has
+            two.asked = two.messages[-2]["content"]
+            two.retract()
+        record(engine, store, "Tab two's question", session=two)
+        turns = len(two.traces)
+        assert [f"another tab continued session {one.store_id} meanwhile: this chat goes on as session "
+                f"{two.store_id}, which starts with a copy of the turns before this one"] == two.warnings
+        mine = store.messages(one.store_id)
+        assert all(m["replaced_by"] is None for m in mine) and "Tab two's question" not in str(mine)
+        copied = store.messages(two.store_id)
+        assert [(m["turn"], m["role"], m["content"]) for m in mine[:2 * turns - 2]] == [
+            (m["turn"], m["role"], m["content"]) for m in copied[:-2]]
+        assert [len(store.steps(m["id"])) for m in mine[:2 * turns - 2]] == [  # the copies' steps too
+            len(store.steps(m["id"])) for m in copied[:-2]]
+        assert [(turns, "user"), (turns, "assistant")] == [(m["turn"], m["role"]) for m in copied[-2:]]
+        assert "Tab two's question" == copied[-2]["content"]
+        assert two.store_id != one.store_id and turns == store.sessions()[0]["turns"]
+        record(engine, store, "Tab two goes on", session=two)  # in its own session now: no second copy
+        assert 1 == len(two.warnings) and turns + 1 == store.sessions()[0]["turns"]
+
+
 def test_cached_prompt_tokens_and_batch_sizes_are_stored_and_restored(tiny, store):
     from app.history.export import to_csv, to_json
 

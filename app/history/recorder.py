@@ -13,7 +13,7 @@ from engine.metrics import RequestMetrics, session_summary
 
 from ..i18n import DEFAULT, t
 from ..ui.session import ChatSession
-from .store import FINAL_STATUS, Store, StoreError
+from .store import FINAL_STATUS, SessionMoved, Store, StoreError
 from ..ui.trace import ReplyTrace, summary_metrics
 
 BATCH_STEPS = 32  # steps per write
@@ -88,9 +88,17 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo]):
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
             settings = {name: getattr(sampling, name) for name in sampling.__slots__}
             about = session.endpoint.info() if session.endpoint is not None else model()  # a remote chat: the endpoint
+            session.saved_reply = None
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
                                                     about.name, about.device, about.dtype, settings)
-        message_id = store.add_reply(session.store_id, trace.turn, user_text)  # a retried turn: a new reply
+        try:  # a retried turn: a new reply
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply)
+        except SessionMoved:  # another tab continued this session: this chat goes on in a copy of it
+            continued = session.store_id
+            session.store_id = store.fork_session(continued, trace.turn)
+            session.warn(t(session.lang, "warning.session_forked", old=continued, new=session.store_id))
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id))
+        session.saved_reply = message_id
         return MessageRecorder(store, message_id,
                                on_error=lambda exc: session.warn(t(session.lang, "warning.save_failed", detail=exc)))
 
@@ -162,4 +170,5 @@ def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession
             for event in message_events(message, store.steps(message["id"])):
                 trace.add(event)
             session.restore_exchange(questions.get(message["turn"], ""), trace)
+            session.saved_reply = message["id"]
     return session

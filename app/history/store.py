@@ -21,7 +21,7 @@ from sqlite_utils import Database
 
 from engine import valid_text
 
-from .errors import StoreError
+from .errors import SessionMoved, StoreError
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 FINAL_STATUS = {"eos": "complete", "length": "complete", "stop": "complete", "cancelled": "stopped",
@@ -122,6 +122,11 @@ def _check_file(path: Path) -> None:
                 raise StoreError(f"{path} is not a SQLite database; it was left untouched (choose another with --db)")
 
 
+def _without_id(row: dict) -> dict:
+    """A row to insert again as a new one: SQLite gives it the next id."""
+    return {name: value for name, value in row.items() if name != "id"}
+
+
 class Store:
     """A thin class over sqlite-utils. Safe to share between threads (one lock around the connection)."""
 
@@ -217,12 +222,16 @@ class Store:
             return self.db["messages"].insert(dict(session_id=session_id, turn=turn, role=role, content=clean(content),
                                                    status=status, created_at=stamp)).last_pk
 
-    def add_reply(self, session_id: int, turn: int, user_text: str) -> int:
+    def add_reply(self, session_id: int, turn: int, user_text: str, latest: int | None = None) -> int:
         """A turn's user message and its assistant reply (in progress), in one transaction; returns the
         reply's id. A turn that has a reply already is being retried: its user message stays as it is,
-        and its earlier replies are marked replaced_by the new one."""
+        and its earlier replies are marked replaced_by the new one. latest: the session's latest reply as
+        the sending chat knows it (None: no reply yet); where the session has another (a second tab
+        continued it), SessionMoved is raised and nothing is written."""
         stamp = now_iso()
         with self._write():
+            if self._latest_reply(session_id) != latest:
+                raise SessionMoved(f"session {session_id} was continued elsewhere")
             self.db["sessions"].update(session_id, {"updated_at": stamp})
             this_turn = [session_id, turn]
             retried = self.db.execute("SELECT 1 FROM messages WHERE session_id = ? AND turn = ? "
@@ -236,6 +245,25 @@ class Store:
                             "AND role = 'assistant' AND replaced_by IS NULL AND id != ?",
                             [reply_id, *this_turn, reply_id])
             return reply_id
+
+    def fork_session(self, session_id: int, before_turn: int) -> int:
+        """A new session holding a copy of this one's turns before before_turn (each turn's reply that no
+        Retry replaced, with its steps): where a chat goes on that another tab has continued meanwhile.
+        Returns the new session's id."""
+        stamp = now_iso()
+        with self._write():
+            old = self.session(session_id)
+            new_id = self.db["sessions"].insert({**_without_id(old), "created_at": stamp, "updated_at": stamp}).last_pk
+            kept = self.db.execute("SELECT * FROM messages WHERE session_id = ? AND turn < ? AND replaced_by IS NULL "
+                                   "ORDER BY turn, id", [session_id, before_turn])
+            columns = [column[0] for column in kept.description]
+            for row in kept.fetchall():
+                message = dict(zip(columns, row))
+                copy_id = self.db["messages"].insert({**_without_id(message), "session_id": new_id}).last_pk
+                self.db.execute(f"INSERT INTO steps ({', '.join(STEP_FIELDS)}) SELECT ?, "
+                                f"{', '.join(STEP_FIELDS[1:])} FROM steps WHERE message_id = ?",
+                                [copy_id, message["id"]])
+            return new_id
 
     def update_message(self, message_id: int, **fields) -> None:
         fields = {k: clean(v) if isinstance(v, str) else v for k, v in fields.items()}
@@ -306,6 +334,15 @@ class Store:
         if not rows:
             raise StoreError(f"no session with id {session_id}")
         return rows[0]
+
+    def _latest_reply(self, session_id: int) -> int | None:
+        """The id of the session's newest reply that no Retry replaced; None before its first."""
+        return self.db.execute("SELECT MAX(id) FROM messages WHERE session_id = ? AND role = 'assistant' "
+                               "AND replaced_by IS NULL", [session_id]).fetchone()[0]
+
+    def latest_reply(self, session_id: int) -> int | None:
+        with self._lock:
+            return self._latest_reply(session_id)
 
     def has_session(self, session_id: int) -> bool:
         return bool(self._query("SELECT 1 FROM sessions WHERE id = ?", [session_id]))

@@ -39,6 +39,7 @@ class ChatSession:
     display: list[dict] = field(default_factory=list)  # what the Chatbot shows
     traces: list[ReplyTrace] = field(default_factory=list)  # one per assistant reply
     store_id: int | None = None  # the history database's session id, once saved
+    saved_reply: int | None = None  # the id of store_id's latest reply as this chat knows it (Store.add_reply)
     pending: str = ""  # a message accepted and waiting for the engine
     warnings: list[str] = field(default_factory=list)  # e.g. the history could not be saved
     lang: str = DEFAULT  # the page's language when the chat last sent or switched (app/i18n)
