@@ -170,6 +170,11 @@ class LoadingEngine:
     def config(self) -> EngineConfig:
         return self._engine.config if self._engine is not None else self._config
 
+    @property
+    def loading(self) -> bool:
+        """Whether reading the engine would still wait (an Engine has no such attribute: it is loaded)."""
+        return not self._done.is_set()
+
     def __getattr__(self, name: str):
         return getattr(self.wait(), name)
 

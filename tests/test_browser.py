@@ -416,18 +416,23 @@ def _choose_precision(page, precision: str, by_keys: bool = False) -> None:
                            f"?.innerText === '{precision}'", timeout=120_000)
 
 
-def test_precision_switch_keeps_the_app_running(page):
+def test_precision_switch_keeps_the_app_running(page, browser, app_url):
     assert "weights int8" in page.inner_text("#ps-model-line")  # auto: int8 where the native step runs
-    set_setting(page, "ps-temperature", 0)
-    set_setting(page, "ps-max-new", 8)
+    other = open_chat(browser, app_url)  # a second tab, drawn before the switches
+    for tab in (page, other):
+        set_setting(tab, "ps-temperature", 0)
+        set_setting(tab, "ps-max-new", 8)
     for precision, weights, by_keys in (("fp32", "weights float32", False), ("int8", "weights int8", True)):
         _choose_precision(page, precision, by_keys)
         assert weights in page.inner_text("#ps-model-line")
         assert "decode: fused C++" in page.inner_text("#ps-model-line")
-        send(page, f"Say something in {precision}.")
-        wait_phase(page, "done")
-        page.wait_for_function("() => /\\d+ tok$/.test([...document.querySelectorAll('#ps-chatbot "
-                               "[data-testid=bot]')].pop().innerText.trim())")  # the stats line: a whole reply
+        for tab in (page, other):  # the other tab's reply says the precision it runs in, as its selector does
+            send(tab, f"Say something in {precision}.")
+            wait_phase(tab, "done")
+            tab.wait_for_function("() => /\\d+ tok$/.test([...document.querySelectorAll('#ps-chatbot "
+                                  "[data-testid=bot]')].pop().innerText.trim())")  # the stats line: a whole reply
+            assert weights in tab.inner_text("#ps-model-line") and precision == tab.input_value("#ps-precision input")
+    other.close()
     note = page.inner_text("#ps-precision-note")
     assert re.search(r"int8: [\d.]+% top-1 agreement with fp32, KL [\d.]+ nats .* decode [\d.]+× fp32", note)
 

@@ -108,20 +108,30 @@ def _backend_choices(lang: str) -> list[tuple[str, str]]:
 SETTINGS = ("system", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "prefill_chunk")
 
 
-def make_accept(active: ActiveRequests, streams: live.Streams):
+def _model_line(chat: ChatSession, engine: Engine, lang: str) -> str:
+    """What answers this chat: the local model as it runs now, or the chat's remote endpoint."""
+    return panels.endpoint_html(chat.endpoint, lang) if chat.endpoint else panels.model_html(engine.info, lang)
+
+
+def make_accept(engine: Engine, active: ActiveRequests, streams: live.Streams):
     """The fast first step of sending: show the message and the queue position, clear the box, keep
-    the settings for respond, and open the reply's stream (the page follows it once the message shows)."""
+    the settings for respond, and open the reply's stream (the page follows it once the message shows).
+    The model line and the precision selector are drawn again: another tab may have switched the
+    precision since this one was drawn, and the reply runs in the engine's."""
     def accept(message, session, lang, *settings):
         session = session or ChatSession()
         session.lang = lang
         text = (message or "").strip()
         if not text or session.pending:  # an empty message does nothing; one reply at a time per chat
-            return gr.skip(), gr.skip(), gr.skip(), session
+            return gr.skip(), gr.skip(), gr.skip(), session, gr.skip(), gr.skip()
         session.accept(text)
         session.settings = dict(zip(SETTINGS, settings))
         streams.open(session.reply_id)
         active.wait(session.id)
-        return session.display, "", panels.queued_html(0, 0, lang), session
+        queued = (session.display, "", panels.queued_html(0, 0, lang), session)
+        if getattr(engine, "loading", False):  # the page's load draws the model line once the model is there
+            return *queued, gr.skip(), gr.skip()
+        return *queued, _model_line(session, engine, lang), engine.info.precision
 
     return accept
 
@@ -132,9 +142,9 @@ def make_retry(accept):
     are in the engine's prefix cache, and the new reply's TTFT shows it."""
     def retry(message, session, lang, *settings):
         if session is None or session.pending or not session.display or not session.asked.strip():
-            return gr.skip(), gr.skip(), gr.skip(), session
-        display, _, phase, session = accept(session.retract(), session, lang, *settings)
-        return display, gr.skip(), phase, session
+            return gr.skip(), gr.skip(), gr.skip(), session, gr.skip(), gr.skip()
+        display, _, *rest = accept(session.retract(), session, lang, *settings)
+        return display, gr.skip(), *rest
 
     return retry
 
@@ -314,14 +324,14 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     named = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  repetition_penalty=repetition_penalty, seed=seed, prefill_chunk=prefill_chunk)
     settings = [named[name] for name in SETTINGS]  # accept zips them with SETTINGS
-    accept, finish = make_accept(active, streams), make_finish(engine, active)
+    accept, finish = make_accept(engine, active, streams), make_finish(engine, active)
     respond = make_respond(engine, active, recorder, streams)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
     replies = []
     for trigger, first in ((message.submit, accept), (send.click, accept), (chatbot.retry, make_retry(accept))):
         # accept is instant: no progress overlay (its fade in and out was drawn as decode began)
-        accepted = trigger(first, [message, session, lang, *settings], [chatbot, message, phase, session],
-                           queue=False, show_progress="hidden")
+        accepted = trigger(first, [message, session, lang, *settings], [chatbot, message, phase, session, model_line,
+                                                                        precision], queue=False, show_progress="hidden")
         reply = accepted.then(respond, [session], None, concurrency_limit=engine.config.max_running,
                               concurrency_id="engine", show_progress="hidden")
         reply.then(finish, [session], tab.outputs, queue=False, show_progress="hidden")
@@ -343,13 +353,12 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         chat = chat or ChatSession(lang=lang_choice)
         if kind == "local" or not (url or "").strip():
             chat.endpoint = None
-            return chat, panels.model_html(engine.info, lang_choice)
+            return chat, _model_line(chat, engine, lang_choice)
         try:
             endpoint = Endpoint(url.strip(), (model or "").strip() or None, (key or "").strip() or None)
             endpoint.resolve_model()
         except ValueError as exc:  # said under the model line: the backend this chat keeps, and why not that one
-            kept = panels.endpoint_html(chat.endpoint, lang_choice) if chat.endpoint else panels.model_html(
-                engine.info, lang_choice)
+            kept = _model_line(chat, engine, lang_choice)  # the backend this chat keeps, and why not that one
             return chat, kept + panels.attention(user_error(lang_choice, exc))
         chat.endpoint = endpoint
         return chat, panels.endpoint_html(endpoint, lang_choice)
@@ -364,9 +373,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         chat.lang = lang_choice
         trace = chat.traces[-1] if chat.traces else None
         outputs = render(chat, engine, trace, chatbot=False)
-        model = panels.endpoint_html(chat.endpoint, lang_choice) if chat.endpoint else panels.model_html(engine.info,
-                                                                                                        lang_choice)
-        return (*outputs[2:-1], model, panels.precision_html(measured["report"], lang_choice),
+        return (*outputs[2:-1], _model_line(chat, engine, lang_choice),
+                panels.precision_html(measured["report"], lang_choice),
                 gr.Dropdown(choices=precisions(engine), value=engine.info.precision))
 
     texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note,
