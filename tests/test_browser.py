@@ -437,7 +437,7 @@ def test_precision_switch_keeps_the_app_running(page, browser, app_url):
     assert re.search(r"int8: [\d.]+% top-1 agreement with fp32, KL [\d.]+ nats .* decode [\d.]+× fp32", note)
 
 
-def test_explain_tab_steps_one_token_at_a_time(page):
+def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     page.get_by_role("tab", name="Explain").click()
     page.click("#ps-explain-start")  # prefill, held after its token
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
@@ -461,7 +461,17 @@ def test_explain_tab_steps_one_token_at_a_time(page):
     assert len(grid["x"]) == len(grid["z"][0])
     candidates = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').data[0]")
     assert 5 == len(candidates["x"]) and abs(sum(candidates["x"])) <= 1.0
+    other = open_chat(browser, app_url)  # a second tab's walk-through runs beside this one's, not after it
+    other.get_by_role("tab", name="Explain").click()
+    other.click("#ps-explain-start")
+    other.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     page.click("#ps-explain-run")
+    other.click("#ps-explain-run")
+    other.wait_for_function("() => document.querySelector('#ps-explain-steps [data-explain]')?.dataset.tokens >= 4",
+                            timeout=60_000)
+    assert page.locator("#ps-explain-steps [data-explain=running]").count() == 1
+    other.click("#ps-explain-stop")
+    other.close()
     # Run paces its tokens (RUN_STEP_S: 61 more tokens take 18 s at least) and draws each one: at a busy hour
     # on two cores a step and its drawing took over a second (60 s ran out once)
     page.wait_for_selector("#ps-explain-steps [data-explain=done]", timeout=180_000)

@@ -116,7 +116,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
 
     def next_token(walk, layer_choice, head_choice, lang_choice):
         if walk is not None and not walk.trace.finished:
-            walk.running = False
+            walk.running = None
             count = len(walk.trace.steps)
             engine.allow(walk.request, 1)
             _wait(lambda: len(walk.trace.steps) > count or walk.trace.finished)
@@ -128,8 +128,8 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         its last step must not be drawn over by this walk."""
         if walk is None or walk.trace.finished:
             return
-        walk.running = True
-        while walk.running and not walk.trace.finished:
+        walk.running = this_run = object()  # a second Run of the same walk takes over from this one
+        while walk.running is this_run and not walk.trace.finished:
             began, count = time.monotonic(), len(walk.trace.steps)
             engine.allow(walk.request, 1)
             _wait(lambda: len(walk.trace.steps) > count or walk.trace.finished)
@@ -137,16 +137,17 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
                 return
             yield render(walk, layer_choice, head_choice, lang_choice)[1:]  # shows "done" at the end
             time.sleep(max(0.0, RUN_STEP_S - (time.monotonic() - began)))
-        walk.running = False
+        if walk.running is this_run:
+            walk.running = None
 
     def hold(walk, layer_choice, head_choice, lang_choice):
         if walk is not None:
-            walk.running = False  # Run stops after its current step
+            walk.running = None  # Run stops after its current step
         return render(walk, layer_choice, head_choice, lang_choice)
 
     def end(walk, layer_choice, head_choice, lang_choice):
         if walk is not None and not walk.trace.finished:
-            walk.running = False
+            walk.running = None
             walk.cancel()
             _wait(lambda: walk.trace.finished)
         return render(walk, layer_choice, head_choice, lang_choice)
@@ -154,11 +155,13 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     outputs, choices = [state, tokens, panel, pipeline, candidates, grid], [layer, head, lang]
     start.click(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs)
     step.click(next_token, [state, *choices], outputs)
-    run.click(run_on, [state, *choices], outputs[1:], show_progress="hidden")
+    # each tab's walk-through runs at once: with Gradio's default limit of 1, a Run in a second tab waited,
+    # with nothing drawn, until the first tab's reply had ended (20 s)
+    run.click(run_on, [state, *choices], outputs[1:], show_progress="hidden", concurrency_limit=None)
     pause.click(hold, [state, *choices], outputs, queue=False)
     stop.click(end, [state, *choices], outputs, queue=False)
-    for dropdown in (layer, head):
-        dropdown.input(render, [state, *choices], outputs, queue=False)
+    for dropdown in (layer, head):  # change, not input: Gradio 6 sends a click on an option as two inputs
+        dropdown.change(render, [state, *choices], outputs, queue=False)
     prompt.input(lambda text, lang_choice: views.tokens_html(engine.tokenizer, text, lang_choice), [prompt, lang],
                  [tokens], queue=False, show_progress="hidden")
     presenter.change(None, [presenter], None, js=PRESENTER_JS)

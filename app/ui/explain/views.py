@@ -37,7 +37,7 @@ class Walkthrough:
     request: Request
     trace: ReplyTrace
     text: str  # the user's text, as typed
-    running: bool = False  # "Run" lets it go on until it ends or is paused
+    running: object | None = None  # the Run that lets it go on until it ends or is paused (its own token)
 
     def cancel(self) -> None:
         self.request.cancel()
