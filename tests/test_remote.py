@@ -196,6 +196,14 @@ def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_saves_it_as_stopped(fau
     assert len(Store.open(db).steps(reply["id"])) == reply["generated_tokens"] < 1500
 
 
+def test_a_reply_the_server_refused_in_the_terminal_chat_is_its_error_without_a_timing_line(faulty, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--endpoint", f"{faulty}/500", "--endpoint-model",
+                          "m", "--db", str(tmp_path / "h.db")], input="Hi\n", capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and "answered HTTP 500: out of memory" in out.stdout, out.stderr
+    assert "TTFT" not in out.stdout  # nothing was measured: no line of n/a
+
+
 @pytest.fixture(scope="module")
 def own_server(tmp_path_factory):
     from tests.test_serve import start_server
