@@ -375,9 +375,20 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         assert ["Phases"] == history_titles(page)
         assert "3" in page.locator(HISTORY_CELLS).all_inner_texts()[4]  # three turns now
         page.locator(HISTORY_CELLS, has_text="Phases").first.click()
+        other = open_chat(browser, url)  # a second tab with the same session selected
+        open_history(other)
+        other.locator(HISTORY_CELLS, has_text="Phases").first.click()
         page.click("#ps-history-delete")
         page.click("#ps-history-confirm")
         page.wait_for_function("() => !document.querySelector('#ps-history-table').innerText.includes('Phases')")
+        other.click("#ps-history-open")  # the session the first tab deleted: said so, and not opened
+        other.wait_for_selector("#ps-history-selected .ps-attention:has-text('Session 1 is no longer in the history')")
+        assert "History" == other.locator("button[role=tab][aria-selected=true]").inner_text()
+        other.fill("#ps-history-title textarea, #ps-history-title input", "Gone")
+        other.click("#ps-history-rename")  # said so too, with the list as it is now (it was a server error)
+        other.wait_for_function("() => !document.querySelector('#ps-history-table').innerText.includes('Phases')")
+        assert "no longer in the history" in other.inner_text("#ps-history-selected")
+        other.close()
         page.close()
     finally:
         process.terminate()

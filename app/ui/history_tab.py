@@ -144,32 +144,45 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return [session_id, label, gr.Button(visible=False), *downloads]
 
     # What a button needs first is said under the selection's line (panels.attention), which stays
-    def open_session(session_id, shown, lang_choice):
+    def refused(session_id, shown, lang_choice) -> str | None:
+        """The selection's line with why a button does nothing: no session selected, or the selected one
+        deleted meanwhile (in another tab); None where the button may go on."""
         if session_id is None:
-            first = with_attention(shown, t(lang_choice, "saved.select_first"))
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), first)
+            return with_attention(shown, t(lang_choice, "saved.select_first"))
+        if not store.has_session(session_id):
+            return with_attention(shown, t(lang_choice, "saved.gone", id=session_id))
+        return None
+
+    def open_session(session_id, shown, lang_choice):
+        if line := refused(session_id, shown, lang_choice):
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line)
         session = load_chat(store, session_id, lang_choice)
         trace = session.traces[-1] if session.traces else None
         return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown))
 
     def do_rename(session_id, new_title, query, shown, lang_choice):
-        if session_id is None or not (new_title or "").strip():
-            key = "saved.select_first" if session_id is None else "saved.title_first"
-            return gr.skip(), gr.skip(), with_attention(shown, t(lang_choice, key)), *[gr.skip() for _ in FORMATS]
+        line = refused(session_id, shown, lang_choice)
+        if line is None and not (new_title or "").strip():
+            line = with_attention(shown, t(lang_choice, "saved.title_first"))
+        if line:
+            return gr.skip(), table_value(query, lang_choice), line, *[gr.skip() for _ in FORMATS]
         store.rename_session(session_id, new_title)
         return "", table_value(query, lang_choice), *selection(session_id, lang_choice)  # the new title's files
 
     def ask_to_delete(session_id, shown, lang_choice):
-        if session_id is None:
-            return gr.Button(visible=False), with_attention(shown, t(lang_choice, "saved.select_first"))
+        if line := refused(session_id, shown, lang_choice):
+            return gr.Button(visible=False), line
         return gr.Button(visible=True), without_attention(shown)
 
     def do_delete(session_id, query, shown, lang_choice):
         try:
-            store.delete_session(session_id)
-        except StoreError as exc:
+            if not (line := refused(session_id, shown, lang_choice)):
+                store.delete_session(session_id)
+        except StoreError as exc:  # one of its replies is being written
             line = with_attention(shown, t(lang_choice, "error.other", detail=exc))
-            return [gr.skip(), line, gr.Button(visible=False), gr.skip()] + [gr.skip() for _ in FORMATS]
+        if line:
+            return [gr.skip(), line, gr.Button(visible=False), table_value(query, lang_choice)] + \
+                [gr.skip() for _ in FORMATS]
         return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice)] + \
             [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
 
