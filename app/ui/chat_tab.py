@@ -358,8 +358,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             endpoint = Endpoint(url.strip(), (model or "").strip() or None, (key or "").strip() or None)
             endpoint.resolve_model()
         except ValueError as exc:  # said under the model line: the backend this chat keeps, and why not that one
-            kept = _model_line(chat, engine, lang_choice)  # the backend this chat keeps, and why not that one
-            return chat, kept + panels.attention(user_error(lang_choice, exc))
+            return chat, _model_line(chat, engine, lang_choice) + panels.attention(user_error(lang_choice, exc))
         chat.endpoint = endpoint
         return chat, panels.endpoint_html(endpoint, lang_choice)
 

@@ -156,7 +156,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     start.click(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs)
     step.click(next_token, [state, *choices], outputs)
     # each tab's walk-through runs at once: with Gradio's default limit of 1, a Run in a second tab waited,
-    # with nothing drawn, until the first tab's reply had ended (20 s)
+    # with nothing drawn, until the first tab's Run had ended (20 s)
     run.click(run_on, [state, *choices], outputs[1:], show_progress="hidden", concurrency_limit=None)
     pause.click(hold, [state, *choices], outputs, queue=False)
     stop.click(end, [state, *choices], outputs, queue=False)
