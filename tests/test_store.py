@@ -153,8 +153,8 @@ def test_a_session_continued_in_two_tabs_goes_on_in_a_copy_for_the_second(tiny, 
             two.retract()
         record(engine, store, "Tab two's question", session=two)
         turns = len(two.traces)
-        assert [f"another tab continued session {one.store_id} meanwhile: this chat goes on as session "
-                f"{two.store_id}, which starts with a copy of the turns before this one"] == two.warnings
+        assert [f"session {one.store_id} was continued meanwhile, in another tab or chat: this chat goes on as "
+                f"session {two.store_id}, which starts with a copy of the turns before this one"] == two.warnings
         mine = store.messages(one.store_id)
         assert all(m["replaced_by"] is None for m in mine) and "Tab two's question" not in str(mine)
         copied = store.messages(two.store_id)
