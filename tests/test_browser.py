@@ -553,9 +553,12 @@ def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, a
     page.close()
 
 
-def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
+def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, browser, app_url):
     """The Lab tab: one experiment run from the browser draws both settings in one figure with its table,
     is saved in the database file, comes back from the saved runs, and reads in Chinese on a switch."""
+    other = open_chat(browser, app_url)  # a second tab, whose Run waits behind this one's
+    other.get_by_role("tab", name="Lab").click()
+    other.locator("#ps-lab-quick input").check()
     page.get_by_role("tab", name="Lab").click()
     page.click("#ps-lab-open")  # no saved run picked yet
     page.wait_for_selector("[data-testid=toast-body]:has-text('Pick a saved run first.')")
@@ -564,6 +567,12 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path):
     page.wait_for_function("() => document.querySelector('#ps-lab-prompt textarea').value.includes('poem')")
     page.locator("#ps-lab-quick input").check()
     page.click("#ps-lab-run")
+    page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('Running')")
+    other.click("#ps-lab-run")
+    other.click("#ps-lab-stop")  # while it waits its turn: it ends before it begins (saved runs: below)
+    other.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('Stopped')",
+                            timeout=120_000)
+    other.close()
     page.wait_for_selector("#ps-lab-plot .js-plotly-plot", timeout=120_000)
     page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('saved as lab run')")
     assert plot_traces(page, "ps-lab-plot") == {"batching · aggregate decode": 3}  # B = 1, 2, 4

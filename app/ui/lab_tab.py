@@ -87,8 +87,13 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                           elem_id="ps-lab-html")
     shown = [status, plot, report, json_file, html_file, shown_run]
 
-    def on_run(name, text, is_quick, lang_choice):
-        event, progress, outcome = threading.Event(), queue.SimpleQueue(), {}
+    def on_run(event, name, text, is_quick, lang_choice):
+        """event: this run's Stop, made at the click (arm), so that a Stop while the run waits its turn
+        behind another tab's ends it before it begins."""
+        if event.is_set():
+            yield [None, t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
+            return
+        progress, outcome = queue.SimpleQueue(), {}
 
         def work() -> None:
             try:
@@ -99,7 +104,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
         worker = threading.Thread(target=work, name="lab", daemon=True)
         worker.start()
-        yield [event, t(lang_choice, "lab.waiting"), *[gr.skip()] * 6]
+        yield [gr.skip(), t(lang_choice, "lab.waiting"), *[gr.skip()] * 6]
         while worker.is_alive():
             worker.join(0.25)
             line = None
@@ -149,8 +154,9 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
     # input, not change: a language switch relabels the list without resetting an edited prompt
     experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
-    run.click(on_run, [experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
-              concurrency_id="lab")
+    armed = run.click(lambda: threading.Event(), None, [stop_event], queue=False)
+    armed.then(on_run, [stop_event, experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
+               concurrency_id="lab")
     run.click(lab.prompt_for, [experiment, prompt], [prompt], queue=False)  # an emptied box shows what runs
     stop.click(lambda event: event.set() if event else None, [stop_event], None, queue=False)
     reopen.click(on_open, [runs, lang], [*shown, experiment, prompt, quick])
