@@ -395,6 +395,30 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         process.wait(timeout=30)
 
 
+def test_a_history_over_the_export_limit_is_listed_all_the_same(browser, tmp_path, monkeypatch):
+    """The exports of all sessions are written when the tab opens: over the limit, the list came up empty
+    (a server error); now it shows, and the line under it says why the exports of all are not there."""
+    from app.bench.browser import HISTORY_CELLS, history_titles, open_history
+
+    monkeypatch.setenv("PHASESCOPE_MAX_EXPORT_STEPS", "3")
+    process, url = start_app("--db", str(tmp_path / "history.db"))
+    try:
+        page = open_chat(browser, url)
+        set_setting(page, "ps-max-new", 4)
+        send(page, "Hi")
+        wait_phase(page, "done")
+        open_history(page)
+        assert ["Hi"] == history_titles(page)
+        page.wait_for_selector("#ps-history-selected .ps-attention:has-text('over the limit of 3')")
+        assert all(page.is_disabled(f"#ps-export-all-{fmt}") for fmt in ("csv", "json", "trace"))
+        page.locator(HISTORY_CELLS).first.click()  # one session over the limit too: its line, and why
+        page.wait_for_selector("#ps-history-selected:has-text('#1') .ps-attention:has-text('one session at a time')")
+        page.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_browser_bench_measures_the_page_against_the_cli(browser):
     from app.bench.browser import stream_vs_cli
 

@@ -13,7 +13,7 @@ import gradio as gr
 
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
-from .panels import with_attention, without_attention
+from .panels import attention, with_attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render_all
 from ..history.recorder import load_chat
@@ -82,6 +82,11 @@ def write_exports(store: Store, folder: Path, session_id: int | None) -> tuple[l
     return paths, data
 
 
+def _no_files() -> list[gr.DownloadButton]:
+    """A row of download buttons with nothing to download."""
+    return [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
+
+
 def export_folder() -> Path:
     """A private folder for the export files the download buttons serve, removed when the process exits
     (Gradio serves copies from its own cache, which the app's delete_cache empties)."""
@@ -126,13 +131,26 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
         return sessions_table(store, query or "", lang_choice)
 
-    def listing(query, lang_choice):
-        paths, _ = write_exports(store, folder, None)
-        return [table_value(query, lang_choice)] + [gr.DownloadButton(value=p) for p in paths]
+    def listing(query, shown, lang_choice):
+        """The list, and the export files of all sessions; where these cannot be written (a history over
+        the export limit, a full disk), the list all the same, with why under the selection's line."""
+        try:
+            paths, _ = write_exports(store, folder, None)
+        except (ValueError, OSError) as exc:
+            return [table_value(query, lang_choice), with_attention(shown, t(lang_choice, "error.other", detail=exc)),
+                    *_no_files()]
+        return [table_value(query, lang_choice), gr.skip()] + [gr.DownloadButton(value=p, interactive=True)
+                                                                 for p in paths]
 
     def selection(session_id, lang_choice) -> list:
-        """The selection's line and its session's export files, as they are now in the database."""
-        paths, data = write_exports(store, folder, session_id)
+        """The selection's line and its session's export files, as they are now in the database (the line
+        without its percentiles, and why, where the files cannot be written)."""
+        try:
+            paths, data = write_exports(store, folder, session_id)
+        except (ValueError, OSError) as exc:
+            title = escape(str(store.session(session_id)["title"]))
+            return [t(lang_choice, "saved.selected", id=session_id, title=title) +
+                    attention(t(lang_choice, "error.other", detail=exc)), *_no_files()]
         saved = data["sessions"][0]
         label = t(lang_choice, "saved.selected", id=session_id, title=escape(str(saved["title"])))
         label += percentile_table(saved["summary"], lang_choice)
@@ -183,15 +201,15 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         if line:
             return [gr.skip(), line, gr.Button(visible=False), table_value(query, lang_choice)] + \
                 [gr.skip() for _ in FORMATS]
-        return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice)] + \
-            [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
+        return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice),
+                *_no_files()]
 
-    listing_outputs = [table, *every]
+    listing_outputs = [table, chosen, *every]
     for trigger in (search.submit, refresh.click):
-        trigger(listing, [search, lang], listing_outputs, queue=False)
+        trigger(listing, [search, chosen, lang], listing_outputs, queue=False)
     # when this tab is opened, not on every tab switch: the exports of all sessions are seconds of Python
     # with a long history (2.7 s for 527 sessions), holding the interpreter lock beside a running reply
-    page.select(listing, [search, lang], listing_outputs, queue=False)
+    page.select(listing, [search, chosen, lang], listing_outputs, queue=False)
     table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
     open_button.click(open_session, [selected, chosen, lang], [*chat.outputs, tabs, chosen], queue=False)
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
