@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import shutil
 import tempfile
 from html import escape
@@ -13,9 +14,9 @@ import gradio as gr
 
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
-from .panels import attention, with_attention, without_attention
+from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
-from ..history.export import FORMATS, export_filename, render_all
+from ..history.export import FORMATS, export_filename, render as render_export, render_all
 from ..history.recorder import load_chat
 from ..history.store import Store, StoreError
 
@@ -67,7 +68,8 @@ def percentile_table(summary: dict, lang: str) -> str:
     rows = "".join(f"<tr><th>{names[key]}</th>{''.join(f'<td>{cell(v)}</td>' for v in summary[key].values())}</tr>"
                    for key in names)
     head = "".join(f"<th>{q}</th>" for q in summary["ttft_ms"])
-    return (f'<div class="ps-percentiles-note">{escape(t(lang, "saved.percentiles", replies=replies))}</div>'
+    note = counted(lang, replies, "saved.percentiles_one", "saved.percentiles")
+    return (f'<div class="ps-percentiles-note">{escape(note)}</div>'
             f'<table class="ps-percentiles"><tr><th></th>{head}</tr>{rows}</table>')
 
 
@@ -95,14 +97,15 @@ def export_folder() -> Path:
     return folder
 
 
-def _export_buttons(texts: Texts, label: str, id_prefix: str, interactive: bool) -> list[gr.DownloadButton]:
-    """A label above a row of one download button per export format (beside the buttons, the narrow label
+def _export_buttons(texts: Texts, label: str, id_prefix: str, interactive: bool,
+                    button=gr.DownloadButton) -> list[gr.Button]:
+    """A label above a row of one (download) button per export format (beside the buttons, the narrow label
     broke "sessions:" over three lines)."""
     with gr.Column(min_width=300):
         texts(gr.Markdown, value=K(label))
         with gr.Row():
-            return [gr.DownloadButton(fmt.upper(), size="sm", min_width=80, interactive=interactive,
-                                      elem_id=f"{id_prefix}-{fmt}") for fmt in FORMATS]
+            return [button(fmt.upper(), size="sm", min_width=80, interactive=interactive, elem_id=f"{id_prefix}-{fmt}")
+                    for fmt in FORMATS]
 
 
 def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.Tab, texts: Texts,
@@ -126,21 +129,27 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
                         elem_id="ps-history-confirm")
     with gr.Row():
         one = _export_buttons(texts, "saved.selected_exports", "ps-export", interactive=False)
-        every = _export_buttons(texts, "saved.all_exports", "ps-export-all", interactive=True)
+        every = _export_buttons(texts, "saved.all_exports", "ps-export-all", interactive=True, button=gr.Button)
+    # the file of all sessions, written when its button is clicked (seconds with a long history), then
+    # downloaded through this button, which the page clicks (a DownloadButton serves a file written before)
+    every_file = gr.DownloadButton(visible="hidden", elem_id="ps-export-all-file")
 
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
         return sessions_table(store, query or "", lang_choice)
 
-    def listing(query, shown, lang_choice):
-        """The list, and the export files of all sessions; where these cannot be written (a history over
-        the export limit, a full disk), the list all the same, with why under the selection's line."""
+    def listing(query, lang_choice):
+        return table_value(query, lang_choice)
+
+    def export_all(fmt, shown, lang_choice):
+        """The file of all sessions in one format, as the database is now, for the page to download; where
+        it cannot be written (a history over the export limit, a full disk), why, under the selection's line."""
         try:
-            paths, _ = write_exports(store, folder, None)
+            path = folder / export_filename(fmt, None)
+            path.write_text(render_export(store, fmt), encoding="utf-8", newline="")
         except (ValueError, OSError) as exc:
-            return [table_value(query, lang_choice), with_attention(shown, t(lang_choice, "error.other", detail=exc)),
-                    *_no_files()]
-        return [table_value(query, lang_choice), gr.skip()] + [gr.DownloadButton(value=p, interactive=True)
-                                                                 for p in paths]
+            why = with_attention(shown, t(lang_choice, "error.other", detail=exc))
+            return gr.DownloadButton(value=None, interactive=False), why
+        return gr.DownloadButton(value=str(path), interactive=True), without_attention(shown)
 
     def selection(session_id, lang_choice) -> list:
         """The selection's line and its session's export files, as they are now in the database (the line
@@ -204,12 +213,12 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice),
                 *_no_files()]
 
-    listing_outputs = [table, chosen, *every]
-    for trigger in (search.submit, refresh.click):
-        trigger(listing, [search, chosen, lang], listing_outputs, queue=False)
-    # when this tab is opened, not on every tab switch: the exports of all sessions are seconds of Python
-    # with a long history (2.7 s for 527 sessions), holding the interpreter lock beside a running reply
-    page.select(listing, [search, chosen, lang], listing_outputs, queue=False)
+    for trigger in (search.submit, refresh.click, page.select):
+        trigger(listing, [search, lang], [table], queue=False)
+    for fmt, button in zip(FORMATS, every):
+        written = button.click(functools.partial(export_all, fmt), [chosen, lang], [every_file, chosen], queue=False)
+        written.then(None, js="() => { const file = document.querySelector('#ps-export-all-file');"
+                              " if (file && !file.disabled) file.click(); }")
     table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
     open_button.click(open_session, [selected, chosen, lang], [*chat.outputs, tabs, chosen], queue=False)
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
