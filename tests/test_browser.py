@@ -273,11 +273,13 @@ def test_empty_and_too_long_messages(page):
 
 
 def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path):
+    from app.bench.browser import HISTORY_CELLS, open_history
+
     first, second = open_chat(browser, app_url), open_chat(browser, app_url)
     try:
         set_setting(first, "ps-temperature", 0)  # greedy, no penalty: this prompt runs long, no early EOS
         set_setting(first, "ps-repetition-penalty", 1)
-        set_setting(first, "ps-max-new", 1500)  # int8 makes ~250 tok/s here: still running when the second ends
+        set_setting(first, "ps-max-new", 4000)  # int8 makes ~250 tok/s here: still running when the second ends
         set_setting(second, "ps-temperature", 0)
         set_setting(second, "ps-max-new", 100)  # long enough to overlap the first for a second or more
         send(first, "Write a long story about a lighthouse keeper.")
@@ -291,6 +293,13 @@ def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path
         second.screenshot(path=str(tmp_path / "together.png"))
         assert "done" == wait_phase(second, "done")
         assert "decode" == wait_phase(first, "decode", "done")  # the long reply goes on after the short one
+        open_history(second)  # the first tab's session is not deleted under its reply
+        second.locator(HISTORY_CELLS, has_text="lighthouse keeper").first.click()
+        second.click("#ps-history-delete")
+        second.click("#ps-history-confirm")
+        second.wait_for_selector("#ps-history-selected .ps-attention:has-text('is replying now')")
+        second.get_by_role("tab", name="Chat").click()
+        assert "decode" == wait_phase(first, "decode", "done")
         first.click("#ps-stop")
         assert wait_phase(first, "stopped", "done") in ("stopped", "done")
         first_users = first.locator("#ps-chatbot [data-testid=user]").all_inner_texts()

@@ -9,3 +9,7 @@ class StoreError(Exception):
 class SessionMoved(StoreError):
     """A chat sent a reply to a session that has moved on without it: another tab (or a terminal chat)
     continued the same session meanwhile."""
+
+
+class SessionReplying(StoreError):
+    """A session that cannot be deleted now: one of its replies is being written."""

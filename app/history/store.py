@@ -21,7 +21,7 @@ from sqlite_utils import Database
 
 from engine import valid_text
 
-from .errors import SessionMoved, StoreError
+from .errors import SessionMoved, SessionReplying, StoreError
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 FINAL_STATUS = {"eos": "complete", "length": "complete", "stop": "complete", "cancelled": "stopped",
@@ -297,7 +297,7 @@ class Store:
         with self._write():
             if self.db.execute("SELECT 1 FROM messages WHERE session_id = ? AND status = 'in_progress'",
                                [session_id]).fetchone():
-                raise StoreError(f"session {session_id} is replying now; delete it when the reply has ended")
+                raise SessionReplying(f"session {session_id} is replying now; delete it when the reply has ended")
             self.db.execute("DELETE FROM steps WHERE message_id IN (SELECT id FROM messages WHERE session_id = ?)",
                             [session_id])
             self.db.execute("DELETE FROM messages WHERE session_id = ?", [session_id])

@@ -18,7 +18,7 @@ from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render as render_export, render_all
 from ..history.recorder import load_chat
-from ..history.store import Store, StoreError
+from ..history.store import SessionReplying, Store, StoreError
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
@@ -205,7 +205,9 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         try:
             if not (line := refused(session_id, shown, lang_choice)):
                 store.delete_session(session_id)
-        except StoreError as exc:  # one of its replies is being written
+        except SessionReplying:  # in another tab
+            line = with_attention(shown, t(lang_choice, "saved.replying", id=session_id))
+        except StoreError as exc:
             line = with_attention(shown, t(lang_choice, "error.other", detail=exc))
         if line:
             return [gr.skip(), line, gr.Button(visible=False), table_value(query, lang_choice)] + \
