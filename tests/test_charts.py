@@ -33,9 +33,9 @@ def fake_reply(num_prompt: int = 10, num_steps: int = 4, chunk: int = 0, turn: i
     return trace
 
 
-def validated(fig: go.Figure) -> go.Figure:
+def validated(fig: dict | go.Figure) -> go.Figure:
     """The app skips plotly's validation for speed; the tests do not."""
-    return go.Figure(fig.to_dict())
+    return go.Figure(fig if isinstance(fig, dict) else fig.to_dict())
 
 
 @pytest.mark.parametrize("num_steps", [0, 1, 5, 40])
@@ -78,10 +78,11 @@ def test_empty_figures_are_valid_and_draw_no_axes_until_a_point():
 
     for empty in (charts.latency_figure([]), charts.kv_figure([]), charts.kv_figure([[]]),
                   views.candidates_figure(None, None, None, "en")):
-        validated(empty)
+        empty = validated(empty)
         assert empty.layout.xaxis.visible is False and empty.layout.yaxis.visible is False
     reply = fake_reply(num_steps=2)
     for drawn in (charts.latency_figure(reply.events), charts.kv_figure([reply.events])):
+        drawn = validated(drawn)
         assert drawn.layout.xaxis.visible is True and drawn.layout.yaxis.visible is True
 
 
@@ -246,7 +247,7 @@ def test_a_streaming_figure_has_no_tpot_line_until_the_reply_ends():
     started = json.loads(LiveReply("chat-1", [streaming]).update())["reset"]["latency"]
     assert 6 == len(started["data"][charts.DECODE_TRACE]["x"])
     assert not any(trace["name"].startswith("TPOT") for trace in started["data"])
-    ended = charts.latency_figure(done.events).to_dict()
+    ended = charts.latency_figure(done.events)
     assert any(trace["name"].startswith("TPOT") for trace in ended["data"])
 
 
@@ -268,8 +269,8 @@ def test_streamed_points_rebuild_the_final_figures(cached):
             messages.append(live.update())
     messages.append(live.update())
     latency, kv, text = _replay(messages)
-    expected_latency = charts.latency_figure(full.events).to_dict()
-    expected_kv = charts.kv_figure([first.events, full.events]).to_dict()
+    expected_latency = charts.latency_figure(full.events)
+    expected_kv = charts.kv_figure([first.events, full.events])
     decode = expected_latency["data"][charts.DECODE_TRACE]
     assert {k: decode[k] for k in ("x", "y", "customdata", "mode")} == \
         {k: latency["data"][charts.DECODE_TRACE][k] for k in ("x", "y", "customdata", "mode")}

@@ -22,8 +22,6 @@ import json
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
-import plotly.graph_objects as go
-
 from engine import Event
 
 from ..i18n import DEFAULT
@@ -37,14 +35,10 @@ def message(**fields) -> str:
     return json.dumps({**fields, "seq": next(_seq)}, separators=(",", ":"))
 
 
-def _spec(figure: go.Figure) -> dict:
-    return json.loads(figure.to_json())
-
-
 def _figures(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], lang: str,
              streaming: bool = False) -> dict:
-    return {"latency": _spec(charts.latency_figure(latency_events, lang, tpot_line=not streaming)),
-            "kv": _spec(charts.kv_figure(turns, lang))}
+    return {"latency": charts.latency_figure(latency_events, lang, tpot_line=not streaming),
+            "kv": charts.kv_figure(turns, lang)}
 
 
 def reset(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], reply: str | None = None,

@@ -117,7 +117,7 @@ def run_second_turn(engine: Engine) -> list[ReplyTrace]:
 
 def show_second_turn(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
     first, second = replies
-    figure = charts.kv_figure([first.events, second.events], lang)
+    figure = charts.figure(charts.kv_figure([first.events, second.events], lang))
     f, s = first.metrics(), second.metrics()
     text = t(lang, "demo.second_result", prompt=s.num_prompt_tokens, cached=s.num_cached_tokens,
              new=s.num_prompt_tokens - s.num_cached_tokens, first_new=f.num_prompt_tokens - f.num_cached_tokens,
