@@ -519,7 +519,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_sessions(args: argparse.Namespace) -> int:
     from app.history.store import Store
 
-    store = Store.open(args.db, create=False)
+    store = Store.open(args.db, create=False, repair=False)
     rows = store.sessions(args.search)
     if not rows:
         print("no sessions" + (f" matching {args.search!r}" if args.search else ""))
@@ -539,7 +539,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from app.history.export import render, write_export
     from app.history.store import Store
 
-    store = Store.open(args.db, create=False)
+    store = Store.open(args.db, create=False, repair=False)
     if args.output:
         path = write_export(store, args.format, Path(args.output), args.session, force=args.force)
         print(f"wrote {path}", file=sys.stderr)
@@ -599,7 +599,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
     unknown = [name for name in names if name not in lab.EXPERIMENTS]
     if unknown:
         raise ValueError(f"no experiment {unknown[0]!r}; choose one of: all, {', '.join(lab.EXPERIMENTS)}")
-    store = Store.open(args.db)  # first: a bad --db fails before the model loads
+    store = Store.open(args.db, repair=False)  # first: a bad --db fails before the model loads (it writes lab runs)
     png = _png_folder(args.png)
     engine = _engine(args)
     engine.warm_up()

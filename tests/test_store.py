@@ -4,6 +4,9 @@ from __future__ import annotations
 import csv
 import io
 import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,8 @@ from app.history.recorder import BATCH_STEPS, load_chat, message_events
 from app.history.store import LATEST_VERSION, MIGRATIONS, Store, StoreError
 from conftest import record
 from engine import DecodeStep, Engine, PrefillChunk, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def comparable(events) -> list[tuple]:
@@ -223,6 +228,20 @@ def test_repair_marks_interrupted_replies_stopped(tmp_path):
     Store.open(path)
     [message] = store.messages(sid)
     assert ("stopped", "interrupted", 1) == (message["status"], message["finish_reason"], len(store.steps(mid)))
+
+
+def test_commands_that_only_read_leave_a_reply_being_written_as_it_is(tmp_path):
+    """`phasescope sessions` or `export` in a terminal while the app replies: the reply stays in progress
+    (repair would have marked it stopped, and it could then be deleted under the app's writes)."""
+    path = tmp_path / "h.db"
+    store = Store.open(path)
+    sid = store.create_session("t", "m", "cpu", "float32", {})
+    store.add_reply(sid, 1, "hi")
+    for command in (["sessions"], ["export", "--all", "--format", "csv"]):
+        out = subprocess.run([sys.executable, "-m", "app.cli", *command, "--db", str(path)], capture_output=True,
+                             text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+    assert "in_progress" == store.messages(sid)[-1]["status"]
 
 
 def test_new_file_is_created_at_the_latest_version_in_wal_mode(tmp_path):

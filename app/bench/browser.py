@@ -145,7 +145,7 @@ def _page_gaps(db: Path, min_tokens: int) -> list[list[float]]:
     from ..history.recorder import message_metrics
     from ..history.store import Store
 
-    store = Store.open(db)
+    store = Store.open(db, repair=False)
     try:
         metrics = [message_metrics(message, store.steps(message["id"]))
                    for session in store.sessions() for message in store.messages(session["id"])

@@ -136,10 +136,12 @@ class Store:
         self._lock = threading.RLock()
 
     @classmethod
-    def open(cls, path: str | Path | None = None, upgrade: bool = True, create: bool = True) -> Store:
+    def open(cls, path: str | Path | None = None, upgrade: bool = True, create: bool = True,
+             repair: bool = True) -> Store:
         """Open the database at path (creating it if needed, unless create is False: commands that only
         read it say that it is missing instead of leaving an empty one behind), migrate it, and repair
-        interrupted replies."""
+        interrupted replies (unless repair is False: a command that only reads the file must not mark
+        stopped the replies an app is writing to it meanwhile)."""
         path = Path(path).expanduser() if path else default_db_path()
         if not create and not path.exists():
             raise StoreError(f"no history database at {path} (the first chat makes it; choose another with --db)")
@@ -152,7 +154,8 @@ class Store:
             store.db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable against a killed process
             if upgrade:
                 store.migrate()
-                store.repair()
+                if repair:
+                    store.repair()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot use the history database {path}: {exc}") from exc
         except OSError as exc:
