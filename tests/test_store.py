@@ -138,6 +138,7 @@ def test_a_retried_reply_takes_the_turn_and_the_replaced_one_stays_in_the_histor
     assert 2 == store.sessions()[0]["turns"]
     exported = to_json(store, session.store_id)["sessions"][0]["messages"]  # both replies' timings, measured
     assert [None, None, None, retried["id"], None] == [m["replaced_by"] for m in exported]
+    assert [None] * 5 == [m["writer"] for m in rows] and not any("writer" in m for m in exported)  # ended
     assert 6 == len([s for s in exported[3]["steps"] if s["phase"] == "decode"])
     replaced_rows = [row for row in csv.DictReader(io.StringIO(to_csv(store, session.store_id)))
                      if row["replaced_by"]]
@@ -228,6 +229,31 @@ def test_repair_marks_interrupted_replies_stopped(tmp_path):
     Store.open(path)
     [message] = store.messages(sid)
     assert ("stopped", "interrupted", 1) == (message["status"], message["finish_reason"], len(store.steps(mid)))
+
+
+def test_a_second_process_repairs_only_the_replies_of_processes_that_are_gone(tmp_path):
+    """Two apps on one history file (or an app and a terminal chat): the second's start leaves the first's
+    reply in progress, and marks stopped the one of a process that was killed; a session whose reply has
+    no live writer can be deleted."""
+    path = tmp_path / "h.db"
+    Store.open(path).close()
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from app.history.store import Store; store = Store.open(sys.argv[1]); "
+        "session = store.create_session('t', 'm', 'cpu', 'float32', {}); store.add_reply(session, 1, 'hi'); "
+        "print(session, flush=True); time.sleep(120)"), str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        session = int(writer.stdout.readline())
+        store = Store.open(path)  # a second app starts
+        assert "in_progress" == store.messages(session)[-1]["status"]
+        with pytest.raises(StoreError, match="is replying now"):
+            store.delete_session(session)
+    finally:
+        writer.kill()
+        writer.wait()
+    Store.open(path)  # a third start: the writer is gone, its reply is stopped
+    assert ("stopped", "interrupted", None) == tuple(store.messages(session)[-1][k]
+                                                     for k in ("status", "finish_reason", "writer"))
+    store.delete_session(session)
 
 
 def test_commands_that_only_read_leave_a_reply_being_written_as_it_is(tmp_path):

@@ -85,6 +85,7 @@ def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) ->
         "decode_tokens_per_s": m.decode_tokens_per_s, "num_prompt_tokens": m.num_prompt_tokens,
         "num_generated_tokens": m.num_generated_tokens, "num_cached_tokens": m.num_cached_tokens,
         "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
+    message = {key: value for key, value in message.items() if key != "writer"}  # a host and a pid, while it ran
     return {**message, "metrics": summary,
             "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6} for s in steps]}
 

@@ -68,7 +68,7 @@ class MessageRecorder:
             self.store.update_message(self.message_id, tokenize_ms=event.tokenize_ms, queue_ms=event.queue_ms)
         elif isinstance(event, Finished):
             m = event.metrics
-            self._flush(content=event.text, status=FINAL_STATUS.get(event.reason, "complete"),
+            self._flush(content=event.text, status=FINAL_STATUS.get(event.reason, "complete"), writer=None,
                         finish_reason=event.reason, error=event.error, prompt_tokens=m.num_prompt_tokens,
                         cached_prompt_tokens=m.num_cached_tokens, generated_tokens=m.num_generated_tokens,
                         ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms, prefill_ms=m.prefill_ms)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -104,7 +105,14 @@ def _v6(db: Database) -> None:
     db["messages"].create_index(["session_id", "turn"])
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6]
+def _v7(db: Database) -> None:
+    """A reply in progress names the process writing it (writer: host, pid and start): a process opening
+    the file marks stopped only the replies of processes that are gone, not those another app or a
+    terminal chat is writing meanwhile."""
+    db["messages"].add_column("writer", str)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7]
 LATEST_VERSION = len(MIGRATIONS)
 
 # a step's columns, in the order add_steps writes them (token_text, token_prob and batch_size last)
@@ -120,6 +128,37 @@ def _check_file(path: Path) -> None:
         with path.open("rb") as f:
             if f.read(16) != SQLITE_HEADER:
                 raise StoreError(f"{path} is not a SQLite database; it was left untouched (choose another with --db)")
+
+
+def _started(pid: int) -> str:
+    """When a process started (clock ticks after boot, from Linux's /proc), so that a pid the system
+    gave again names another process; "" where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2:].split()[19]
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
+def _this_writer() -> str:
+    """This process, as the writer of a reply in progress (Store.add_reply; cleared when it ends)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_started(os.getpid())}"
+
+
+def _is_running(writer: str | None) -> bool:
+    """Whether the process that wrote writer runs on this machine still. One on another machine (a file on
+    a shared drive) cannot be asked: it counts as gone, as every writer did before writers were named."""
+    host, _, rest = (writer or "").partition(":")
+    pid, _, started = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return _started(int(pid)) == started
 
 
 def _without_id(row: dict) -> dict:
@@ -203,11 +242,20 @@ class Store:
                 self.db.execute(f"PRAGMA user_version = {version + 1}")
 
     def repair(self) -> int:
-        """Replies left in progress by a killed process become `stopped`, keeping their steps."""
+        """Replies left in progress by a killed process become `stopped`, keeping their steps; those of a
+        process still running (another app on the same file, a terminal chat) stay as they are."""
         with self._lock:
-            cursor = self.db.execute("UPDATE messages SET status = 'stopped', finish_reason = 'interrupted' "
-                                     "WHERE status = 'in_progress'")
-            return cursor.rowcount
+            gone = [row["id"] for row in self._writing() if not _is_running(row["writer"])]
+            if gone:
+                self.db.execute("UPDATE messages SET status = 'stopped', finish_reason = 'interrupted', writer = NULL "
+                                f"WHERE id IN ({', '.join('?' * len(gone))})", gone)
+            return len(gone)
+
+    def _writing(self, session_id: int | None = None) -> list[dict]:
+        """The replies in progress (of one session), with their writers."""
+        where = "" if session_id is None else " AND session_id = ?"
+        return self._query(f"SELECT id, writer FROM messages WHERE status = 'in_progress'{where}",
+                           [] if session_id is None else [session_id])
 
     # --- writing ----------------------------------------------------------------------------------
 
@@ -242,8 +290,9 @@ class Store:
             if not retried:
                 self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user",
                                                 content=clean(user_text), status="complete", created_at=stamp))
-            reply_id = self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="assistant", content="",
-                                                       status="in_progress", created_at=stamp)).last_pk
+            reply = dict(session_id=session_id, turn=turn, role="assistant", content="", status="in_progress",
+                         created_at=stamp, writer=_this_writer())
+            reply_id = self.db["messages"].insert(reply).last_pk
             self.db.execute("UPDATE messages SET replaced_by = ? WHERE session_id = ? AND turn = ? "
                             "AND role = 'assistant' AND replaced_by IS NULL AND id != ?",
                             [reply_id, *this_turn, reply_id])
@@ -298,8 +347,7 @@ class Store:
         (by a chat in another tab, or another process), whose steps would be left behind with no message."""
         self.session(session_id)
         with self._write():
-            if self.db.execute("SELECT 1 FROM messages WHERE session_id = ? AND status = 'in_progress'",
-                               [session_id]).fetchone():
+            if any(_is_running(row["writer"]) for row in self._writing(session_id)):
                 raise SessionReplying(f"session {session_id} is replying now; delete it when the reply has ended")
             self.db.execute("DELETE FROM steps WHERE message_id IN (SELECT id FROM messages WHERE session_id = ?)",
                             [session_id])
