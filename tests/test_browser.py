@@ -647,6 +647,17 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     assert "已显示：批处理提高总吞吐" in page.inner_text("#ps-lab-report")
     assert set(plot_traces(page, "ps-lab-plot")) == {"批处理 · 总解码吞吐"}
     page.screenshot(path=str(tmp_path / "lab-zh.png"), full_page=True)
+    # Run clicked again while it runs, then Stop: the run stops (the second click's Stop event had taken the
+    # place of the first's, and the run went on to the end)
+    saved_before = len(Store.open(app_db).lab_runs())
+    page.click("#ps-lab-run")
+    page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('运行中')")
+    page.click("#ps-lab-run")
+    page.wait_for_timeout(300)
+    page.click("#ps-lab-stop")
+    page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('已停止')",
+                           timeout=120_000)
+    assert saved_before == len(Store.open(app_db).lab_runs())
 
 
 def test_chat_with_a_remote_endpoint_from_the_page(page, app_db):

@@ -64,7 +64,7 @@ def _show(result: lab.LabResult, run_id: int | None, lang: str) -> list:
 
 
 def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
-    stop_event = gr.State(None)  # the running experiment's: Stop sets it
+    stops = gr.State(None)  # one Stop event per Run clicked in this tab (running or waiting its turn)
     shown_run = gr.State(None)  # (result as a dict, run id) of the run on show
     with gr.Row(equal_height=True):
         experiment = texts(gr.Dropdown, choices=_experiment_choices(DEFAULT), value=FIRST, label=K("lab.experiment"),
@@ -87,11 +87,12 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                           elem_id="ps-lab-html")
     shown = [status, plot, report, json_file, html_file, shown_run]
 
-    def on_run(event, name, text, is_quick, lang_choice):
-        """event: this run's Stop, made at the click (arm), so that a Stop while the run waits its turn
-        behind another tab's ends it before it begins."""
+    def on_run(events, name, text, is_quick, lang_choice):
+        """events: the tab's Stop events, the last this run's, made at its click, so that a Stop while the
+        run waits its turn (behind another tab's run) ends it before it begins."""
+        event = events[-1]
         if event.is_set():
-            yield [None, t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
+            yield [t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
             return
         progress, outcome = queue.SimpleQueue(), {}
 
@@ -104,20 +105,20 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
         worker = threading.Thread(target=work, name="lab", daemon=True)
         worker.start()
-        yield [gr.skip(), t(lang_choice, "lab.waiting"), *[gr.skip()] * 6]
+        yield [t(lang_choice, "lab.waiting"), *[gr.skip()] * 6]
         while worker.is_alive():
             worker.join(0.25)
             line = None
             while not progress.empty():
                 line = progress.get()
             if line:
-                yield [gr.skip(), t(lang_choice, "lab.running", step=lab.words(lang_choice, line)), *[gr.skip()] * 6]
+                yield [t(lang_choice, "lab.running", step=lab.words(lang_choice, line)), *[gr.skip()] * 6]
         error = outcome.get("error")
         if isinstance(error, lab.LabStopped):
-            yield [None, t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
+            yield [t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
             return
         if error is not None:
-            yield [None, t(lang_choice, "lab.failed", detail=user_error(lang_choice, error)), *[gr.skip()] * 6]
+            yield [t(lang_choice, "lab.failed", detail=user_error(lang_choice, error)), *[gr.skip()] * 6]
             return
         result, run_id = outcome["result"], None
         try:
@@ -125,7 +126,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                                        result.machine, result.to_dict())
         except Exception as exc:  # a full disk or a broken database: the result is still shown
             gr.Warning(t(lang_choice, "lab.save_failed", detail=str(exc)))
-        yield [None, *_show(result, run_id, lang_choice),
+        yield [*_show(result, run_id, lang_choice),
                gr.Dropdown(choices=_run_choices(store, lang_choice), value=run_id)]
 
     def on_open(run_id, lang_choice):
@@ -154,10 +155,15 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
     # input, not change: a language switch relabels the list without resetting an edited prompt
     experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
-    armed = run.click(lambda: threading.Event(), None, [stop_event], queue=False)
-    armed.then(on_run, [stop_event, experiment, prompt, quick, lang], [stop_event, *shown, runs], concurrency_limit=1,
+    # Stop sets the event of every Run of this tab: the one running, and one a double click queued behind it
+    armed = run.click(lambda events: [*(events or []), threading.Event()], [stops], [stops], queue=False)
+    armed.then(on_run, [stops, experiment, prompt, quick, lang], [*shown, runs], concurrency_limit=1,
                concurrency_id="lab")
     run.click(lab.prompt_for, [experiment, prompt], [prompt], queue=False)  # an emptied box shows what runs
-    stop.click(lambda event: event.set() if event else None, [stop_event], None, queue=False)
+    def stop_all(events):
+        for event in events or []:
+            event.set()
+
+    stop.click(stop_all, [stops], None, queue=False)
     reopen.click(on_open, [runs, lang], [*shown, experiment, prompt, quick])
     texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, *shown])
