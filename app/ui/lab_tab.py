@@ -155,15 +155,16 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
     # input, not change: a language switch relabels the list without resetting an edited prompt
     experiment.input(lambda name: lab.EXPERIMENTS[name].default_prompt, [experiment], [prompt], queue=False)
-    # Stop sets the event of every Run of this tab: the one running, and one a double click queued behind it
-    armed = run.click(lambda events: [*(events or []), threading.Event()], [stops], [stops], queue=False)
-    armed.then(on_run, [stops, experiment, prompt, quick, lang], [*shown, runs], concurrency_limit=1,
-               concurrency_id="lab")
-    run.click(lab.prompt_for, [experiment, prompt], [prompt], queue=False)  # an emptied box shows what runs
     def stop_all(events):
         for event in events or []:
             event.set()
 
+    # Stop sets the event of every Run clicked in this tab: a click while a run goes on adds one (Gradio
+    # starts no second run for it), and the running one must still stop
+    armed = run.click(lambda events: [*(events or []), threading.Event()], [stops], [stops], queue=False)
+    armed.then(on_run, [stops, experiment, prompt, quick, lang], [*shown, runs], concurrency_limit=1,
+               concurrency_id="lab")
+    run.click(lab.prompt_for, [experiment, prompt], [prompt], queue=False)  # an emptied box shows what runs
     stop.click(stop_all, [stops], None, queue=False)
     reopen.click(on_open, [runs, lang], [*shown, experiment, prompt, quick])
     texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, *shown])
