@@ -294,7 +294,9 @@ def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path
         assert "done" == wait_phase(second, "done")
         assert "decode" == wait_phase(first, "decode", "done")  # the long reply goes on after the short one
         open_history(second)  # the first tab's session is not deleted under its reply
-        second.locator(HISTORY_CELLS, has_text="lighthouse keeper").first.click()
+        # this test's session (earlier tests' lighthouse keepers have "keeper," in their titles)
+        second.locator(HISTORY_CELLS, has_text="lighthouse keeper.").first.click()
+        second.wait_for_selector("#ps-history-selected:has-text('lighthouse keeper.')")  # selected, then Delete
         second.click("#ps-history-delete")
         second.click("#ps-history-confirm")
         second.wait_for_selector("#ps-history-selected .ps-attention:has-text('is replying now')")
@@ -607,6 +609,7 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     page.click("#ps-lab-run")
     page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('Running')")
     other.click("#ps-lab-run")
+    other.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('queue')")
     other.click("#ps-lab-stop")  # while it waits its turn: it ends before it begins (saved runs: below)
     other.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('Stopped')",
                             timeout=120_000)
