@@ -318,6 +318,30 @@ def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path
         second.close()
 
 
+def test_a_session_opened_while_a_reply_streams_stops_that_reply(page):
+    """Open in chat while the tab's reply streams: the reply stopped (saved as stopped), as with New chat;
+    it went on, its phase line and points drawn over the session opened."""
+    from app.bench.browser import HISTORY_CELLS, open_history
+
+    set_setting(page, "ps-max-new", 8)
+    send(page, "A short one to open again")
+    wait_phase(page, "done")
+    page.click("#ps-new")
+    page.wait_for_selector("#ps-phase .ps-idle")
+    for name, value in (("ps-max-new", 1500), ("ps-temperature", 0), ("ps-repetition-penalty", 1)):
+        set_setting(page, name, value)
+    send(page, "Write a long story about a lighthouse keeper who opens things.")
+    page.wait_for_selector("#ps-phase [data-phase=decode]", timeout=60_000)
+    open_history(page)
+    page.locator(HISTORY_CELLS, has_text="A short one to open again").first.click()
+    page.wait_for_selector("#ps-history-selected:has-text('A short one to open again')")
+    page.click("#ps-history-open")
+    page.wait_for_selector("#ps-chatbot [data-testid=user]:has-text('A short one to open again')")
+    page.wait_for_timeout(2000)  # some hundreds of the long reply's tokens, had it gone on
+    assert page.locator("#ps-phase [data-phase=done]").count() == 1 and "8" == kpi(page, "generated_tokens")
+    assert 8 == plot_traces(page, "ps-latency")["decode"]
+
+
 def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
     from app.bench.browser import HISTORY_CELLS, history_titles, open_history
 

@@ -42,6 +42,7 @@ class ChatTab:
     stream: gr.Textbox  # hidden: the messages of app/ui/live.py, applied by static/phasescope.js
     kv_check: gr.HTML
     pool: gr.HTML
+    leave: Callable[[ChatSession | None], None]  # ends the chat's reply, for another chat in its place
 
     @property
     def outputs(self) -> list[gr.components.Component]:
@@ -254,11 +255,21 @@ def make_switch(engine: Engine, measured: dict):
     return switch
 
 
-def new_chat(engine: Engine, active: ActiveRequests, streams: live.Streams):
-    def handler(session, lang):
+def make_leave(active: ActiveRequests, streams: live.Streams) -> Callable[[ChatSession | None], None]:
+    """Another chat takes the tab's place (New chat, a session opened from History): the reply the chat has
+    running or waiting is cancelled (saved as stopped), and its stream closed, so that nothing more of it
+    is drawn over the other chat."""
+    def leave(session: ChatSession | None) -> None:
         if session:
             active.cancel(session.id)
             streams.close(session.reply_id)  # a reply cancelled before it ran never closes its stream
+
+    return leave
+
+
+def new_chat(engine: Engine, leave: Callable[[ChatSession | None], None]):
+    def handler(session, lang):
+        leave(session)
         return render(ChatSession(lang=lang), engine, None)
 
     return handler
@@ -319,7 +330,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             stream = gr.Textbox(live.reset([], []), visible="hidden", elem_id="ps-stream")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
             pool = gr.HTML("", elem_id="ps-pool")
-    tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool)
+    tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool, make_leave(active, streams))
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     named = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  repetition_penalty=repetition_penalty, seed=seed, prefill_chunk=prefill_chunk)
@@ -346,7 +357,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                      concurrency_limit=1, concurrency_id="precision", show_progress="minimal")
     # New chat cancels the running request and closes its stream (new_chat), and the reply's events (so
     # that finish does not draw the chat it replaced)
-    new.click(new_chat(engine, active, streams), [session, lang], tab.outputs, cancels=replies)
+    new.click(new_chat(engine, tab.leave), [session, lang], tab.outputs, cancels=replies)
 
     def choose_backend(kind, url, model, key, chat, lang_choice):
         """This chat's backend: the local engine, or a remote endpoint checked by listing its models."""

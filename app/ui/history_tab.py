@@ -180,9 +180,10 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             return with_attention(shown, t(lang_choice, "saved.gone", id=session_id))
         return None
 
-    def open_session(session_id, shown, lang_choice):
+    def open_session(session_id, shown, lang_choice, current):
         if line := refused(session_id, shown, lang_choice):
             return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line)
+        chat.leave(current)  # the chat it replaces: its reply, if one runs, stops drawing over this one
         session = load_chat(store, session_id, lang_choice)
         trace = session.traces[-1] if session.traces else None
         return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown))
@@ -222,7 +223,8 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         written.then(None, js="() => { const file = document.querySelector('#ps-export-all-file');"
                               " if (file && !file.disabled) file.click(); }")
     table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
-    open_button.click(open_session, [selected, chosen, lang], [*chat.outputs, tabs, chosen], queue=False)
+    open_button.click(open_session, [selected, chosen, lang, chat.session], [*chat.outputs, tabs, chosen],
+                      queue=False)
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one], queue=False)
