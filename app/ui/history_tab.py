@@ -16,7 +16,7 @@ from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
-from ..history.export import FORMATS, export_filename, render as render_export, render_all
+from ..history.export import FORMATS, export_filename, render_all, write_export
 from ..history.recorder import load_chat
 from ..history.store import SessionReplying, Store, StoreError
 
@@ -144,8 +144,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         """The file of all sessions in one format, as the database is now, for the page to download; where
         it cannot be written (a history over the export limit, a full disk), why, under the selection's line."""
         try:
-            path = folder / export_filename(fmt, None)
-            path.write_text(render_export(store, fmt), encoding="utf-8", newline="")
+            path = write_export(store, fmt, folder, force=True)  # named as the tab names it
         except (ValueError, OSError) as exc:
             why = with_attention(shown, t(lang_choice, "error.other", detail=exc))
             return gr.DownloadButton(value=None, interactive=False), why
@@ -154,15 +153,13 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def selection(session_id, lang_choice) -> list:
         """The selection's line and its session's export files, as they are now in the database (the line
         without its percentiles, and why, where the files cannot be written)."""
+        title = escape(str(store.session(session_id)["title"]))
+        label = t(lang_choice, "saved.selected", id=session_id, title=title)
         try:
             paths, data = write_exports(store, folder, session_id)
         except (ValueError, OSError) as exc:
-            title = escape(str(store.session(session_id)["title"]))
-            return [t(lang_choice, "saved.selected", id=session_id, title=title) +
-                    attention(t(lang_choice, "error.other", detail=exc)), *_no_files()]
-        saved = data["sessions"][0]
-        label = t(lang_choice, "saved.selected", id=session_id, title=escape(str(saved["title"])))
-        label += percentile_table(saved["summary"], lang_choice)
+            return [label + attention(t(lang_choice, "error.other", detail=exc)), *_no_files()]
+        label += percentile_table(data["sessions"][0]["summary"], lang_choice)
         return [label] + [gr.DownloadButton(value=p, interactive=True) for p in paths]
 
     def select(rows, lang_choice, event: gr.SelectData):
