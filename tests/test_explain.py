@@ -2,6 +2,8 @@
 model's, and every view renders in both languages."""
 from __future__ import annotations
 
+import threading
+
 import plotly.graph_objects as go
 import pytest
 import torch
@@ -125,11 +127,34 @@ def test_demos_run_the_model_and_say_what_the_numbers_show(engine):
         for lang in LANGUAGES:
             html, figure = show(engine, replies, lang)
             assert html.count("<tr>") == 1 + len(replies) and "<p>" in html
+            assert "data-shared" not in html  # the engine ran nothing else
             go.Figure(figure.to_dict())
     first, second = demos.run_second_turn(engine)
     assert second.metrics().num_cached_tokens > 0  # the second turn continued from the first's cache
     short, long = demos.run_short_vs_long(engine)
     assert long.metrics().num_prompt_tokens > 3 * short.metrics().num_prompt_tokens  # both hold the system prompt
+
+
+def test_a_demo_that_shared_the_engine_says_so(tokenizer):
+    """A chat in another tab decoding meanwhile: the demo's steps ran in its batch, and its times include
+    the other reply's work, which the demo's result says (in both languages) instead of passing them off."""
+    engine = Engine(tiny_model(tokenizer), EngineConfig(precision="fp32"))
+    loop = threading.Thread(target=engine.serve_forever, daemon=True)
+    loop.start()
+    other = engine.new_request(user("Another tab's long reply"),
+                               SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True))
+    started = threading.Event()
+    engine.submit(other, [lambda event: started.set() if isinstance(event, DecodeStep) else None])
+    try:
+        assert started.wait(60)
+        replies = demos.run_long_answer(engine, num_tokens=20)
+    finally:
+        other.cancel()
+        engine.stop()
+        loop.join(timeout=10)
+    for lang in LANGUAGES:
+        html, _ = demos.show_long_answer(engine, replies, lang)
+        assert 'data-shared="2"' in html and "⚠️" in html
 
 
 def test_decode_steps_report_their_stages_on_the_pytorch_path_too(tokenizer):

@@ -8,6 +8,7 @@ replies) and a view of them in a language, so that a language switch redraws wit
 from __future__ import annotations
 
 import itertools
+from html import escape
 from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
@@ -51,6 +52,15 @@ def _table(lang: str, rows: list[str]) -> str:
     return f'<table class="ps-demo-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
+def _shared(lang: str, replies: list[ReplyTrace]) -> str:
+    """A warning when the demo's replies shared their decode steps with other replies (a chat in another
+    tab, an API client): their times include the others' work, so what the demo points at may not show."""
+    batch = max((step.batch_size for trace in replies for step in trace.steps), default=1)
+    if batch == 1:
+        return ""
+    return f'<p class="ps-attention" data-shared="{batch}">⚠️ {escape(t(lang, "demo.shared", batch=batch))}</p>'
+
+
 def run_short_vs_long(engine: Engine, max_repeats: int = 16) -> list[ReplyTrace]:
     """The same question short and long: the long one ~500 tokens, or half the model's context if less."""
     per_repeat = len(engine.tokenizer(LONG_TEXT, add_special_tokens=False)["input_ids"])
@@ -72,7 +82,8 @@ def show_short_vs_long(engine: Engine, replies: list[ReplyTrace], lang: str) -> 
     text = t(lang, "demo.short_long_result", short=s.num_prompt_tokens - s.num_cached_tokens,
              long=l.num_prompt_tokens - l.num_cached_tokens, short_ttft=s.ttft_ms, long_ttft=l.ttft_ms,
              ttft_ratio=l.ttft_ms / max(s.ttft_ms, 1e-6), short_tpot=s.tpot_ms, long_tpot=l.tpot_ms)
-    return _table(lang, [_row(lang, names[0], short), _row(lang, names[1], long)]) + f"<p>{text}</p>", figure
+    rows = [_row(lang, names[0], short), _row(lang, names[1], long)]
+    return _table(lang, rows) + f"<p>{text}</p>" + _shared(lang, replies), figure
 
 
 def run_long_answer(engine: Engine, num_tokens: int = 200) -> list[ReplyTrace]:
@@ -103,7 +114,8 @@ def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
     text = t(lang, "demo.long_result", n=len(trace.steps), first=first, second=second,
              per_token=engine.info.kv_bytes_per_token, start=steps[0].kv_bytes / 1e6 if steps else 0,
              end=steps[-1].kv_bytes / 1e6 if steps else 0)
-    return _table(lang, [_row(lang, t(lang, "demo.long_answer"), trace)]) + f"<p>{text}</p>", figure
+    rows = [_row(lang, t(lang, "demo.long_answer"), trace)]
+    return _table(lang, rows) + f"<p>{text}</p>" + _shared(lang, replies), figure
 
 
 def run_second_turn(engine: Engine) -> list[ReplyTrace]:
@@ -123,7 +135,7 @@ def show_second_turn(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
              new=s.num_prompt_tokens - s.num_cached_tokens, first_new=f.num_prompt_tokens - f.num_cached_tokens,
              first_ttft=f.ttft_ms, second_ttft=s.ttft_ms)
     rows = [_row(lang, t(lang, "chart.turn", n=1), first), _row(lang, t(lang, "chart.turn", n=2), second)]
-    return _table(lang, rows) + f"<p>{text}</p>", figure
+    return _table(lang, rows) + f"<p>{text}</p>" + _shared(lang, replies), figure
 
 
 # name: (run, show)
