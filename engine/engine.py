@@ -157,6 +157,11 @@ class Engine:
         """(running, waiting) requests now."""
         return self.scheduler.counts()
 
+    def num_held(self) -> int:
+        """Running requests held step by step (explain mode, Engine.allow): they keep their place in the
+        batch but decode only the steps they are allowed."""
+        return sum(not request.may_decode for request in list(self.scheduler.running))
+
     def place_in_line(self, request: Request) -> int | None:
         """How many requests are ahead of a waiting one; None once it runs."""
         return self.scheduler.place_in_line(request)
@@ -367,7 +372,7 @@ class Engine:
         config = dataclasses.replace(self.config, precision=precision)  # checks the name
         running, waiting = self.load()
         if running or waiting:
-            held = sum(not request.may_decode for request in list(self.scheduler.running))
+            held = self.num_held()
             raise EngineBusy(f"{running + waiting} replies are running or waiting ({held} held step by step): stop "
                              f"them or let them finish, then switch to {precision}", held)
         self.close()  # a tensor-parallel runner's workers: the new one starts its own

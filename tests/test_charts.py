@@ -112,6 +112,9 @@ def test_decode_phase_says_who_runs_beside_it():
     trace.add(DecodeStep("r", 99.0, 2, 7, "x", 5.0, 12, 12 * PER_TOKEN, 0.5, (), batch_size=3))
     assert "<b>Decode</b> — token 3 · running with 2 others (batch of 3)" in panels.phase_html(trace, 2)
     assert "<b>Decode</b> — token 3 · running with 1 other (batch of 3)" in panels.phase_html(trace, 1)
+    # another tab's Explain walk-through, held between its steps: in the count, not in the batch
+    assert ("<b>Decode</b> — token 3 · running with 2 others, 1 of them paused step by step in Explain (batch of 3)"
+            in panels.phase_html(trace, 2, num_held=1))
 
 
 def test_pool_gauge():

@@ -54,7 +54,8 @@ def test_panels_render_in_each_language(lang):
     from test_charts import fake_reply
 
     trace = fake_reply(num_steps=4)
-    for html in (panels.phase_html(trace, 2, lang), panels.kpi_html(trace, lang), panels.queued_html(3, 2, lang),
+    for html in (panels.phase_html(trace, 2, lang, num_held=1), panels.kpi_html(trace, lang),
+                 panels.queued_html(3, 2, lang),
                  panels.time_split_html(trace.metrics(), lang)):
         assert "{" not in html
     assert ("解码" in panels.phase_html(trace, lang=lang)) == (lang == "zh")

@@ -260,6 +260,7 @@ def test_a_held_request_decodes_only_the_steps_it_is_allowed(tokenizer):
     for _ in range(12):
         engine.step()
     assert (1, True) == (held.num_generated, other.is_finished)  # the prefill's token only; the other ran on
+    assert 1 == engine.num_held()
     assert [] == [e for e in events if isinstance(e, DecodeStep) and e.step > 0]
     for allowed, total in ((1, 2), (2, 4), (0, 4)):
         engine.allow(held, allowed)
@@ -267,6 +268,7 @@ def test_a_held_request_decodes_only_the_steps_it_is_allowed(tokenizer):
             engine.step()
         assert total == held.num_generated
     engine.allow(held, None)  # run to the end
+    assert 0 == engine.num_held()
     while not held.is_finished:
         engine.step()
     assert expected == held.generated_ids

@@ -61,7 +61,8 @@ def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None, la
         place = engine.place_in_line(request)
         return panels.queued_html(running + (place or 0), running, lang)
     is_running = request is not None and not request.is_finished
-    return panels.phase_html(trace, num_others=running - 1 if is_running else 0, lang=lang)
+    return panels.phase_html(trace, num_others=running - 1 if is_running else 0,
+                             num_held=engine.num_held() if is_running else 0, lang=lang)
 
 
 def _pool(engine: Engine, lang: str) -> str:

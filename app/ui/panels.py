@@ -41,12 +41,16 @@ def waiting_html(measuring: str, lang: str = DEFAULT) -> str:
     return f'<div class="ps-phase ps-queued" data-phase="queued">{t(lang, WAITING_FOR[measuring])}</div>'
 
 
-def _others(num_others: int, lang: str) -> str:
-    return " · " + counted(lang, num_others, "phase.others_one", "phase.others_many") if num_others > 0 else ""
+def _others(num_others: int, num_held: int, lang: str) -> str:
+    if num_others <= 0:
+        return ""
+    held = t(lang, "phase.others_held", n=num_held) if num_held > 0 else ""
+    return " · " + counted(lang, num_others, "phase.others_one", "phase.others_many") + held
 
 
-def phase_html(trace: ReplyTrace | None, num_others: int = 0, lang: str = DEFAULT) -> str:
-    """The phase of a reply; num_others: the other requests the engine runs beside it now."""
+def phase_html(trace: ReplyTrace | None, num_others: int = 0, lang: str = DEFAULT, num_held: int = 0) -> str:
+    """The phase of a reply; num_others: the other requests the engine runs beside it now, of which num_held
+    are held step by step (Explain's walk-through: in the batch's count, not in its decode steps)."""
     if trace is None:
         return f'<div class="ps-phase ps-idle">{t(lang, "phase.ready")}</div>'
     phase = trace.phase
@@ -57,13 +61,14 @@ def phase_html(trace: ReplyTrace | None, num_others: int = 0, lang: str = DEFAUL
         total = trace.num_prompt_tokens
         share = 100 * done / total if total else 0
         return (f'<div class="ps-phase ps-prefill" data-phase="prefill">'
-                f'{t(lang, "phase.prefill", done=done, total=total)}{_others(num_others, lang)}'
+                f'{t(lang, "phase.prefill", done=done, total=total)}{_others(num_others, num_held, lang)}'
                 f'<div class="ps-bar"><div style="width:{share:.0f}%"></div></div></div>')
     count = len(trace.steps)
     if phase == "decode":
         batch = trace.steps[-1].batch_size
+        in_batch = " " + t(lang, "phase.batch", n=batch) if batch > 1 else ""
         return (f'<div class="ps-phase ps-decode" data-phase="decode">{t(lang, "phase.decode", n=count)}'
-                f'{_others(num_others, lang)}{" " + t(lang, "phase.batch", n=batch) if batch > 1 else ""}</div>')
+                f'{_others(num_others, num_held, lang)}{in_batch}</div>')
     reason = trace.finished.reason
     if phase == "stopped":
         return f'<div class="ps-phase ps-stopped" data-phase="stopped">{t(lang, "phase.stopped", n=count)}</div>'
