@@ -615,7 +615,7 @@ class Engine:
                 self._finish_cancelled(r)
                 continue
             try:
-                self._take_tokens(r, logits[rows], tops[rows], draft, len(logits), forward_ms, comm_ms)
+                self._take_tokens(r, logits[rows], tops[rows], draft, len(requests), forward_ms, comm_ms)
             except Exception as exc:  # sampling failed: this request ends, the others and the engine go on
                 self._fail(r, exc)
 

@@ -91,6 +91,7 @@ def test_prompt_lookup_gives_plain_greedy_tokens_and_accepts_repeats(engines):
     assert spec.accepted > 10 and spec.tokens_per_forward > 2  # the repeat was drafted and accepted
     assert spec.tokens == len(tokens) - 1 and spec.forwards < spec.tokens  # token 1 comes from the prefill
     assert any(s.draft for s in steps)  # drafted tokens come in bursts, one event each
+    assert {1} == {s.batch_size for s in steps}  # one sequence per forward, however many rows it verified
     assert [s.step for s in steps] == list(range(len(tokens)))
     assert finished.reason == "eos" or len(tokens) == 64
 
