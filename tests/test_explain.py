@@ -135,6 +135,28 @@ def test_demos_run_the_model_and_say_what_the_numbers_show(engine):
     assert long.metrics().num_prompt_tokens > 3 * short.metrics().num_prompt_tokens  # both hold the system prompt
 
 
+@pytest.mark.parametrize("changes, says", [
+    (dict(kv_cache=False), {"short_vs_long": "--no-kv-cache", "long_answer": "--no-kv-cache",
+                            "second_turn": "--no-kv-cache"}),
+    (dict(prefix_caching=False), {"second_turn": "--no-prefix-cache"}),
+    (dict(kv_window=32, kv_sinks=4), {"long_answer": "--kv-window", "second_turn": "--kv-window"}),
+    (dict(speculative="prompt-lookup"), {"short_vs_long": "prompt-lookup", "long_answer": "prompt-lookup",
+                                         "second_turn": "prompt-lookup"})])
+def test_the_demos_tell_the_story_of_the_engine_they_ran_on(engine, changes, says):
+    """Under the engine's switches the usual story is not what happened (no cache: TPOT grows; a window: the
+    cache stops growing; no prefix reuse: the second turn prefills it all): each demo says what did."""
+    variant = engine.variant(**changes)
+    for name, (run, show) in demos.DEMOS.items():
+        replies = run(variant)
+        for lang in LANGUAGES:
+            html, figure = show(variant, replies, lang)
+            assert "{" not in html and "0 of them" not in html
+            assert (says.get(name, "\0") in html) == (name in says), (name, lang)
+            go.Figure(figure.to_dict())
+        if name == "long_answer" and not variant.config.kv_cache:
+            assert 1 == len(figure.data)  # no KV cache to draw
+
+
 def test_a_demo_that_shared_the_engine_says_so(tokenizer):
     """A chat in another tab decoding meanwhile: the demo's steps ran in its batch, and its times include
     the other reply's work, which the demo's result says (in both languages) instead of passing them off."""

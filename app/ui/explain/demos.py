@@ -52,13 +52,19 @@ def _table(lang: str, rows: list[str]) -> str:
     return f'<table class="ps-demo-table"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def _shared(lang: str, replies: list[ReplyTrace]) -> str:
-    """A warning when the demo's replies shared their decode steps with other replies (a chat in another
-    tab, an API client): their times include the others' work, so what the demo points at may not show."""
+def _notes(engine: Engine, replies: list[ReplyTrace], lang: str) -> str:
+    """What else shaped the demo's numbers: speculative decoding (several tokens per forward), and other
+    replies sharing its decode steps (a chat in another tab, an API client: their times include the others'
+    work, so what the demo points at may not show)."""
+    notes = ""
+    if engine.config.speculative:
+        note = t(lang, "demo.speculative", method=engine.config.speculative)
+        notes += f'<p class="ps-demo-note">{escape(note)}</p>'
     batch = max((step.batch_size for trace in replies for step in trace.steps), default=1)
-    if batch == 1:
-        return ""
-    return f'<p class="ps-attention" data-shared="{batch}">⚠️ {escape(t(lang, "demo.shared", batch=batch))}</p>'
+    if batch > 1:
+        warning = t(lang, "demo.shared", batch=batch)
+        notes += f'<p class="ps-attention" data-shared="{batch}">⚠️ {escape(warning)}</p>'
+    return notes
 
 
 def run_short_vs_long(engine: Engine, max_repeats: int = 16) -> list[ReplyTrace]:
@@ -72,18 +78,21 @@ def run_short_vs_long(engine: Engine, max_repeats: int = 16) -> list[ReplyTrace]
 def show_short_vs_long(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
     short, long = replies
     s, l = short.metrics(), long.metrics()
+    cached = engine.config.kv_cache  # without it, each decode step recomputes the prompt: TPOT grows too
     names = [t(lang, "demo.short"), t(lang, "demo.long")]
     figure = go.Figure(dict(data=[
         dict(type="bar", name="TTFT (ms)", x=names, y=[s.ttft_ms, l.ttft_ms], marker=dict(color=charts.PREFILL_COLOR)),
         dict(type="bar", name="TPOT (ms)", x=names, y=[s.tpot_ms, l.tpot_ms], marker=dict(color=charts.DECODE_COLOR)),
-    ], layout=dict(title=dict(text=t(lang, "demo.short_long_title"), x=0.01), barmode="group", height=300,
+    ], layout=dict(title=dict(text=t(lang, "demo.short_long_title" if cached else "demo.short_long_title_no_cache"),
+                              x=0.01), barmode="group", height=300,
                    font=dict(family=charts.FONT_FAMILY), paper_bgcolor="white", plot_bgcolor="white",
                    yaxis=dict(title=dict(text="ms")))), _validate=False)
-    text = t(lang, "demo.short_long_result", short=s.num_prompt_tokens - s.num_cached_tokens,
+    text = t(lang, "demo.short_long_result" if cached else "demo.short_long_result_no_cache",
+             short=s.num_prompt_tokens - s.num_cached_tokens,
              long=l.num_prompt_tokens - l.num_cached_tokens, short_ttft=s.ttft_ms, long_ttft=l.ttft_ms,
              ttft_ratio=l.ttft_ms / max(s.ttft_ms, 1e-6), short_tpot=s.tpot_ms, long_tpot=l.tpot_ms)
     rows = [_row(lang, names[0], short), _row(lang, names[1], long)]
-    return _table(lang, rows) + f"<p>{text}</p>" + _shared(lang, replies), figure
+    return _table(lang, rows) + f"<p>{text}</p>" + _notes(engine, replies, lang), figure
 
 
 def run_long_answer(engine: Engine, num_tokens: int = 200) -> list[ReplyTrace]:
@@ -93,29 +102,42 @@ def run_long_answer(engine: Engine, num_tokens: int = 200) -> list[ReplyTrace]:
 
 
 def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
+    """TPOT flat while the cache grows linearly; the engine's switches change the story: without a KV cache
+    each step recomputes the sequence (time per token grows), a sliding window caps the cache."""
     (trace,) = replies
     steps = trace.steps[1:]
     xs = [s.step + 1 for s in steps]
-    figure = go.Figure(dict(data=[
-        dict(type="scatter", mode="lines", name=t(lang, "demo.itl"), x=xs, y=[s.latency_ms for s in steps],
-             line=dict(color=charts.DECODE_COLOR, width=1)),
-        dict(type="scatter", mode="lines", name=t(lang, "demo.kv_mb"), x=xs, y=[s.kv_bytes / 1e6 for s in steps],
-             yaxis="y2", line=dict(color=charts.PREFILL_COLOR, width=2)),
-    ], layout=dict(title=dict(text=t(lang, "demo.long_title"), x=0.01), height=300, paper_bgcolor="white",
-                   plot_bgcolor="white", font=dict(family=charts.FONT_FAMILY),
-                   legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
-                   xaxis=dict(title=dict(text=t(lang, "demo.token"))),
-                   yaxis=dict(title=dict(text=t(lang, "demo.itl")), rangemode="tozero"),
-                   yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right",
-                               rangemode="tozero"))), _validate=False)
+    config = engine.config
+    case = "no_cache" if not config.kv_cache else "window" if config.kv_window else "cached"
+    title = {"cached": t(lang, "demo.long_title"), "no_cache": t(lang, "demo.long_title_no_cache"),
+             "window": t(lang, "demo.long_title_window")}[case]
+    lines = [dict(type="scatter", mode="lines", name=t(lang, "demo.itl"), x=xs, y=[s.latency_ms for s in steps],
+                  line=dict(color=charts.DECODE_COLOR, width=1))]
+    if case != "no_cache":
+        lines.append(dict(type="scatter", mode="lines", name=t(lang, "demo.kv_mb"), x=xs, yaxis="y2",
+                          y=[s.kv_bytes / 1e6 for s in steps], line=dict(color=charts.PREFILL_COLOR, width=2)))
+    figure = go.Figure(dict(data=lines, layout=dict(
+        title=dict(text=title, x=0.01), height=300, paper_bgcolor="white",
+        plot_bgcolor="white", font=dict(family=charts.FONT_FAMILY),
+        legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
+        xaxis=dict(title=dict(text=t(lang, "demo.token"))),
+        yaxis=dict(title=dict(text=t(lang, "demo.itl")), rangemode="tozero"),
+        yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right", rangemode="tozero"))),
+        _validate=False)
     half = len(steps) // 2
     first = sum(s.latency_ms for s in steps[:half]) / max(half, 1)
     second = sum(s.latency_ms for s in steps[half:]) / max(len(steps) - half, 1)
-    text = t(lang, "demo.long_result", n=len(trace.steps), first=first, second=second,
-             per_token=engine.info.kv_bytes_per_token, start=steps[0].kv_bytes / 1e6 if steps else 0,
-             end=steps[-1].kv_bytes / 1e6 if steps else 0)
+    numbers = dict(n=len(trace.steps), first=first, second=second, ratio=second / max(first, 1e-6),
+                   per_token=engine.info.kv_bytes_per_token, start=steps[0].kv_bytes / 1e6 if steps else 0,
+                   end=steps[-1].kv_bytes / 1e6 if steps else 0, window=config.kv_window, sinks=config.kv_sinks)
+    if case == "cached":
+        text = t(lang, "demo.long_result", **numbers)
+    elif case == "no_cache":
+        text = t(lang, "demo.long_result_no_cache", **numbers)
+    else:
+        text = t(lang, "demo.long_result_window", **numbers)
     rows = [_row(lang, t(lang, "demo.long_answer"), trace)]
-    return _table(lang, rows) + f"<p>{text}</p>" + _shared(lang, replies), figure
+    return _table(lang, rows) + f"<p>{text}</p>" + _notes(engine, replies, lang), figure
 
 
 def run_second_turn(engine: Engine) -> list[ReplyTrace]:
@@ -131,11 +153,19 @@ def show_second_turn(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
     first, second = replies
     figure = charts.figure(charts.kv_figure([first.events, second.events], lang))
     f, s = first.metrics(), second.metrics()
-    text = t(lang, "demo.second_result", prompt=s.num_prompt_tokens, cached=s.num_cached_tokens,
-             new=s.num_prompt_tokens - s.num_cached_tokens, first_new=f.num_prompt_tokens - f.num_cached_tokens,
-             first_ttft=f.ttft_ms, second_ttft=s.ttft_ms)
+    numbers = dict(prompt=s.num_prompt_tokens, cached=s.num_cached_tokens,
+                   new=s.num_prompt_tokens - s.num_cached_tokens, first_new=f.num_prompt_tokens - f.num_cached_tokens,
+                   first_ttft=f.ttft_ms, second_ttft=s.ttft_ms)
+    if s.num_cached_tokens:
+        text = t(lang, "demo.second_result", **numbers)
+    else:  # nothing reused: say why, instead of "0 of them were already in the KV pool"
+        config = engine.config
+        why = (t(lang, "demo.no_reuse_no_cache") if not config.kv_cache else t(lang, "demo.no_reuse_window")
+               if config.kv_window else t(lang, "demo.no_reuse_off") if not config.prefix_caching
+               else t(lang, "demo.no_reuse_evicted"))
+        text = t(lang, "demo.second_result_no_reuse", why=why, **numbers)
     rows = [_row(lang, t(lang, "chart.turn", n=1), first), _row(lang, t(lang, "chart.turn", n=2), second)]
-    return _table(lang, rows) + f"<p>{text}</p>" + _shared(lang, replies), figure
+    return _table(lang, rows) + f"<p>{text}</p>" + _notes(engine, replies, lang), figure
 
 
 # name: (run, show)
