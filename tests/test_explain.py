@@ -120,6 +120,24 @@ def test_every_view_renders_in_each_language(engine, lang):
     engine.step()
 
 
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_a_walk_through_without_a_kv_cache_says_each_step_computes_the_sequence_again(engine, lang):
+    """--no-kv-cache: a decode step is a prefill of the whole sequence so far, and its keys and values are
+    scratch; the step, the pipeline, the summary and the cache's line say so, with the step's FLOPs."""
+    variant = engine.variant(kv_cache=False)
+    walk = stepped(variant, 2)
+    step = walk.trace.steps[-1]
+    html = views.steps_html(variant, walk, "mean", "mean", lang)
+    assert "--no-kv-cache" in html and f"{step.flops / 1e9:,.2f} GFLOP" in html
+    assert "{" not in html and "KV 缓存让它不必" not in html and "the cache spares it" not in html
+    pipeline = views.pipeline_html(variant, walk.trace, lang)
+    assert f"[{step.kv_tokens}, 256]" in pipeline and "[1, 256] →" not in pipeline  # the sequence, not one token
+    assert step.flops > 2 * variant.forward_flops(1, step.kv_tokens - 1)  # lm_head, one row either way, weighs most here
+    go.Figure(views.kv_grid_figure(variant, walk, lang).to_dict())
+    walk.cancel()
+    variant.step()
+
+
 def test_demos_run_the_model_and_say_what_the_numbers_show(engine):
     for name, (run, show) in demos.DEMOS.items():
         replies = run(engine)

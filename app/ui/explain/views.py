@@ -141,7 +141,8 @@ def steps_html(engine: Engine, walk: Walkthrough | None, layer: str, head: str, 
         made += f'<div class="ps-note">{t(lang, "explain.attention_note", which=which)}</div>'
     state = "running" if walk.running and not trace.finished else "done" if trace.finished else "held"
     kv_tokens, kv_bytes = trace.kv
-    kv_line = t(lang, "explain.kv_line", tokens=kv_tokens, per_token=engine.info.kv_bytes_per_token, mb=kv_bytes / 1e6)
+    kv_line = t(lang, "explain.kv_line" if engine.config.kv_cache else "explain.kv_line_no_cache", tokens=kv_tokens,
+                per_token=engine.info.kv_bytes_per_token, mb=kv_bytes / 1e6)
     status = t(lang, "explain.finished", reason=escape(trace.finished.reason)) if trace.finished else t(
         lang, "explain.held")
     return (f'<div class="ps-explain" data-explain="{state}" data-tokens="{len(trace.steps)}">'
@@ -164,13 +165,20 @@ def explanation(engine: Engine, trace: ReplyTrace, lang: str) -> str:
     step = trace.steps[-1]
     number = len(trace.steps) - 1
     weight_mb = shape.weight_bytes / 1e6
-    text = t(lang, "explain.decode", n=number, hidden=shape.hidden, layers=shape.layers,
-             positions=step.kv_tokens - 1, ms=step.forward_ms, mb=weight_mb,
-             bandwidth=weight_mb / max(step.forward_ms, 1e-6))
+    if not engine.config.kv_cache:  # --no-kv-cache: each step computes the whole sequence again
+        text = t(lang, "explain.decode_no_cache", n=number, tokens=step.kv_tokens, layers=shape.layers,
+                 ms=step.forward_ms, gflop=step.flops / 1e9,
+                 cached_gflop=engine.forward_flops(1, step.kv_tokens - 1) / 1e9)
+    else:
+        text = t(lang, "explain.decode", n=number, hidden=shape.hidden, layers=shape.layers,
+                 positions=step.kv_tokens - 1, ms=step.forward_ms, mb=weight_mb,
+                 bandwidth=weight_mb / max(step.forward_ms, 1e-6))
     if len(trace.steps) >= 3:  # the steps' own forwards: the pauses between them are the presenter's
         step_ms = sum(s.forward_ms for s in trace.steps[1:]) / number
-        text += " " + t(lang, "explain.summary", prompt=trace.num_prompt_tokens, prefilled=prefilled,
-                        prefill_ms=prefill_ms, ttft=ttft, steps=number, step_ms=step_ms, mb=weight_mb)
+        summary = "explain.summary" if engine.config.kv_cache else "explain.summary_no_cache"
+        text += " " + t(lang, summary, prompt=trace.num_prompt_tokens, prefilled=prefilled,
+                        prefill_ms=prefill_ms, ttft=ttft, steps=number, step_ms=step_ms, mb=weight_mb,
+                        first_gflop=trace.steps[1].flops / 1e9, last_gflop=step.flops / 1e9)
     return text
 
 
@@ -195,10 +203,14 @@ def pipeline_html(engine: Engine, trace: ReplyTrace | None, lang: str) -> str:
     """static/pipeline.svg filled in: each stage's tensor shape in this forward and its measured time."""
     shape = Shape.of(engine)
     phase, times, tokens = _stage_times(trace) if trace is not None else ("idle", {}, 0)
+    recomputed = phase == "decode" and not engine.config.kv_cache  # the whole sequence again (--no-kv-cache)
+    if recomputed:
+        tokens = trace.steps[-1].kv_tokens
     T = "T" if phase == "idle" else str(tokens)
     n = f"{trace.kv[0]:,}" if trace is not None and trace.kv[0] else "n"
     C, V = shape.hidden, shape.vocab
-    tokenize = (t(lang, "pipe.shape_previous"), "") if phase == "decode" else (t(lang, "pipe.shape_text"), f"→ [{T}]")
+    tokenize = (t(lang, "pipe.shape_previous"), "") if phase == "decode" and not recomputed \
+        else (t(lang, "pipe.shape_text"), f"→ [{T}]")
     shapes = {  # two lines each: what goes in, what comes out
         "tokenize": tokenize,
         "embedding": (f"[{T}]", f"→ [{T}, {C}]"), "norm": (f"[{T}, {C}]", ""),
@@ -217,6 +229,8 @@ def pipeline_html(engine: Engine, trace: ReplyTrace | None, lang: str) -> str:
     fields["note"] = {"idle": t(lang, "pipe.note_idle"),
                       "prefill": t(lang, "pipe.note_prefill", tokens=tokens, ms=total),
                       "decode": t(lang, "pipe.note_decode", ms=total)}[phase]
+    if recomputed:
+        fields["note"] = t(lang, "pipe.note_decode_no_cache", tokens=tokens, ms=trace.steps[-1].forward_ms)
     if phase == "prefill" and trace.num_cached_tokens:
         fields["note"] += " " + t(lang, "pipe.note_cached", n=trace.num_cached_tokens)
     svg = _svg_template()
@@ -292,8 +306,8 @@ def kv_grid_figure(engine: Engine, walk: Walkthrough | None, lang: str):
                      + "<extra></extra>",
                      colorscale=[[0, charts.CACHED_COLOR], [0.33, charts.CACHED_COLOR], [0.34, charts.PREFILL_COLOR],
                                  [0.66, charts.PREFILL_COLOR], [0.67, charts.DECODE_COLOR], [1, charts.DECODE_COLOR]])]
-        title = t(lang, "explain.kv_grid_sized", tokens=kv_tokens, layers=info.num_layers, mb=trace.kv[1] / 1e6,
-                  shown=len(positions))
+        title = t(lang, "explain.kv_grid_sized" if engine.config.kv_cache else "explain.kv_grid_no_cache",
+                  tokens=kv_tokens, layers=info.num_layers, mb=trace.kv[1] / 1e6, shown=len(positions))
     drawn = charts.has_points(data)
     layout = _layout(title, margin=dict(l=55, r=15, t=45, b=40),
                      xaxis=dict(title=dict(text=t(lang, "explain.position")), visible=drawn),
