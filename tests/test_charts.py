@@ -7,11 +7,12 @@ import json
 import plotly.graph_objects as go
 import pytest
 
+from app.i18n import LANGUAGES
 from app.ui import charts, panels
 from app.ui.live import LiveReply, Streams
 from app.ui.session import ActiveRequests
 from app.ui.trace import ReplyTrace
-from engine import DecodeStep, Finished, PrefillChunk, SamplingParams, Started
+from engine import DecodeStep, EngineConfig, Finished, PrefillChunk, SamplingParams, Started
 
 PER_TOKEN = 46080
 
@@ -167,6 +168,20 @@ def test_live_metrics_use_the_engine_definitions():
 def test_model_panel_shows_the_kv_formula(tiny_engine):
     html = panels.model_html(tiny_engine.info)
     assert "2 × 2 layers × 2 KV heads × 16 head dim × 4 B = 512 B/token" in html
+    assert "switches" not in panels.model_html(tiny_engine.info, config=EngineConfig())  # all at their defaults
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_model_panel_names_the_switches_that_change_what_the_page_shows(tiny_engine, lang):
+    """A class comparing runs sees how this engine runs: without a KV cache, a window, speculation..."""
+    config = EngineConfig(kv_cache=False, attention="eager", split_kv=False)
+    html = panels.model_html(tiny_engine.info, lang, config)
+    assert all(flag in html for flag in ("--no-kv-cache", "eager", "--no-split-kv")), html
+    assert "{" not in html and "--no-prefix-cache" not in html  # implied by no KV cache: not said twice
+    assert "prompt-lookup" in panels.model_html(tiny_engine.info, lang, EngineConfig(speculative="prompt-lookup"))
+    window = panels.model_html(tiny_engine.info, lang, EngineConfig(kv_window=64, kv_sinks=4))
+    assert "--kv-window" in window and "64" in window and "--no-prefix-cache" not in window
+    assert "--no-prefix-cache" in panels.model_html(tiny_engine.info, lang, EngineConfig(prefix_caching=False))
 
 
 def test_stop_reaches_a_waiting_chat_and_a_running_one(tiny_engine):

@@ -112,7 +112,9 @@ SETTINGS = ("system", "max_new_tokens", "temperature", "top_p", "top_k", "repeti
 
 def _model_line(chat: ChatSession, engine: Engine, lang: str) -> str:
     """What answers this chat: the local model as it runs now, or the chat's remote endpoint."""
-    return panels.endpoint_html(chat.endpoint, lang) if chat.endpoint else panels.model_html(engine.info, lang)
+    if chat.endpoint:
+        return panels.endpoint_html(chat.endpoint, lang)
+    return panels.model_html(engine.info, lang, engine.config)
 
 
 def make_accept(engine: Engine, active: ActiveRequests, streams: live.Streams):
@@ -251,7 +253,8 @@ def make_switch(engine: Engine, measured: dict):
         from ..bench.extras import precision_report  # the bench's modules import torch
 
         measured["report"] = engine.call(lambda: precision_report(engine.loaded, engine.runner), name="precision")
-        return gr.skip(), panels.model_html(engine.info, lang), panels.precision_html(measured["report"], lang)
+        model = panels.model_html(engine.info, lang, engine.config)
+        return gr.skip(), model, panels.precision_html(measured["report"], lang)
 
     return switch
 

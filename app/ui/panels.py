@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from html import escape
 
-from engine import ModelInfo, PoolUsage, RequestMetrics
+from engine import EngineConfig, ModelInfo, PoolUsage, RequestMetrics
 
 from ..i18n import DEFAULT, t
 from .trace import ReplyTrace
@@ -160,7 +160,28 @@ def loading_html(lang: str = DEFAULT) -> str:
     return f'<div class="ps-model" data-loading="1">{t(lang, "model.loading")}</div>'
 
 
-def model_html(info: ModelInfo, lang: str = DEFAULT) -> str:
+def switches_text(config: EngineConfig, lang: str = DEFAULT) -> str:
+    """The engine's switches set away from their defaults that change what the page shows (a class comparing
+    runs needs to know): no KV cache, a sliding window, speculation, no prefix cache, and the like."""
+    switches = []
+    if not config.kv_cache:
+        switches.append(t(lang, "switch.no_kv_cache"))
+    if config.kv_window:
+        switches.append(t(lang, "switch.window", sinks=config.kv_sinks, window=config.kv_window))
+    if config.speculative:
+        switches.append(t(lang, "switch.speculative", method=config.speculative, k=config.draft_tokens))
+    if not config.prefix_caching and config.kv_cache and not config.kv_window:
+        switches.append(t(lang, "switch.no_prefix_cache"))
+    if config.attention != "auto":
+        switches.append(t(lang, "switch.attention", attention=config.attention))
+    if not config.split_kv:
+        switches.append(t(lang, "switch.no_split_kv"))
+    if config.tensor_parallel > 1:
+        switches.append(t(lang, "switch.tensor_parallel", n=config.tensor_parallel))
+    return t(lang, "model.switches", switches="; ".join(switches)) if switches else ""
+
+
+def model_html(info: ModelInfo, lang: str = DEFAULT, config: EngineConfig | None = None) -> str:
     row = info.kv_bytes_per_token // (2 * info.num_layers * info.num_kv_heads)  # bytes of one head's keys
     weights = info.precision if info.precision == "int8" else info.dtype
     sizes = dict(layers=info.num_layers, kv_heads=info.num_kv_heads, head_dim=info.head_dim,
@@ -171,7 +192,9 @@ def model_html(info: ModelInfo, lang: str = DEFAULT) -> str:
         formula = t(lang, "model.formula", element=row // info.head_dim, **sizes)
     line = t(lang, "model.line", weights=escape(weights), forward=escape(info.model_path),
              decode=escape(info.decode_path), context=info.context_window)
-    return f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · {line}<br>{formula}</div>'
+    switches = switches_text(config, lang) if config is not None else ""
+    return (f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · {line}<br>{formula}'
+            f'{"<br>" + escape(switches) if switches else ""}</div>')
 
 
 def kv_measured_html(trace: ReplyTrace | None, info: ModelInfo, lang: str = DEFAULT) -> str:
