@@ -76,13 +76,20 @@ def open_chat(browser, url: str, model_drawn: bool = True, color_scheme: str = "
 
 
 def set_setting(page, elem_id: str, value: float) -> None:
-    """Type a value into a slider's number box in the Settings accordion."""
+    """Type a value into a slider's number box in the Settings accordion, until it holds: typed just as the
+    accordion opens, the slider may still be drawing and put its old value back (a reply then ran with the
+    default 256 new tokens instead of 8, one time in three in a fresh page)."""
     if not page.is_visible(f"#{elem_id} input[type=number]"):
         page.click("#ps-settings button")
     box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
-    box.blur()
+    for _ in range(10):
+        box.fill(str(value))
+        box.press("Enter")
+        box.blur()
+        page.wait_for_timeout(50)
+        if float(box.input_value() or "nan") == float(value):
+            return
+    raise AssertionError(f"{elem_id} would not take {value}: it holds {box.input_value()}")
 
 
 def send(page, text: str) -> None:
