@@ -154,6 +154,20 @@ def test_a_variant_shares_the_forward_and_brings_its_own_switches(tiny):
     assert fp16.runner is not engine.runner and fp16.info.precision == "fp16"
 
 
+@pytest.mark.parametrize("switches", [dict(kv_cache=False), dict(kv_window=32, kv_sinks=4),
+                                      dict(speculative="prompt-lookup", split_kv=False, attention="eager")])
+def test_experiments_start_from_the_default_switches_whatever_the_app_runs_with(tiny, switches):
+    """An app started with --no-kv-cache (or a window, speculation...): the kv-cache experiment's "KV cache"
+    side has one, and the speculative experiment starts under a window; the precision stays the engine's."""
+    engine = Engine(tiny, EngineConfig(precision="fp32", **switches))
+    result = lab.run(engine, "kv-cache", quick=True)
+    with_cache, without = (row["lab.col.last_step_gflop"] for row in result.table)
+    assert with_cache < without  # the last step's work: one token against the whole sequence
+    assert lab.run(engine, "speculative", quick=True).experiment == "speculative"
+    plain = lab.Lab(engine).variant(prefix_caching=False).config
+    assert (plain.precision, plain.kv_window, plain.speculative, plain.split_kv) == ("fp32", None, None, True)
+
+
 def test_lab_runs_are_a_table_of_the_history_database(tmp_path):
     store = Store.open(tmp_path / "h.db")
     run_id = store.add_lab_run("batching", {"quick": True}, {"cores": 2}, {"table": [{"requests": 1}]})

@@ -16,8 +16,8 @@ FREE_PROMPT = SPECULATION_PROMPTS["no repeats"]
 def kv_cache(lab: Lab, prompt: str) -> LabResult:
     num_prompt, num_gen = lab.size((64, 48), (96, 128))
     ids = lab.tokens(prompt, num_prompt)
-    settings = {"lab.set.kv_cache": lab.engine.variant(prefix_caching=False),
-                "lab.set.no_kv_cache": lab.engine.variant(kv_cache=False)}
+    settings = {"lab.set.kv_cache": lab.variant(prefix_caching=False),
+                "lab.set.no_kv_cache": lab.variant(kv_cache=False)}
     series, rows, steps, tokens = [], [], {}, {}
     for name, e in settings.items():
         lab.step(said("lab.step.after_prompt", setting=name, new=num_gen, prompt=num_prompt))
@@ -53,8 +53,8 @@ def speculative(lab: Lab, prompt: str) -> LabResult:
     # way an edit repeats most of a document; and a chat that asks for something new
     once = lab.encode(prompt)[:1000]
     prompts = {"lab.set.repeat_prompt": once * 2, "lab.set.free_prompt": FREE_PROMPT}
-    settings = {"lab.set.plain": lab.engine.variant(speculative=None, prefix_caching=False),
-                "lab.set.prompt_lookup": lab.engine.variant(speculative="prompt-lookup", prefix_caching=False)}
+    settings = {"lab.set.plain": lab.variant(speculative=None, prefix_caching=False),
+                "lab.set.prompt_lookup": lab.variant(speculative="prompt-lookup", prefix_caching=False)}
     series, rows, texts = [], [], {}
     for kind, text in prompts.items():
         for name, e in settings.items():
@@ -91,9 +91,9 @@ def speculative(lab: Lab, prompt: str) -> LabResult:
 def kv_compression(lab: Lab, prompt: str) -> LabResult:
     context, window = lab.size((320, 128), (1024, 256))
     ids = lab.tokens(prompt, context)
-    settings = {"lab.set.kv_fp32": lab.engine.variant(kv_dtype="fp32", prefix_caching=False),
-                "lab.set.kv_int8": lab.engine.variant(kv_dtype="int8", prefix_caching=False),
-                "lab.set.window": lab.engine.variant(kv_dtype="fp32", kv_window=window, kv_sinks=4,
+    settings = {"lab.set.kv_fp32": lab.variant(kv_dtype="fp32", prefix_caching=False),
+                "lab.set.kv_int8": lab.variant(kv_dtype="int8", prefix_caching=False),
+                "lab.set.window": lab.variant(kv_dtype="fp32", kv_window=window, kv_sinks=4,
                                                      prefix_caching=False)}
     series, rows, reference = [], [], None
     for name, e in settings.items():
@@ -127,7 +127,7 @@ def kv_compression(lab: Lab, prompt: str) -> LabResult:
 
 def batching(lab: Lab, prompt: str) -> LabResult:
     levels, num_gen = lab.size(((1, 2, 4), 24), ((1, 2, 4, 8), 64))
-    e = lab.engine.variant(prefix_caching=False)
+    e = lab.variant(prefix_caching=False)
     ids = lab.tokens(prompt, 32)
     rows = []
     for batch in levels:
@@ -171,8 +171,8 @@ def _bound(split: dict, unsplit: dict, machine: dict[int, float]) -> list:
 def flash_decoding(lab: Lab, prompt: str) -> LabResult:
     contexts, num_gen = lab.size(((256, 1024), 8), ((512, 1024, 2048, 4096), 16))
     contexts = [c for c in contexts if c < lab.engine.context_window - num_gen]
-    settings = {"lab.set.unsplit": lab.engine.variant(split_kv=False, prefix_caching=True),
-                "lab.set.split": lab.engine.variant(split_kv=True, prefix_caching=True)}
+    settings = {"lab.set.unsplit": lab.variant(split_kv=False, prefix_caching=True),
+                "lab.set.split": lab.variant(split_kv=True, prefix_caching=True)}
     available = getattr(lab.engine.runner, "fused", None) is not None
     series, rows = [], []
     for name, e in settings.items():
@@ -219,7 +219,7 @@ def precision(lab: Lab, prompt: str) -> LabResult:
     for name in ("fp32", "fp16", "int8"):
         lab.step(said("lab.step.weights_in", precision=name))
         start = time.perf_counter()
-        e = lab.engine.variant(precision=name, prefix_caching=False)
+        e = lab.variant(precision=name, prefix_caching=False)
         ready_s = time.perf_counter() - start
         try:
             lab.run(e, ids[:8], 4)  # warm-up: the first steps of a fresh forward are slower

@@ -25,7 +25,7 @@ def chunked_prefill(lab: Lab, prompt: str) -> LabResult:
     for chunk in (64, 256, 0):
         name = said("lab.set.chunks_of", n=chunk) if chunk else "lab.set.whole_prompt"
         lab.step(said("lab.step.beside_chat", setting=name, tokens=num_long))
-        e = lab.engine.variant(prefix_caching=False)
+        e = lab.variant(prefix_caching=False)
         longest = min(e.context_window - len(chat_ids), e.config.limits.max_new_tokens)  # ends when cancelled
         chat = e.submit(lab.request(e, chat_ids, longest))
         while chat.num_generated < 4:
@@ -63,7 +63,7 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
     turns, num_gen = lab.size((2, 12), (3, 24))
     series, rows, ttft = [], [], {}
     for name, reuse in (("lab.set.no_reuse", False), ("lab.set.prefix_cache", True)):
-        e = lab.engine.variant(prefix_caching=reuse)
+        e = lab.variant(prefix_caching=reuse)
         messages, ttft[name], cached = [{"role": "user", "content": prompt}], [], []
         for turn in range(1, turns + 1):
             lab.step(said("lab.step.turn", setting=name, turn=turn))
@@ -107,7 +107,7 @@ def attention(lab: Lab, prompt: str) -> LabResult:
         ids, first = lab.tokens(prompt, length), set()
         for name, (impl, _) in impls.items():
             lab.step(said("lab.step.at_tokens", setting=name, tokens=length))
-            e = lab.engine.variant(attention=impl, prefix_caching=False)
+            e = lab.variant(attention=impl, prefix_caching=False)
             request, events = lab.run(e, ids, 1)
             times[name].append(next(ev.latency_ms for ev in events if ev.type == "PrefillChunk"))
             first.add(request.generated_ids[0])

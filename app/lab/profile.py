@@ -18,7 +18,7 @@ PROBE_FILE = "roofline.json"
 def stages(lab: Lab, prompt: str) -> LabResult:
     num_prompt, num_gen = lab.size((128, 8), (512, 24))
     lab.step(said("lab.step.stages", prompt=num_prompt, new=num_gen))
-    e = lab.engine.variant(prefix_caching=False)
+    e = lab.variant(prefix_caching=False)
     lab.run(e, lab.tokens(prompt, 16), 2, time_stages=True)  # warm-up: the timers' first call
     _, events = lab.run(e, lab.tokens(prompt, num_prompt), num_gen, time_stages=True)
     chunk = next(ev for ev in events if ev.type == "PrefillChunk")
@@ -93,7 +93,7 @@ def roofline(lab: Lab, prompt: str) -> LabResult:
     lab.step("lab.step.probe")
     peaks = probe(lab.engine.loaded.device)
     lab.step("lab.step.fp32_model")
-    e = lab.engine.variant(precision="fp32", prefix_caching=False)
+    e = lab.variant(precision="fp32", prefix_caching=False)
     try:
         points = _points(lab, e, prompt, num_prompt, batches, num_gen)
     finally:
