@@ -121,6 +121,11 @@ class Limits:
             raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s!r}")
 
 
+# the engine's optimization switches (EngineConfig.switches)
+SWITCHES = ("kv_cache", "prefix_caching", "speculative", "draft_tokens", "kv_dtype", "kv_window", "kv_sinks",
+            "split_kv", "attention", "prefill_chunk", "tensor_parallel", "compile_decode")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Which model to run, where, and how prefill is split.
@@ -222,3 +227,14 @@ class EngineConfig:
     def load_dtype(self) -> str:
         """The dtype the weights are loaded in: the precision's, else the dtype setting."""
         return PRECISION_DTYPES.get(self.precision, self.dtype)
+
+    def switches(self) -> dict:
+        """The optimization switches set away from their defaults, by name (what a reply's record says of how
+        the engine ran it, beside its precision): {} for an engine as it comes."""
+        defaults = EngineConfig()
+        changed = {name: getattr(self, name) for name in SWITCHES if getattr(self, name) != getattr(defaults, name)}
+        if not self.speculative:
+            changed.pop("draft_tokens", None)
+        if not self.kv_window:
+            changed.pop("kv_sinks", None)
+        return changed

@@ -13,7 +13,7 @@ import pytest
 from app.history.recorder import BATCH_STEPS, load_chat, message_events
 from app.history.store import LATEST_VERSION, MIGRATIONS, Store, StoreError
 from conftest import record
-from engine import DecodeStep, Engine, PrefillChunk, SamplingParams
+from engine import DecodeStep, Engine, EngineConfig, PrefillChunk, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,6 +193,25 @@ def test_cached_prompt_tokens_and_batch_sizes_are_stored_and_restored(tiny, stor
     assert header.endswith(",batch_size,cached_prompt_tokens,replaced_by") and rows[-1].endswith(f",1,{cached},")
     exported = to_json(store, session.store_id)["sessions"][0]["messages"][3]
     assert (cached, 1) == (exported["metrics"]["num_cached_tokens"], exported["steps"][-1]["batch_size"])
+
+
+def test_each_reply_keeps_how_the_engine_ran_it(tiny, store):
+    """The weights' precision and the switches away from their defaults, per reply (a precision switch or
+    another app's flags change them between turns): in the JSON export, so that int8 and fp32 replies, or
+    replies without a KV cache, are told apart."""
+    from app.history.export import to_json
+
+    engine = Engine(tiny, EngineConfig(precision="fp32"))
+    assert {} == engine.config.switches()
+    session, _, _ = record(engine, store, "First")
+    recomputing = engine.variant(kv_cache=False, speculative=None)
+    record(recomputing, store, "Second", session=session)
+    messages = to_json(store, session.store_id)["sessions"][0]["messages"]
+    assert [None, {"precision": "fp32"}, None, {"precision": "fp32", "kv_cache": False}] == [
+        m["engine"] for m in messages]
+    assert {"speculative": "prompt-lookup", "draft_tokens": 4} == EngineConfig(speculative="prompt-lookup",
+                                                                               draft_tokens=4).switches()
+    assert {"kv_window": 64} == EngineConfig(kv_window=64).switches()  # the sinks only when changed, with a window
 
 
 def test_sessions_list_search_rename_delete(tiny, store):

@@ -86,6 +86,8 @@ def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) ->
         "num_generated_tokens": m.num_generated_tokens, "num_cached_tokens": m.num_cached_tokens,
         "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
     message = {key: value for key, value in message.items() if key != "writer"}  # a host and a pid, while it ran
+    if "engine" in message:  # how the engine ran the reply: {"precision": "int8", "kv_cache": false, ...}
+        message["engine"] = json.loads(message["engine"]) if message["engine"] else None
     return {**message, "metrics": summary,
             "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6} for s in steps]}
 

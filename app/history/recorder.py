@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
+from engine import (DecodeStep, EngineConfig, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams,
+                    Started)
 from engine.metrics import RequestMetrics, session_summary
 
 from ..i18n import DEFAULT, t
@@ -79,10 +80,11 @@ class MessageRecorder:
         self._last_write = time.monotonic()
 
 
-def make_recorder(store: Store, model: Callable[[], ModelInfo]):
+def make_recorder(store: Store, model: Callable[[], ModelInfo], engine: Callable[[], dict] | None = None):
     """The chat tab's recorder factory: saves the session and the user's message, then returns the
     hook that records the assistant's reply. model: what a new session is about, read as it starts (a
-    precision switch changes it)."""
+    precision switch changes it); engine: how the local engine runs a reply now (engine_record), saved
+    with each reply the local engine makes."""
     def recorder(session: ChatSession, messages: list[dict], sampling: SamplingParams, trace: ReplyTrace):
         user_text = messages[-1]["content"]
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
@@ -91,18 +93,26 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo]):
             session.saved_reply = None
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
                                                     about.name, about.device, about.dtype, settings)
+        how = engine() if engine is not None and session.endpoint is None else None
         try:  # a retried turn: a new reply
-            message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply)
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply, how)
         except SessionMoved:  # another tab continued this session: this chat goes on in a copy of it
             continued = session.store_id
             session.store_id = store.fork_session(continued, trace.turn)
             session.warn(t(session.lang, "warning.session_forked", old=continued, new=session.store_id))
-            message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id))
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id),
+                                         how)
         session.saved_reply = message_id
         return MessageRecorder(store, message_id,
                                on_error=lambda exc: session.warn(t(session.lang, "warning.save_failed", detail=exc)))
 
     return recorder
+
+
+def engine_record(info: ModelInfo, config: EngineConfig) -> dict:
+    """How the engine runs a reply, as the history keeps it: the weights' precision and the switches set
+    away from their defaults."""
+    return {"precision": info.precision, **config.switches()}
 
 
 # --- the way back: rows to events, for charts, restored chats and exports --------------------------
