@@ -378,6 +378,7 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page.wait_for_selector("#ps-history-selected b")
         percentiles = page.inner_text("#ps-history-selected table.ps-percentiles")  # over its two replies
         assert all(name in percentiles for name in ("p50", "p99", "TTFT", "TPOT", "ITL", "E2E"))
+        assert re.search(r"Run in: (int8|fp32) \(2\)", page.inner_text("#ps-history-selected [data-engines]"))
         with page.expect_download() as download:
             page.click("#ps-export-json")
         exported = json.loads(Path(download.value.path()).read_text())

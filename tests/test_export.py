@@ -148,6 +148,14 @@ def test_a_sessions_percentiles_are_those_of_its_replies(filled):
     assert summary["itl_ms"]["p99"] == percentile([v for m in replies for v in m.itl_ms], 99)
     html = percentile_table(data["sessions"][0]["summary"], "zh")
     assert "本会话 2 条回复" in html and html.count("<tr>") == 5  # a header and TTFT, TPOT, ITL, E2E
+    from app.ui.history_tab import engines_line  # how the engine ran them, as each reply was saved
+
+    messages = data["sessions"][0]["messages"]
+    precision = messages[1]["engine"]["precision"]
+    assert f"Run in: {precision} (2)" in engines_line(messages, "en")
+    messages[3]["engine"] = {"precision": "int8", "kv_cache": False}
+    assert f"{precision} (1), int8 · kv_cache=false (1)" in engines_line(messages, "en")
+    assert "" == engines_line([{**m, "engine": None} for m in messages], "en")  # saved before schema 8
 
 
 def test_unknown_session_is_an_error(filled, tmp_path):

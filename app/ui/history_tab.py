@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import shutil
 import tempfile
 from html import escape
@@ -52,6 +53,22 @@ def sessions_table(store: Store, search: str, lang: str) -> gr.Dataframe:
     rows, total = session_rows(store, search)
     note = t(lang, "saved.recent", shown=len(rows), total=total) if total > len(rows) else None
     return gr.Dataframe(value=rows, headers=columns(lang), label=note, show_label=note is not None)
+
+
+def engines_line(messages: list[dict], lang: str) -> str:
+    """How the engine ran the session's replies (their `engine` in the JSON export), with how many of each:
+    "int8 (3), fp32 · kv_cache=false (1)"; "" where none was recorded (remote, or saved before schema 8)."""
+    counts: dict[str, int] = {}
+    for message in messages:
+        engine = message.get("engine")
+        if message["role"] == "assistant" and engine:
+            switches = [f"{name}={json.dumps(value)}" for name, value in engine.items() if name != "precision"]
+            name = " · ".join([str(engine.get("precision")), *switches])
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return ""
+    ran = ", ".join(f"{name} ({count})" for name, count in counts.items())
+    return f'<div class="ps-percentiles-note" data-engines>{escape(t(lang, "saved.engines", engines=ran))}</div>'
 
 
 def percentile_table(summary: dict, lang: str) -> str:
@@ -159,7 +176,8 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             paths, data = write_exports(store, folder, session_id)
         except (ValueError, OSError) as exc:
             return [label + attention(t(lang_choice, "error.other", detail=exc)), *_no_files()]
-        label += percentile_table(data["sessions"][0]["summary"], lang_choice)
+        session = data["sessions"][0]
+        label += percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
         return [label] + [gr.DownloadButton(value=p, interactive=True) for p in paths]
 
     def select(rows, lang_choice, event: gr.SelectData):
