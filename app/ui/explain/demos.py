@@ -20,7 +20,7 @@ from .. import charts
 from ..trace import ReplyTrace
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
-    from engine import Engine
+    from engine import Engine, EngineConfig
 
 _runs = itertools.count(1)
 LONG_TEXT = ("Prefill reads every token of the prompt in one forward pass; decode then makes one token per "
@@ -108,12 +108,21 @@ def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
     steps = trace.steps[1:]
     xs = [s.step + 1 for s in steps]
     config = engine.config
-    case = "no_cache" if not config.kv_cache else "window" if config.kv_window else "cached"
-    title = {"cached": t(lang, "demo.long_title"), "no_cache": t(lang, "demo.long_title_no_cache"),
-             "window": t(lang, "demo.long_title_window")}[case]
+    half = len(steps) // 2
+    first = sum(s.latency_ms for s in steps[:half]) / max(half, 1)
+    second = sum(s.latency_ms for s in steps[half:]) / max(len(steps) - half, 1)
+    numbers = dict(n=len(trace.steps), first=first, second=second, ratio=second / max(first, 1e-6),
+                   per_token=engine.info.kv_bytes_per_token, start=steps[0].kv_bytes / 1e6 if steps else 0,
+                   end=steps[-1].kv_bytes / 1e6 if steps else 0, window=config.kv_window, sinks=config.kv_sinks)
+    if not config.kv_cache:
+        title, text = t(lang, "demo.long_title_no_cache"), t(lang, "demo.long_result_no_cache", **numbers)
+    elif config.kv_window:
+        title, text = t(lang, "demo.long_title_window"), t(lang, "demo.long_result_window", **numbers)
+    else:
+        title, text = t(lang, "demo.long_title"), t(lang, "demo.long_result", **numbers)
     lines = [dict(type="scatter", mode="lines", name=t(lang, "demo.itl"), x=xs, y=[s.latency_ms for s in steps],
                   line=dict(color=charts.DECODE_COLOR, width=1))]
-    if case != "no_cache":
+    if config.kv_cache:  # without one, the keys and values are each step's scratch: no cache to draw
         lines.append(dict(type="scatter", mode="lines", name=t(lang, "demo.kv_mb"), x=xs, yaxis="y2",
                           y=[s.kv_bytes / 1e6 for s in steps], line=dict(color=charts.PREFILL_COLOR, width=2)))
     figure = go.Figure(dict(data=lines, layout=dict(
@@ -124,18 +133,6 @@ def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
         yaxis=dict(title=dict(text=t(lang, "demo.itl")), rangemode="tozero"),
         yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right", rangemode="tozero"))),
         _validate=False)
-    half = len(steps) // 2
-    first = sum(s.latency_ms for s in steps[:half]) / max(half, 1)
-    second = sum(s.latency_ms for s in steps[half:]) / max(len(steps) - half, 1)
-    numbers = dict(n=len(trace.steps), first=first, second=second, ratio=second / max(first, 1e-6),
-                   per_token=engine.info.kv_bytes_per_token, start=steps[0].kv_bytes / 1e6 if steps else 0,
-                   end=steps[-1].kv_bytes / 1e6 if steps else 0, window=config.kv_window, sinks=config.kv_sinks)
-    if case == "cached":
-        text = t(lang, "demo.long_result", **numbers)
-    elif case == "no_cache":
-        text = t(lang, "demo.long_result_no_cache", **numbers)
-    else:
-        text = t(lang, "demo.long_result_window", **numbers)
     rows = [_row(lang, t(lang, "demo.long_answer"), trace)]
     return _table(lang, rows) + f"<p>{text}</p>" + _notes(engine, replies, lang), figure
 
@@ -149,6 +146,17 @@ def run_second_turn(engine: Engine) -> list[ReplyTrace]:
     return [first, second]
 
 
+def _no_reuse(config: EngineConfig, lang: str) -> str:
+    """Why a second turn reused nothing of the first's cache."""
+    if not config.kv_cache:
+        return t(lang, "demo.no_reuse_no_cache")
+    if config.kv_window:
+        return t(lang, "demo.no_reuse_window")
+    if not config.prefix_caching:
+        return t(lang, "demo.no_reuse_off")
+    return t(lang, "demo.no_reuse_evicted")  # the pool needed the room
+
+
 def show_second_turn(engine: Engine, replies: list[ReplyTrace], lang: str) -> tuple[str, go.Figure]:
     first, second = replies
     figure = charts.figure(charts.kv_figure([first.events, second.events], lang))
@@ -159,11 +167,7 @@ def show_second_turn(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
     if s.num_cached_tokens:
         text = t(lang, "demo.second_result", **numbers)
     else:  # nothing reused: say why, instead of "0 of them were already in the KV pool"
-        config = engine.config
-        why = (t(lang, "demo.no_reuse_no_cache") if not config.kv_cache else t(lang, "demo.no_reuse_window")
-               if config.kv_window else t(lang, "demo.no_reuse_off") if not config.prefix_caching
-               else t(lang, "demo.no_reuse_evicted"))
-        text = t(lang, "demo.second_result_no_reuse", why=why, **numbers)
+        text = t(lang, "demo.second_result_no_reuse", why=_no_reuse(engine.config, lang), **numbers)
     rows = [_row(lang, t(lang, "chart.turn", n=1), first), _row(lang, t(lang, "chart.turn", n=2), second)]
     return _table(lang, rows) + f"<p>{text}</p>" + _notes(engine, replies, lang), figure
 
