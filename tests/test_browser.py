@@ -676,7 +676,11 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     assert set(plot_traces(page, "ps-lab-plot")) == {"批处理 · 总解码吞吐"}
     page.screenshot(path=str(tmp_path / "lab-zh.png"), full_page=True)
     # Run clicked again while it runs, then Stop: the run stops (the second click's Stop event had taken the
-    # place of the first's, and the run went on to the end)
+    # place of the first's, and the run went on to the end). A run long enough to be stopped: the quick
+    # Batching run takes 0.6 s, over before the Stop; the full KV cache one ~11 s, its second setting ~5 s in
+    page.locator("#ps-lab-experiment input").click()
+    page.get_by_role("option", name="KV 缓存开/关", exact=True).click()
+    page.locator("#ps-lab-quick input").uncheck()
     saved_before = len(Store.open(app_db).lab_runs())
     page.click("#ps-lab-run")
     page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('运行中')")
