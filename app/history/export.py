@@ -17,7 +17,7 @@ from .store import Store
 FORMATS = ("csv", "json", "trace")
 CSV_COLUMNS = ["session_id", "message_id", "turn", "phase", "index", "start_ms", "latency_ms", "tokens",
                "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob", "batch_size", "cached_prompt_tokens",
-               "replaced_by"]
+               "replaced_by", "precision", "switches"]
 DEFINITIONS = {
     "ttft_ms": "request submitted -> first generated token available",
     "itl_ms": "gap between two successive generated tokens",
@@ -29,6 +29,8 @@ DEFINITIONS = {
     "batch_size": "sequences decoded together in the step that produced this token",
     "cached_prompt_tokens": "prompt tokens whose KV came from the cache (prefix caching), not prefilled",
     "replaced_by": "the reply that Retry put in this one's place (same turn); empty for the replies kept",
+    "engine": "how the local engine ran the reply: the weights' precision and the switches set away from their "
+              "defaults (CSV: precision, and switches as JSON); none for a remote endpoint's and older replies",
     "summary": "a session's p50/p90/p99 of ttft_ms, tpot_ms, itl_ms and e2e_ms over its replies (replaced ones too)",
 }
 
@@ -68,12 +70,15 @@ def _csv(rows: Rows) -> str:
     for session, messages in rows:
         sid = session["id"]
         for message, steps in messages:
+            engine = json.loads(message["engine"]) if message.get("engine") else {}
+            precision = engine.pop("precision", "")
+            switches = json.dumps(engine, sort_keys=True) if engine else ""
             for step in steps:
                 writer.writerow([sid, message["id"], message["turn"], step["phase"], step["idx"],
                                  step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
                                  step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
                                  step["token_prob"], step["batch_size"], message["cached_prompt_tokens"],
-                                 message["replaced_by"]])
+                                 message["replaced_by"], precision, switches])
     return out.getvalue()
 
 
