@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from .config import CHAT_REPETITION_PENALTY, EngineConfig, Limits, SamplingParams
+from .config import CHAT_REPETITION_PENALTY, SWITCHES, EngineConfig, Limits, SamplingParams
 from .errors import EngineBusy, KVPoolTooSmall, ModelError, QueueFull
 from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken,
                      Speculation, Started, TopToken)
@@ -46,7 +46,7 @@ __all__ = [
     "Finished", "FirstToken", "Hook",
     "IncrementalDetokenizer", "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo",
     "PoolUsage", "PrefillChunk", "PromptToken", "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
-    "RequestMetrics", "SamplingParams", "Started", "Status", "TopToken", "check_messages", "default_model_path",
-    "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary", "token_bytes",
-    "valid_text",
+    "RequestMetrics", "SWITCHES", "SamplingParams", "Started", "Status", "TopToken", "check_messages",
+    "default_model_path", "kv_bytes_formula", "load_model", "percentiles", "render_prompt", "session_summary",
+    "token_bytes", "valid_text",
 ]

@@ -2,26 +2,24 @@
 the runs it makes, greedy and through the engine's events."""
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine import DecodeStep, EngineConfig, Event, Request, SamplingParams
+from engine import SWITCHES, DecodeStep, EngineConfig, Event, Request, SamplingParams
 
 if TYPE_CHECKING:
     from engine import Engine
 
 
-# Each experiment's settings start from the engine's defaults for the switches experiments compare, however
-# the app was started: under `phasescope ui --no-kv-cache` the kv-cache experiment's "KV cache" side ran
-# without one, and under --kv-window the speculative one could not start. The weights' precision, the
-# device, tensor parallelism and the pool's size stay the engine's.
-SWITCHES = ("kv_cache", "prefix_caching", "speculative", "kv_dtype", "kv_window", "kv_sinks", "split_kv", "attention",
-            "prefill_chunk")
-BASELINE = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name in SWITCHES}
+# Each experiment's settings start from the engine's default switches, however the app was started: under
+# `phasescope ui --no-kv-cache` the kv-cache experiment's "KV cache" side ran without one, and under
+# --kv-window the speculative one could not start. The weights' precision, the device, tensor parallelism,
+# the draft length, compilation and the pool's size stay the engine's.
+BASELINE = {name: getattr(EngineConfig(), name) for name in SWITCHES
+            if name not in ("draft_tokens", "tensor_parallel", "compile_decode")}
 
 
 class LabStopped(Exception):

@@ -163,20 +163,20 @@ def loading_html(lang: str = DEFAULT) -> str:
 def switches_text(config: EngineConfig, lang: str = DEFAULT) -> str:
     """The engine's switches set away from their defaults that change what the page shows (a class comparing
     runs needs to know): no KV cache, a sliding window, speculation, no prefix cache, and the like."""
-    switches = []
-    if not config.kv_cache:
+    changed, switches = config.switches(), []
+    if "kv_cache" in changed:
         switches.append(t(lang, "switch.no_kv_cache"))
-    if config.kv_window:
+    if "kv_window" in changed:
         switches.append(t(lang, "switch.window", sinks=config.kv_sinks, window=config.kv_window))
-    if config.speculative:
+    if "speculative" in changed:
         switches.append(t(lang, "switch.speculative", method=config.speculative, k=config.draft_tokens))
-    if not config.prefix_caching and config.kv_cache and not config.kv_window:
+    if "prefix_caching" in changed and config.kv_cache and not config.kv_window:  # else said with those
         switches.append(t(lang, "switch.no_prefix_cache"))
-    if config.attention != "auto":
+    if "attention" in changed:
         switches.append(t(lang, "switch.attention", attention=config.attention))
-    if not config.split_kv:
+    if "split_kv" in changed:
         switches.append(t(lang, "switch.no_split_kv"))
-    if config.tensor_parallel > 1:
+    if "tensor_parallel" in changed:
         switches.append(t(lang, "switch.tensor_parallel", n=config.tensor_parallel))
     return t(lang, "model.switches", switches="; ".join(switches)) if switches else ""
 
