@@ -335,7 +335,7 @@ def _recorded(events, seen: list):
 def cmd_chat(args: argparse.Namespace) -> int:
     """The terminal chat, with the local engine or (--endpoint) a remote server measured from here; each
     conversation is saved in the history as the browser's chats are (`phasescope sessions`, `export`)."""
-    from app.history.recorder import engine_record, load_chat, make_recorder
+    from app.history.recorder import load_chat, make_recorder
     from app.history.store import Store
     from app.i18n import t
     from app.ui.session import ChatSession
@@ -355,7 +355,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         about = lambda: engine.info  # noqa: E731  (a session is about the model running when it starts)
         what = f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}"
     print(f"{what}; history: {store.path}). {CHAT_COMMANDS}.")
-    record = make_recorder(store, about, None if endpoint else lambda: engine_record(engine.info, engine.config))
+    record = make_recorder(store, about, engine)
     session = ChatSession() if args.session is None else load_chat(store, args.session)
     for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far
         print(f"\n>>> {user['content']}\n{reply['content']}")

@@ -17,7 +17,7 @@ from .i18n import DEFAULT, K, t
 from .ui import chat_tab, explain, history_tab, lab_tab, language
 from .ui.live import Streams
 from .ui.language import Texts
-from .history.recorder import engine_record, make_recorder
+from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
 from .history.store import Store
 from .serve.access import url_host, url_of
@@ -47,7 +47,7 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
             lang, remembered = language.switch(texts)
         with gr.Tabs() as tabs:
             with texts(gr.Tab, label=K("tab.chat"), id="chat"):
-                recorder = make_recorder(store, lambda: engine.info, lambda: engine_record(engine.info, engine.config))
+                recorder = make_recorder(store, lambda: engine.info, engine)
                 chat = chat_tab.build(engine, active, texts, lang, streams, recorder)
             with texts(gr.Tab, label=K("tab.explain"), id="explain", elem_id="ps-explain-tab"):
                 explain.build(engine, texts, lang)

@@ -75,7 +75,7 @@ def store():
 
 def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None, hooks=()):
     """Run one chat turn through the engine with the history recorder attached, as the app does."""
-    from app.history.recorder import engine_record, make_recorder
+    from app.history.recorder import make_recorder
     from app.ui.session import ChatSession
     from app.ui.trace import ReplyTrace
     from engine import SamplingParams
@@ -85,8 +85,7 @@ def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None,
     messages = session.messages + [{"role": "user", "content": text}]
     trace = ReplyTrace(turn=len(session.traces) + 1)
     session.traces.append(trace)
-    hook = make_recorder(store, lambda: engine.info, lambda: engine_record(engine.info, engine.config))(
-        session, messages, sampling, trace)
+    hook = make_recorder(store, lambda: engine.info, engine)(session, messages, sampling, trace)
     request = engine.new_request(messages, sampling)
     events = list(engine.run(request, hooks=[hook, trace.add, *hooks]))
     session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]

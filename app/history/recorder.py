@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine import (DecodeStep, EngineConfig, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams,
                     Started)
@@ -16,6 +17,9 @@ from ..i18n import DEFAULT, t
 from ..ui.session import ChatSession
 from .store import FINAL_STATUS, SessionMoved, Store, StoreError
 from ..ui.trace import ReplyTrace, summary_metrics
+
+if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
+    from engine import Engine
 
 BATCH_STEPS = 32  # steps per write
 BATCH_SECONDS = 0.5  # or sooner, when a write is this old (a slow prefill chunk is kept promptly)
@@ -80,11 +84,11 @@ class MessageRecorder:
         self._last_write = time.monotonic()
 
 
-def make_recorder(store: Store, model: Callable[[], ModelInfo], engine: Callable[[], dict] | None = None):
+def make_recorder(store: Store, model: Callable[[], ModelInfo], engine: Engine | None = None):
     """The chat tab's recorder factory: saves the session and the user's message, then returns the
     hook that records the assistant's reply. model: what a new session is about, read as it starts (a
-    precision switch changes it); engine: how the local engine runs a reply now (engine_record), saved
-    with each reply the local engine makes."""
+    precision switch changes it); engine: the local engine, how it runs a reply as it starts
+    (engine_record) saved with each reply it makes."""
     def recorder(session: ChatSession, messages: list[dict], sampling: SamplingParams, trace: ReplyTrace):
         user_text = messages[-1]["content"]
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
@@ -93,7 +97,7 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo], engine: Callable
             session.saved_reply = None
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
                                                     about.name, about.device, about.dtype, settings)
-        how = engine() if engine is not None and session.endpoint is None else None
+        how = engine_record(engine.info, engine.config) if engine is not None and session.endpoint is None else None
         try:  # a retried turn: a new reply
             message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply, how)
         except SessionMoved:  # another tab continued this session: this chat goes on in a copy of it
