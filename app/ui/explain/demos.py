@@ -80,13 +80,13 @@ def show_short_vs_long(engine: Engine, replies: list[ReplyTrace], lang: str) -> 
     s, l = short.metrics(), long.metrics()
     cached = engine.config.kv_cache  # without it, each decode step recomputes the prompt: TPOT grows too
     names = [t(lang, "demo.short"), t(lang, "demo.long")]
-    figure = go.Figure(dict(data=[
+    figure = charts.figure(dict(data=[
         dict(type="bar", name="TTFT (ms)", x=names, y=[s.ttft_ms, l.ttft_ms], marker=dict(color=charts.PREFILL_COLOR)),
         dict(type="bar", name="TPOT (ms)", x=names, y=[s.tpot_ms, l.tpot_ms], marker=dict(color=charts.DECODE_COLOR)),
     ], layout=dict(title=dict(text=t(lang, "demo.short_long_title" if cached else "demo.short_long_title_no_cache"),
                               x=0.01), barmode="group", height=300,
                    font=dict(family=charts.FONT_FAMILY), paper_bgcolor="white", plot_bgcolor="white",
-                   yaxis=dict(title=dict(text="ms")))), _validate=False)
+                   yaxis=dict(title=dict(text="ms")))))
     text = t(lang, "demo.short_long_result" if cached else "demo.short_long_result_no_cache",
              short=s.num_prompt_tokens - s.num_cached_tokens,
              long=l.num_prompt_tokens - l.num_cached_tokens, short_ttft=s.ttft_ms, long_ttft=l.ttft_ms,
@@ -125,14 +125,13 @@ def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
     if config.kv_cache:  # without one, the keys and values are each step's scratch: no cache to draw
         lines.append(dict(type="scatter", mode="lines", name=t(lang, "demo.kv_mb"), x=xs, yaxis="y2",
                           y=[s.kv_bytes / 1e6 for s in steps], line=dict(color=charts.PREFILL_COLOR, width=2)))
-    figure = go.Figure(dict(data=lines, layout=dict(
+    figure = charts.figure(dict(data=lines, layout=dict(
         title=dict(text=title, x=0.01), height=300, paper_bgcolor="white",
         plot_bgcolor="white", font=dict(family=charts.FONT_FAMILY),
         legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
         xaxis=dict(title=dict(text=t(lang, "demo.token"))),
         yaxis=dict(title=dict(text=t(lang, "demo.itl")), rangemode="tozero"),
-        yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right", rangemode="tozero"))),
-        _validate=False)
+        yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right", rangemode="tozero"))))
     rows = [_row(lang, t(lang, "demo.long_answer"), trace)]
     return _table(lang, rows) + f"<p>{text}</p>" + _notes(engine, replies, lang), figure
 
