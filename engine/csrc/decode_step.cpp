@@ -627,11 +627,21 @@ void linear(const Dims &d, const Linear &lin, const float *x, int64_t n, int64_t
     }
 }
 
+// RMSNorm of one row. Its sum of squares runs in 4 x 8 lanes, then across them: a fixed order for a given n,
+// whatever the batch. (A chain of scalar double adds took 0.8 us a row: a decode step of four sequences
+// spent 0.19 ms of its 4.4 in its 61 norms.)
 void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *y) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) sum += double(x[i]) * x[i];
-    const float inv = 1.0f / std::sqrt(float(sum / n) + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * weight[i];
+    Vec lanes[4] = {};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int j = 0; j < 4; j++) {
+            const Vec v = load8(x + i + 8 * j);
+            lanes[j] += v * v;
+        }
+    float sum = sum_lanes((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]));
+    for (; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / std::sqrt(sum / float(n) + eps);
+    for (i = 0; i < n; i++) y[i] = x[i] * inv * weight[i];
 }
 
 // q and k heads rotated in place: pairs (a, b) times (cos + i sin) of this position.
