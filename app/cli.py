@@ -16,6 +16,25 @@ from .startup import pause_collector, settle
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
+# the engine's switches (EngineConfig.switches) whose flag is not their name
+SWITCH_FLAGS = {"prefix_caching": "prefix-cache"}
+
+
+def switch_flags(switches: dict) -> str:
+    """Switches set away from their defaults as the flags that set them: `--no-kv-cache --kv-window 256`."""
+    flags = []
+    for name, value in switches.items():
+        flag = SWITCH_FLAGS.get(name, name.replace("_", "-"))
+        flags.append(f"--{flag}" if value is True else f"--no-{flag}" if value is False else f"--{flag} {value}")
+    return " ".join(flags)
+
+
+def engine_line(engine) -> str:
+    """What runs, for a terminal's first lines: the model, device, precision, forward path and decode step,
+    and the switches set away from their defaults (a run with --no-kv-cache says so where it starts)."""
+    info, flags = engine.info, switch_flags(engine.config.switches())
+    line = f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})"
+    return f"{line} with {flags}" if flags else line
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -349,12 +368,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     endpoint = _endpoint(args) if args.endpoint else None
     engine = None if endpoint else _engine(args)
     if endpoint:
-        about, what = endpoint.info, f"{endpoint.model} at {endpoint.url} (client-side timings"
+        about, what = endpoint.info, f"{endpoint.model} at {endpoint.url} (client-side timings)"
     else:
-        info = engine.info
         about = lambda: engine.info  # noqa: E731  (a session is about the model running when it starts)
-        what = f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path}"
-    print(f"{what}; history: {store.path}). {CHAT_COMMANDS}.")
+        what = engine_line(engine)
+    print(f"{what}; history: {store.path}. {CHAT_COMMANDS}.")
     record = make_recorder(store, about, engine)
     session = ChatSession() if args.session is None else load_chat(store, args.session)
     for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far

@@ -13,6 +13,7 @@ import gradio as gr
 
 from engine import EngineConfig
 
+from .cli import engine_line
 from .i18n import DEFAULT, K, t
 from .ui import chat_tab, explain, history_tab, lab_tab, language
 from .ui.live import Streams
@@ -132,9 +133,7 @@ def start_engine(config: EngineConfig) -> Engine:
     runner.call(engine.warm_up)  # the first chat's TTFT is then a prefill's, not a cold start's
     runner.serve(engine)
     _return_memory_when_idle(engine)
-    info = engine.info
-    print(f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})",
-          file=sys.stderr, flush=True)
+    print(engine_line(engine), file=sys.stderr, flush=True)
     return engine
 
 

@@ -105,6 +105,16 @@ def test_cli_errors_are_one_line(args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("flags", ["--no-prefix-cache --no-split-kv --kv-window 256 --kv-sinks 8 --attention eager "
+                                   "--kv-dtype int8", "--speculative prompt-lookup --draft-tokens 4 --compile-decode",
+                                   "--no-kv-cache --tensor-parallel 2", ""])
+def test_switches_are_told_as_the_flags_that_set_them(flags):
+    from app.cli import build_parser, engine_config, switch_flags
+
+    config = engine_config(build_parser().parse_args(["generate", "--prompt", "hi", *flags.split()]))
+    assert set(switch_flags(config.switches()).split(" --")) == set(flags.split(" --"))
+
+
 def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     db = tmp_path / "history.db"
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
@@ -132,9 +142,10 @@ def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     assert (retried["id"], None) == (replaced["replaced_by"], retried["replaced_by"])
     ada = store.sessions()[1]["id"]  # continued in a new process: the conversation so far is shown and sent
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
-                          "--db", str(db), "--session", str(ada)], input="And again?\n/bye\n", capture_output=True,
-                         text=True, timeout=300)
+                          "--db", str(db), "--session", str(ada), "--no-prefix-cache"], input="And again?\n/bye\n",
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "decode: fused C++) with --no-prefix-cache; history: " in out.stdout  # the first line says how it runs
     assert ">>> My name is Ada." in out.stdout and ">>> What is my name?" in out.stdout
     [(prompt, _)] = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
     assert int(prompt) > second and [s["turns"] for s in store.sessions() if s["id"] == ada] == [3]
