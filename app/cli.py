@@ -373,7 +373,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         about = lambda: engine.info  # noqa: E731  (a session is about the model running when it starts)
         what = engine_line(engine)
     print(f"{what}; history: {store.path}. {CHAT_COMMANDS}.")
-    record = make_recorder(store, about, engine)
+    record = make_recorder(store, about)
     session = ChatSession() if args.session is None else load_chat(store, args.session)
     for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far
         print(f"\n>>> {user['content']}\n{reply['content']}")

@@ -48,7 +48,7 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
             lang, remembered = language.switch(texts)
         with gr.Tabs() as tabs:
             with texts(gr.Tab, label=K("tab.chat"), id="chat"):
-                recorder = make_recorder(store, lambda: engine.info, engine)
+                recorder = make_recorder(store, lambda: engine.info)
                 chat = chat_tab.build(engine, active, texts, lang, streams, recorder)
             with texts(gr.Tab, label=K("tab.explain"), id="explain", elem_id="ps-explain-tab"):
                 explain.build(engine, texts, lang)

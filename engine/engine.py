@@ -149,6 +149,12 @@ class Engine:
                          getattr(self.runner, "decode_path", "PyTorch ops"), self.runner.precision,
                          config.num_hidden_layers, kv_heads, head_dim, self.context_window, per_token)
 
+    @property
+    def setup(self) -> dict:
+        """How this engine runs a request, as its Started event says and the history keeps it: the weights'
+        precision and the switches set away from their defaults ({"precision": "int8"} as it comes)."""
+        return {"precision": self.runner.precision, **self.config.switches()}
+
     def kv_usage(self) -> PoolUsage:
         """The KV pool now: blocks held by running requests, kept for prefix reuse, and free."""
         return self.pool.usage()
@@ -555,7 +561,7 @@ class Engine:
             kv = r.kv_cache
             self._deliver(r, Started(r.request_id, self._t_ms(r, r.started_ns), r.num_prompt_tokens,
                                      r.max_new_tokens, kv.capacity_tokens, kv.bytes_allocated, self.runner.name,
-                                     r.num_cached_tokens))
+                                     r.num_cached_tokens, self.setup))
         if plan.decodes:
             self._run_decodes(plan.decodes)
         for r, start, end in plan.prefills:

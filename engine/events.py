@@ -81,6 +81,9 @@ class Started(Event):
     kv_capacity_bytes: int
     model_path: str  # which forward runs it: "lean-llama" or "transformers"
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the pool (prefix caching): not prefilled
+    # how the engine runs it: the weights' precision and the switches set away from their defaults,
+    # {"precision": "int8", "kv_cache": False} (Engine.setup); None where not known (a remote endpoint)
+    engine: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)

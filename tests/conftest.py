@@ -85,7 +85,7 @@ def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None,
     messages = session.messages + [{"role": "user", "content": text}]
     trace = ReplyTrace(turn=len(session.traces) + 1)
     session.traces.append(trace)
-    hook = make_recorder(store, lambda: engine.info, engine)(session, messages, sampling, trace)
+    hook = make_recorder(store, lambda: engine.info)(session, messages, sampling, trace)
     request = engine.new_request(messages, sampling)
     events = list(engine.run(request, hooks=[hook, trace.add, *hooks]))
     session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]

@@ -79,11 +79,12 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_cli_generate_json_prints_every_event():
     result = run_cli("generate", "--prompt", "What is a KV cache?", "--max-new-tokens", "32", "--json",
-                     "--temperature", "0")
+                     "--temperature", "0", "--kv-dtype", "fp16")
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]
     types = [e["type"] for e in events]
     assert types[:3] == ["Started", "PrefillChunk", "FirstToken"] and types[-1] == "Finished"
+    assert {"precision": "int8", "kv_dtype": "fp16"} == events[0]["engine"]  # a log says how it was made
     kv = [e["kv_tokens"] for e in events if e["type"] == "DecodeStep"]
     assert kv == list(range(kv[0], kv[0] + len(kv))) and 1 <= len(kv) <= 32
     metrics = events[-1]["metrics"]

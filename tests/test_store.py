@@ -208,7 +208,8 @@ def test_each_reply_keeps_how_the_engine_ran_it(tiny, store):
     assert {} == engine.config.switches()
     session, _, _ = record(engine, store, "First")
     recomputing = engine.variant(kv_cache=False, speculative=None)
-    record(recomputing, store, "Second", session=session)
+    _, events, _ = record(recomputing, store, "Second", session=session)
+    assert {"precision": "fp32", "kv_cache": False} == events[0].engine  # the Started event says it
     messages = to_json(store, session.store_id)["sessions"][0]["messages"]
     assert [None, {"precision": "fp32"}, None, {"precision": "fp32", "kv_cache": False}] == [
         m["engine"] for m in messages]

@@ -5,21 +5,17 @@ the end), so Stop, an error or a killed process keeps every step up to the last 
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from engine import (DecodeStep, EngineConfig, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams,
-                    Started)
+from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, PrefillChunk, SamplingParams, Started
 from engine.metrics import RequestMetrics, session_summary
 
 from ..i18n import DEFAULT, t
 from ..ui.session import ChatSession
 from .store import FINAL_STATUS, SessionMoved, Store, StoreError
 from ..ui.trace import ReplyTrace, summary_metrics
-
-if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
-    from engine import Engine
 
 BATCH_STEPS = 32  # steps per write
 BATCH_SECONDS = 0.5  # or sooner, when a write is this old (a slow prefill chunk is kept promptly)
@@ -68,7 +64,8 @@ class MessageRecorder:
             self.store.update_message(self.message_id, prompt_tokens=event.num_prompt_tokens,
                                       cached_prompt_tokens=event.num_cached_tokens,
                                       kv_capacity_tokens=event.kv_capacity_tokens,
-                                      kv_capacity_bytes=event.kv_capacity_bytes)
+                                      kv_capacity_bytes=event.kv_capacity_bytes,
+                                      engine=None if event.engine is None else json.dumps(event.engine, sort_keys=True))
         elif isinstance(event, FirstToken):
             self.store.update_message(self.message_id, tokenize_ms=event.tokenize_ms, queue_ms=event.queue_ms)
         elif isinstance(event, Finished):
@@ -84,11 +81,10 @@ class MessageRecorder:
         self._last_write = time.monotonic()
 
 
-def make_recorder(store: Store, model: Callable[[], ModelInfo], engine: Engine | None = None):
+def make_recorder(store: Store, model: Callable[[], ModelInfo]):
     """The chat tab's recorder factory: saves the session and the user's message, then returns the
     hook that records the assistant's reply. model: what a new session is about, read as it starts (a
-    precision switch changes it); engine: the local engine, how it runs a reply as it starts
-    (engine_record) saved with each reply it makes."""
+    precision switch changes it)."""
     def recorder(session: ChatSession, messages: list[dict], sampling: SamplingParams, trace: ReplyTrace):
         user_text = messages[-1]["content"]
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
@@ -97,26 +93,18 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo], engine: Engine |
             session.saved_reply = None
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
                                                     about.name, about.device, about.dtype, settings)
-        how = engine_record(engine.info, engine.config) if engine is not None and session.endpoint is None else None
         try:  # a retried turn: a new reply
-            message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply, how)
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply)
         except SessionMoved:  # another tab continued this session: this chat goes on in a copy of it
             continued = session.store_id
             session.store_id = store.fork_session(continued, trace.turn)
             session.warn(t(session.lang, "warning.session_forked", old=continued, new=session.store_id))
-            message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id),
-                                         how)
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id))
         session.saved_reply = message_id
         return MessageRecorder(store, message_id,
                                on_error=lambda exc: session.warn(t(session.lang, "warning.save_failed", detail=exc)))
 
     return recorder
-
-
-def engine_record(info: ModelInfo, config: EngineConfig) -> dict:
-    """How the engine runs a reply, as the history keeps it: the weights' precision and the switches set
-    away from their defaults."""
-    return {"precision": info.precision, **config.switches()}
 
 
 # --- the way back: rows to events, for charts, restored chats and exports --------------------------
@@ -162,7 +150,8 @@ def message_events(message: dict, steps: list[dict]) -> list[Event]:
     events: list[Event] = []
     if message.get("kv_capacity_tokens") is not None:
         events.append(Started(request_id, 0.0, message["prompt_tokens"] or 0, 0, message["kv_capacity_tokens"],
-                              message["kv_capacity_bytes"], "", message["cached_prompt_tokens"] or 0))
+                              message["kv_capacity_bytes"], "", message["cached_prompt_tokens"] or 0,
+                              json.loads(message["engine"]) if message.get("engine") else None))
     points = _points(message, steps)
     events += points
     if message["status"] != "in_progress":

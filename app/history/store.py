@@ -280,14 +280,12 @@ class Store:
             return self.db["messages"].insert(dict(session_id=session_id, turn=turn, role=role, content=clean(content),
                                                    status=status, created_at=stamp)).last_pk
 
-    def add_reply(self, session_id: int, turn: int, user_text: str, latest: int | None = None,
-                  engine: dict | None = None) -> int:
+    def add_reply(self, session_id: int, turn: int, user_text: str, latest: int | None = None) -> int:
         """A turn's user message and its assistant reply (in progress), in one transaction; returns the
         reply's id. A turn that has a reply already is being retried: its user message stays as it is,
         and its earlier replies are marked replaced_by the new one. latest: the session's latest reply as
         the sending chat knows it (None: no reply yet); where the session has another (a second tab
-        continued it), SessionMoved is raised and nothing is written. engine: how the local engine runs
-        the reply ({"precision": ..., **EngineConfig.switches()}), None for a remote endpoint's."""
+        continued it), SessionMoved is raised and nothing is written."""
         stamp = now_iso()
         with self._write():
             if self._latest_reply(session_id) != latest:
@@ -300,8 +298,7 @@ class Store:
                 self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user",
                                                 content=clean(user_text), status="complete", created_at=stamp))
             reply = dict(session_id=session_id, turn=turn, role="assistant", content="", status="in_progress",
-                         created_at=stamp, writer=_this_writer(),
-                         engine=None if engine is None else json.dumps(engine, sort_keys=True))
+                         created_at=stamp, writer=_this_writer())
             reply_id = self.db["messages"].insert(reply).last_pk
             self.db.execute("UPDATE messages SET replaced_by = ? WHERE session_id = ? AND turn = ? "
                             "AND role = 'assistant' AND replaced_by IS NULL AND id != ?",
