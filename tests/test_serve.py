@@ -233,6 +233,7 @@ def test_metrics_count_what_was_asked(server, client):
     assert grew("inter_token_latency_seconds_count") == answer.usage.completion_tokens - 1
     assert grew("prefix_cache_queries_total") == answer.usage.prompt_tokens
     assert after["phasescope:num_requests_running"] == 0 and 0 <= after["phasescope:kv_cache_usage_perc"] <= 1
+    assert after['phasescope:engine_info{precision="int8",switches=""}'] == 1
     models = json.loads(urllib.request.urlopen(urllib.request.Request(
         f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}), timeout=10).read())
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -282,8 +283,9 @@ def test_bad_request_bodies_are_said_in_one_line(server, body, content_type, sai
 
 
 def test_more_choices_than_the_queue_takes_are_a_400_not_a_429_to_retry_forever():
-    process, url = start_server("--limit-waiting", "2")
+    process, url = start_server("--limit-waiting", "2", "--no-split-kv")
     try:
+        assert metrics(url)['phasescope:engine_info{precision="int8",switches="--no-split-kv"}'] == 1
         code, answer = post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3},
                             key=None)
         assert code == 400 and answer["error"]["message"] == ("3 choices in one request (prompts × n), but this "

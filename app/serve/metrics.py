@@ -7,6 +7,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from engine import DecodeStep, Engine, Event, Finished, Started
 
+from ..cli import switch_flags
+
 PREFIX = "phasescope:"
 # vLLM's buckets: latencies from a millisecond to minutes
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -76,7 +78,9 @@ class ServerMetrics:
 
 
 class _EngineGauges:
-    """What is true at the moment of a scrape: requests running and waiting, the KV pool's use."""
+    """What is true at the moment of a scrape: requests running and waiting, the KV pool's use; and how the
+    engine runs (its precision and switches, as labels of a gauge of 1, as vLLM's cache_config_info), so
+    that a dashboard's figures say how they were made."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
@@ -94,3 +98,9 @@ class _EngineGauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
+        setup = dict(engine.setup)  # read at each scrape: the page of `serve --ui` may switch the precision
+        info = GaugeMetricFamily(PREFIX + "engine_info", "How the engine runs: the weights' precision and the "
+                                 "switches set away from their defaults, as the flags that set them.",
+                                 labels=["model_name", "precision", "switches"])
+        info.add_metric([model, setup.pop("precision"), switch_flags(setup)], 1)
+        yield info
