@@ -542,12 +542,14 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     if not rows:
         print("no sessions" + (f" matching {args.search!r}" if args.search else ""))
         return 0
-    print(f"{'id':>5}  {'updated':<19}  {'turns':>5}  {'TTFT ms':>8}  {'TPOT ms':>8}  {'model':<24}  title")
+    # "run in": the precisions of the replies averaged (int8 and fp32 replies averaged together say so)
+    print(f"{'id':>5}  {'updated':<19}  {'turns':>5}  {'TTFT ms':>8}  {'TPOT ms':>8}  {'run in':<9}  {'model':<24}  "
+          "title")
     for row in rows:
         ttft = f"{row['mean_ttft_ms']:.0f}" if row["mean_ttft_ms"] is not None else "-"
         tpot = f"{row['mean_tpot_ms']:.1f}" if row["mean_tpot_ms"] is not None else "-"
         print(f"{row['id']:>5}  {row['updated_at'][:19].replace('T', ' '):<19}  {row['turns']:>5}  {ttft:>8}  "
-              f"{tpot:>8}  {row['model'][:24]:<24}  {row['title']}")
+              f"{tpot:>8}  {row['precisions'] or '-':<9}  {row['model'][:24]:<24}  {row['title']}")
     return 0
 
 

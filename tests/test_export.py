@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import os
 import subprocess
 import sys
@@ -153,8 +154,8 @@ def test_a_sessions_percentiles_are_those_of_its_replies(filled):
     messages = data["sessions"][0]["messages"]
     precision = messages[1]["engine"]["precision"]
     assert f"Run in: {precision} (2)" in engines_line(messages, "en")
-    messages[3]["engine"] = {"precision": "int8", "kv_cache": False}
-    assert f"{precision} (1), int8 · kv_cache=false (1)" in engines_line(messages, "en")
+    messages[3]["engine"] = {"precision": "int8", "kv_window": 256, "kv_sinks": 8}
+    assert f"{precision} (1), int8 --kv-window 256 --kv-sinks 8 (1)" in engines_line(messages, "en")
     assert "" == engines_line([{**m, "engine": None} for m in messages], "en")  # saved before schema 8
 
 
@@ -171,9 +172,11 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_sessions_and_export(tiny, tmp_path):
     path = tmp_path / "h.db"
     store = Store.open(path)
-    record(Engine(tiny), store, "CLI question")
+    engine = Engine(tiny)
+    record(engine, store, "CLI question")
     listing = cli("sessions", "--db", str(path))
     assert 0 == listing.returncode and "CLI question" in listing.stdout and "tiny-llama" in listing.stdout
+    assert re.search(rf"run in .*\n.* {engine.info.precision} +tiny-llama", listing.stdout)  # its replies' precision
     out = tmp_path / "s.json"
     assert 0 == cli("export", "--db", str(path), "--session", "1", "--format", "json", "-o", str(out)).returncode
     assert "CLI question" == json.loads(out.read_text())["sessions"][0]["title"]

@@ -374,13 +374,15 @@ class Store:
             return list(self.db.query(sql, params))
 
     def sessions(self, search: str = "") -> list[dict]:
-        """Newest first, with turns and mean TTFT/TPOT (of the replies a Retry did not replace); search
-        matches titles and message text."""
+        """Newest first, with turns, mean TTFT/TPOT (of the replies a Retry did not replace) and the
+        precisions those replies ran in ("int8,fp32"; None where none was recorded); search matches titles
+        and message text."""
         words = clean(search.strip())
         # the text itself: % and _ are LIKE's wildcards, so "50%" would match every "50"
         like = "%" + words.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         return self._query(
-            "SELECT s.*, COUNT(m.id) AS turns, AVG(m.ttft_ms) AS mean_ttft_ms, AVG(m.tpot_ms) AS mean_tpot_ms "
+            "SELECT s.*, COUNT(m.id) AS turns, AVG(m.ttft_ms) AS mean_ttft_ms, AVG(m.tpot_ms) AS mean_tpot_ms, "
+            "GROUP_CONCAT(DISTINCT json_extract(m.engine, '$.precision')) AS precisions "
             "FROM sessions s LEFT JOIN messages m ON m.session_id = s.id AND m.role = 'assistant' "
             "AND m.replaced_by IS NULL "
             "WHERE ? = '' OR s.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages x "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import shutil
 import tempfile
 from html import escape
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 
+from ..cli import switch_flags
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .panels import attention, counted, with_attention, without_attention
@@ -56,14 +56,15 @@ def sessions_table(store: Store, search: str, lang: str) -> gr.Dataframe:
 
 
 def engines_line(messages: list[dict], lang: str) -> str:
-    """How the engine ran the session's replies (their `engine` in the JSON export), with how many of each:
-    "int8 (3), fp32 · kv_cache=false (1)"; "" where none was recorded (remote, or saved before schema 8)."""
+    """How the engine ran the session's replies (their `engine` in the JSON export), with how many of each,
+    the switches as the flags that set them: "int8 (3), fp32 --no-kv-cache (1)"; "" where none was recorded
+    (remote, or saved before schema 8)."""
     counts: dict[str, int] = {}
     for message in messages:
         engine = message.get("engine")
         if message["role"] == "assistant" and engine:
-            switches = [f"{name}={json.dumps(value)}" for name, value in engine.items() if name != "precision"]
-            name = " · ".join([str(engine.get("precision")), *switches])
+            switches = {name: value for name, value in engine.items() if name != "precision"}
+            name = " ".join(filter(None, [str(engine.get("precision")), switch_flags(switches)]))
             counts[name] = counts.get(name, 0) + 1
     if not counts:
         return ""
