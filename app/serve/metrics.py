@@ -98,7 +98,7 @@ class _EngineGauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
-        setup = dict(engine.setup)  # read at each scrape: the page of `serve --ui` may switch the precision
+        setup = engine.setup  # read at each scrape: the page of `serve --ui` may switch the precision
         info = GaugeMetricFamily(PREFIX + "engine_info", "How the engine runs: the weights' precision and the "
                                  "switches set away from their defaults, as the flags that set them.",
                                  labels=["model_name", "precision", "switches"])

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-
 from ..cli import switch_flags
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
