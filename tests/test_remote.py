@@ -244,3 +244,5 @@ def test_load_sweep_against_phasescope_serve_shows_batching(own_server):
     assert one["completed"] == four["completed"] == 8 and one["errors"] == four["errors"] == 0
     assert four["output_tokens_per_s"] > one["output_tokens_per_s"]  # continuous batching
     assert four["goodput"] > 0 and set(four["ttft_ms"]) == {"p50", "p90", "p99"}
+    # how the server runs, as its /metrics says: a comparison of two servers says what it compared
+    assert {"phasescope:engine_info": {"precision": "int8", "switches": ""}} == report["server_info"]

@@ -27,6 +27,8 @@ _ids = itertools.count(1)
 SERVER_METRICS = ("kv_cache_usage_perc", "gpu_cache_usage_perc", "token_usage", "prefix_cache_hits", "cache_hit_rate",
                   "prefix_cache_queries", "num_requests_waiting", "num_queue_reqs", "num_requests_running",
                   "num_running_reqs")
+# Prometheus gauges whose labels say how a server runs: PhaseScope's engine_info, vLLM's cache_config_info
+SERVER_INFO = ("engine_info", "cache_config_info")
 
 
 class KeyRefused(ValueError):
@@ -81,28 +83,37 @@ class Endpoint:
         return ModelInfo(self.model or "remote", self.url, f"endpoint {self.url}", "remote", "remote", "remote",
                          "remote", 0, 0, 0, 0, 0)
 
-    def scrape(self) -> dict[str, float]:
-        """The server's /metrics (beside /v1) reduced to SERVER_METRICS, summed over labels; {} if it has none."""
+    def _samples(self) -> list:
+        """The samples of the server's /metrics (beside /v1); [] where it has none."""
         if not self.scrape_metrics:
-            return {}
+            return []
         try:
             answer = httpx.get(self.url.removesuffix("/v1") + "/metrics", headers=self.headers, timeout=2.0)
         except httpx.HTTPError:
-            return {}
+            return []
         if answer.status_code != 200:
-            return {}
+            return []
         from prometheus_client.parser import text_string_to_metric_families
 
-        values: dict[str, float] = {}
         try:
-            for family in text_string_to_metric_families(answer.text):
-                for sample in family.samples:
-                    base = sample.name.split(":")[-1].removesuffix("_total")
-                    if base in SERVER_METRICS:
-                        values[base] = values.get(base, 0.0) + sample.value
+            return [sample for family in text_string_to_metric_families(answer.text) for sample in family.samples]
         except ValueError:  # not Prometheus text after all
-            return {}
+            return []
+
+    def scrape(self) -> dict[str, float]:
+        """The server's /metrics reduced to SERVER_METRICS, summed over labels; {} if it has none."""
+        values: dict[str, float] = {}
+        for sample in self._samples():
+            base = sample.name.split(":")[-1].removesuffix("_total")
+            if base in SERVER_METRICS:
+                values[base] = values.get(base, 0.0) + sample.value
         return values
+
+    def server_info(self) -> dict[str, dict[str, str]]:
+        """How the server says it runs: the labels of its SERVER_INFO gauges by name, without the model's,
+        e.g. {"phasescope:engine_info": {"precision": "int8", "switches": "--no-kv-cache"}}; {} if none."""
+        return {sample.name: {k: v for k, v in sample.labels.items() if k != "model_name"}
+                for sample in self._samples() if sample.name.split(":")[-1] in SERVER_INFO}
 
     def stream(self, messages: list[dict], sampling: SamplingParams, cancelled=lambda: False) -> Iterator[Event]:
         """Send a chat and yield its events as the chunks arrive; cancelled() is checked between chunks."""

@@ -99,7 +99,7 @@ def sweep(endpoint: Endpoint, levels: tuple[int, ...], num_requests: int, input_
     texts = prompts(num_requests * len(levels), input_words, random_lengths)
     report = {"endpoint": endpoint.url, "model": endpoint.model, "requests_per_level": num_requests,
               "input_words": input_words, "output_tokens": output_tokens, "random_lengths": random_lengths,
-              "request_rate": rate, "slo": slo or {}, "levels": []}
+              "request_rate": rate, "slo": slo or {}, "server_info": endpoint.server_info(), "levels": []}
     for i, concurrency in enumerate(levels):
         log(f"  concurrency {concurrency}: {num_requests} requests" + (f" at {rate:g}/s" if rate else ""))
         result = level(endpoint, texts[i * num_requests:(i + 1) * num_requests], concurrency, output_tokens, rate,
@@ -137,6 +137,10 @@ def markdown(report: dict) -> str:
              f"requests per level, ~{report['input_words']} words in, {report['output_tokens']} tokens out"
              + (f", Poisson arrivals at {report['request_rate']:g}/s" if report["request_rate"] else "") + ")", "",
              head, "|" + "---|" * 9]
+    if report.get("server_info"):  # how the server says it runs, from its /metrics
+        lines[1:1] = ["", "The server says how it runs: " + "; ".join(
+            f"{name} " + ", ".join(f"{k}={v or '(none)'}" for k, v in labels.items())
+            for name, labels in report["server_info"].items()) + "."]
 
     def three(p: dict) -> str:
         return "/".join("-" if p.get(k) is None else f"{p[k]:,.1f}" for k in ("p50", "p90", "p99"))
