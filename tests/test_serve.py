@@ -399,3 +399,41 @@ def test_on_the_network_the_api_needs_its_key_and_the_ui_a_login():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_stream_waiting_behind_a_measurement_of_the_lab_says_so(tokenizer):
+    """A streamed answer queued while the page's Lab holds the engine (Engine.call, `serve --ui`) gets one
+    comment line saying so, which OpenAI clients skip; its tokens come once the measurement ends."""
+    from starlette.testclient import TestClient
+
+    from app.serve.api import create_api
+    from app.ui.session import EngineThread
+    from engine import Engine, EngineConfig
+    from tests.conftest import tiny_model
+
+    thread = EngineThread().start()
+    engine = thread.call(lambda: Engine(tiny_model(tokenizer), EngineConfig()))
+    thread.serve(engine)
+    release = threading.Event()
+    lab = threading.Thread(target=engine.call, args=(lambda: release.wait(30),), kwargs={"name": "lab"})
+    try:
+        lab.start()
+        while engine.calling != "lab":
+            time.sleep(0.01)
+        lines = []
+        with TestClient(create_api(engine)) as client, client.stream(
+                "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                      "temperature": 0, "ignore_eos": True, "stream": True}) as answer:
+            for line in filter(None, answer.iter_lines()):  # events' lines, without the blank ones between
+                lines.append(line)
+                if line.startswith(":"):  # said: the Lab's run ends (without the comment, in 30 s)
+                    release.set()
+    finally:
+        release.set()
+        lab.join(30)
+        thread.stop()
+    said = [line for line in lines if line.startswith(":")]
+    assert said == [": waiting: a measurement of the Lab holds the engine until it ends"], lines
+    assert lines.index(said[0]) < next(i for i, line in enumerate(lines) if '"content": "' in line and
+                                       '"role"' not in line)
+    assert lines[-1] == "data: [DONE]"

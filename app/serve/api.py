@@ -29,6 +29,9 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, Listed, chat_lo
                        finish_reason, listed_prompt, listed_steps, now, timings, usage)
 
 WAIT_S = 0.25  # how often an answer checks that its client is still there
+# what an Engine.call named so holds the engine for (the page's Lab, its precision check): a streamed answer
+# waiting behind one says so in a comment
+HELD_BY = {"lab": "a measurement of the Lab", "precision": "a precision check"}
 MAX_CHOICES = 16  # choices in one answer: n, times the prompts of a completion
 
 
@@ -171,10 +174,11 @@ def _validation_message(error: dict) -> tuple[str, str | None]:
     return (f"{where}: {message}" if where else message), where or None
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict | str]) -> StreamingResponse:
+    """A stream's chunks as server-sent events; a str is a comment line (`: text`), which clients skip."""
     async def lines():
         async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield f": {chunk}\n\n" if isinstance(chunk, str) else f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -192,9 +196,10 @@ class _Answer:
         self.created = now()
         self.prompt_tokens: list[list[PromptToken]] = [[] for _ in jobs]  # each choice's, as its chunks report them
 
-    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+    async def events(self) -> AsyncIterator[tuple[int, Event | None]]:
         """The choices' events, each with its index, until every one has finished; cancels those still
-        running if the client leaves or the caller stops."""
+        running if the client leaves or the caller stops. (0, None) when nothing came for a while and a
+        measurement holds the engine (Engine.call: the page's Lab or precision check)."""
         running, check_at = len(self.jobs), time.monotonic() + WAIT_S
         try:
             while running:
@@ -209,6 +214,8 @@ class _Answer:
                 if event is not None:
                     yield index, event
                     running -= isinstance(event, Finished)
+                elif self.engine.calling in HELD_BY:
+                    yield 0, None
         finally:
             for job in self.jobs:
                 if not job.is_finished:
@@ -234,15 +241,21 @@ class _Answer:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": list(choices)}
 
-    async def chunks(self, include_usage: bool) -> AsyncIterator[dict]:
+    async def chunks(self, include_usage: bool) -> AsyncIterator[dict | str]:
         if self.chat:
             yield self._chunk(*({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None} for index in range(len(self.jobs))))
         streamed = [0] * len(self.jobs)  # characters of text sent, for each choice
         finished: list[Finished | None] = [None] * len(self.jobs)
         echoed = [self.echo is None] * len(self.jobs)  # whether the prompt went out (or has not to)
+        told = False  # that a measurement holds the engine (once: a comment, which clients skip)
         async for index, event in self.events():
-            if isinstance(event, PrefillChunk):
+            if event is None:
+                if not told:
+                    told = True
+                    held_by = HELD_BY.get(self.engine.calling, "a measurement")  # it may have ended meanwhile
+                    yield f"waiting: {held_by} holds the engine until it ends"
+            elif isinstance(event, PrefillChunk):
                 self.prompt_tokens[index] += event.prompt_logprobs
             elif not echoed[index] and (isinstance(event, DecodeStep)
                                         or isinstance(event, Finished) and event.reason != "error"):
