@@ -29,11 +29,18 @@ def switch_flags(switches: dict) -> str:
     return " ".join(flags)
 
 
+def setup_flags(setup: dict) -> tuple[str, str]:
+    """How an engine runs (Engine.setup: a Started event's `engine`, a saved reply's) as its precision and
+    the flags of its switches: ("int8", "--no-kv-cache")."""
+    switches = {name: value for name, value in setup.items() if name != "precision"}
+    return str(setup.get("precision")), switch_flags(switches)
+
+
 def engine_line(engine) -> str:
     """What runs, for a terminal's first lines: the model, device, precision, forward path and decode step,
     and the switches set away from their defaults (a run with --no-kv-cache says so where it starts)."""
-    info, flags = engine.info, switch_flags(engine.config.switches())
-    line = f"{info.name} on {info.device} ({info.precision}, {info.model_path}, decode: {info.decode_path})"
+    info, (precision, flags) = engine.info, setup_flags(engine.setup)
+    line = f"{info.name} on {info.device} ({precision}, {info.model_path}, decode: {info.decode_path})"
     return f"{line} with {flags}" if flags else line
 
 

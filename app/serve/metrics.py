@@ -7,7 +7,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from engine import DecodeStep, Engine, Event, Finished, Started
 
-from ..cli import switch_flags
+from ..cli import setup_flags
 
 PREFIX = "phasescope:"
 # vLLM's buckets: latencies from a millisecond to minutes
@@ -98,9 +98,9 @@ class _EngineGauges:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
-        setup = engine.setup  # read at each scrape: the page of `serve --ui` may switch the precision
+        precision, flags = setup_flags(engine.setup)  # at each scrape: the page of `serve --ui` may switch it
         info = GaugeMetricFamily(PREFIX + "engine_info", "How the engine runs: the weights' precision and the "
                                  "switches set away from their defaults, as the flags that set them.",
                                  labels=["model_name", "precision", "switches"])
-        info.add_metric([model, setup.pop("precision"), switch_flags(setup)], 1)
+        info.add_metric([model, precision, flags], 1)
         yield info

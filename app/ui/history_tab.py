@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from ..cli import switch_flags
+from ..cli import setup_flags
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .panels import attention, counted, with_attention, without_attention
@@ -62,8 +62,7 @@ def engines_line(messages: list[dict], lang: str) -> str:
     for message in messages:
         engine = message.get("engine")
         if message["role"] == "assistant" and engine:
-            switches = {name: value for name, value in engine.items() if name != "precision"}
-            name = " ".join(filter(None, [str(engine.get("precision")), switch_flags(switches)]))
+            name = " ".join(filter(None, setup_flags(engine)))
             counts[name] = counts.get(name, 0) + 1
     if not counts:
         return ""
