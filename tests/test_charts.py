@@ -70,6 +70,13 @@ def test_kv_figure_continues_across_turns():
     assert [0.0, 10 * PER_TOKEN / 1e6, 10 * PER_TOKEN / 1e6, 11 * PER_TOKEN / 1e6, 12 * PER_TOKEN / 1e6] == list(first.y)
     assert [5, 6, 7, 8, 9, 10] == list(second.x)  # the empty cache, 3 prefill chunks, 2 decode steps
     assert [0, 8, 16, 20, 20, 21] == [c[0] for c in second.customdata]
+    # the prompt's burst in prefill's colour: the empty cache and the 3 chunks, drawn over the turn's line
+    bursts = [t for t in fig.data if t.name == "prefill" and t.mode == "lines"]
+    assert [[0, 1], [5, 6, 7, 8]] == [list(b.x) for b in bursts]
+    assert list(second.y[:4]) == list(bursts[1].y)
+    assert {charts.PREFILL_COLOR} == {b.line.color for b in bursts}
+    assert [i + 1 for i, t in enumerate(fig.data) if t.name in ("turn 1", "turn 2")] == \
+        [i for i, t in enumerate(fig.data) if t in bursts]  # after their turn: the page appends to the turn
     allocated = [t for t in fig.data if t.name == "allocated"]
     assert [256 * PER_TOKEN / 1e6] * 2 == list(allocated[0].y)
 
