@@ -222,6 +222,21 @@
     }
   }
 
+  // A message of yours being edited (its pencil): Gradio's edit box starts from the message as the chat
+  // holds it, with its markup escaped to be shown as text (app/ui/session.py's as_text: "3 &lt; 5"); the
+  // box gets the text itself, and the edit sends it as it reads (app/ui/chat_tab.py's make_edit).
+  function textInEditBoxes() {
+    for (const box of document.querySelectorAll("#ps-chatbot textarea:not([data-ps-text])")) {
+      box.dataset.psText = "1";
+      const decoder = document.createElement("textarea");  // its markup is text: nothing in it runs
+      decoder.innerHTML = box.value;
+      if (decoder.value !== box.value) {
+        box.value = decoder.value;
+        box.dispatchEvent(new Event("input", {bubbles: true}));  // into the value Gradio sends
+      }
+    }
+  }
+
   // the figures the page starts with: the stream box's first value (a change event only follows updates);
   // called on load, it waits for the page and plotly.js, which Gradio may add after its own scripts
   function start() {
@@ -237,6 +252,7 @@
     new MutationObserver(() => {
       followLive();
       if (reply.text) showText();
+      textInEditBoxes();
     }).observe(document.querySelector("#ps-chatbot") || document.body, {childList: true, subtree: true});
   }
 

@@ -83,10 +83,13 @@ def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None,
     session = session or ChatSession()
     sampling = sampling or SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     messages = session.messages + [{"role": "user", "content": text}]
+    session.accept(text)
     trace = ReplyTrace(turn=len(session.traces) + 1)
     session.traces.append(trace)
     hook = make_recorder(store, lambda: engine.info)(session, messages, sampling, trace)
     request = engine.new_request(messages, sampling)
     events = list(engine.run(request, hooks=[hook, trace.add, *hooks]))
+    session.pending = ""
     session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+    session.show_reply(trace)
     return session, events, hook

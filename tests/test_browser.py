@@ -167,6 +167,45 @@ def test_retry_replaces_the_last_reply_with_its_prompt_from_the_cache(page, app_
     assert CHAT_REPETITION_PENALTY == json.loads(session["settings"])["repetition_penalty"]  # the page's default
 
 
+def test_editing_a_message_goes_back_to_it_and_answers_the_new_text(page, app_db):
+    """The pencil under the first of two messages: the chat goes back to it and answers the edited text
+    (markup in it shown as text), its prompt's start from the prefix cache; the history keeps the
+    replaced turns, marked."""
+    from app.history.store import Store
+
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", 4)
+    first = "Name a fruit & a <i>tree</i>."
+    for n, text in enumerate((first, "Name a colour.")):
+        send(page, text)
+        page.wait_for_selector(f"#ps-chatbot [data-testid=user] >> nth={n}")
+        wait_phase(page, "done")
+    edited = "Name a vegetable & a <b>tool</b>."
+    page.locator("#ps-chatbot [data-testid=user]").first.hover()
+    page.locator("#ps-chatbot button[aria-label=Edit]").first.click()
+    assert first == page.input_value("#ps-chatbot textarea")  # the text, not the markup that shows it as text
+    page.fill("#ps-chatbot textarea", edited)
+    page.locator("#ps-chatbot button[aria-label=Submit]").click()
+    page.wait_for_function("() => document.querySelectorAll('#ps-chatbot [data-testid=user]').length === 1",
+                           timeout=60_000)
+    wait_phase(page, "done")
+    page.wait_for_function("() => /· \\d+ tok$/.test(document.querySelector('#ps-chatbot [data-testid=bot]')"
+                           ".innerText.trim())", timeout=60_000)
+    assert [edited] == [t.strip() for t in page.locator("#ps-chatbot [data-testid=user]").all_inner_texts()]
+    assert 1 == page.locator("#ps-chatbot [data-testid=bot]").count()
+    cached, prompt = map(int, re.fullmatch(r"cached (\d+) / (\d+)", kpi_note(page, "prompt_tokens")).groups())
+    assert 0 < cached < prompt  # the chat template's start, from the cache
+    page.locator("#ps-chatbot [data-testid=user]").first.hover()
+    assert 1 == page.locator("#ps-chatbot button[aria-label=Edit]").count()  # editable again once it ended
+    store = Store.open(app_db)
+    session = store.sessions()[0]
+    rows = store.messages(session["id"])
+    new_reply = max(m["id"] for m in rows)
+    assert [(1, first, new_reply), (1, edited, None), (2, "Name a colour.", new_reply)] == [
+        (m["turn"], m["content"], m["replaced_by"]) for m in rows if m["role"] == "user"]
+    assert 1 == session["turns"]
+
+
 # The contrast of an element's text (its color, or an SVG text's fill) against what lies behind it: its own
 # background and its ancestors', each composited over the next (semi-transparent tints included)
 CONTRAST = r"""(selector) => {

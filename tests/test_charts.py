@@ -245,6 +245,18 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     assert [(50, 0.0, 1.15)] == [(s.max_new_tokens, s.temperature, s.repetition_penalty) for s in asked]
 
 
+def test_messages_are_editable_unless_the_chat_has_one_pending():
+    from app.ui.chat_tab import chat_view
+    from app.ui.session import ChatSession
+
+    session = ChatSession()
+    session.accept("Hi")  # waiting for the engine, then replying: no pencils
+    assert None is chat_view(session.display, session).editable
+    session.pending = ""
+    assert "user" == chat_view(session.display, session).editable
+    assert "user" == chat_view([], None).editable
+
+
 def _replay(messages: list[str]) -> tuple[dict, dict, str]:
     """What static/phasescope.js does with the stream's messages: figures reset, then traces extended."""
     figures, text = {}, ""

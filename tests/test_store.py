@@ -13,7 +13,7 @@ import pytest
 from app.history.recorder import BATCH_STEPS, load_chat, message_events
 from app.history.store import LATEST_VERSION, MIGRATIONS, Store, StoreError
 from conftest import record
-from engine import DecodeStep, Engine, EngineConfig, PrefillChunk, SamplingParams
+from engine import DecodeStep, Engine, EngineConfig, Finished, PrefillChunk, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,6 +145,65 @@ def test_a_retried_reply_takes_the_turn_and_the_replaced_one_stays_in_the_histor
     replaced_rows = [row for row in csv.DictReader(io.StringIO(to_csv(store, session.store_id)))
                      if row["replaced_by"]]
     assert 1 + 6 == len(replaced_rows) and {str(retried["id"])} == {row["replaced_by"] for row in replaced_rows}
+
+
+def test_cut_takes_back_answered_failed_and_refused_exchanges():
+    """An edit goes back over every kind of exchange: answered (in the conversation), failed (shown, not in
+    it) and refused by the engine before it ran (no reply at all)."""
+    from app.ui.session import ChatSession
+    from app.ui.trace import ReplyTrace
+
+    session = ChatSession()
+    for text, outcome in (("one", "answered"), ("two", "refused"), ("three", "failed"), ("four", "answered")):
+        session.accept(text)
+        session.pending = ""
+        if outcome == "refused":
+            session.show_error("the queue is full")
+            continue
+        trace = ReplyTrace(turn=len(session.traces) + 1)
+        if outcome == "failed":
+            trace.add(Finished("r", 1.0, "error", "", None, "the forward failed"))
+        session.traces.append(trace)
+        if outcome == "answered":
+            session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+        session.show_reply(trace)
+    session.cut(2)  # "three" edited: "three" and "four" leave
+    assert (4, 2, 1, {1}) == (len(session.display), len(session.messages), len(session.traces), session.refused)
+    session.cut(1)  # "two" edited: the refused one leaves, nothing else had entered the chat with it
+    assert (2, 2, 1, set()) == (len(session.display), len(session.messages), len(session.traces), session.refused)
+    session.cut(0)
+    assert ([], [], []) == (session.display, session.messages, session.traces)
+
+
+def test_an_edited_message_takes_its_turn_and_what_it_replaced_stays_in_the_history(tiny, store):
+    """Editing the second of three messages: the chat goes back to before it and sends the new text; the
+    history shows the chat as it goes on, and keeps the message, replies and turn it replaced, marked."""
+    from app.history.export import to_json
+
+    engine = Engine(tiny)
+    session, _, _ = record(engine, store, "First question")
+    for text in ("Second question", "Third question"):
+        record(engine, store, text, session=session)
+    session.cut(1)  # the second message edited: it and the third leave the chat
+    assert (2, 1, 2) == (len(session.messages), len(session.traces), len(session.display))
+    _, events, _ = record(engine, store, "Second question, edited", session=session)
+    assert events[0].num_cached_tokens > 0  # the first turn came from the prefix cache
+    rows = store.messages(session.store_id)
+    edited_reply = max(m["id"] for m in rows)
+    assert [(1, "user", None), (1, "assistant", None),  # in turn order
+            (2, "user", edited_reply), (2, "assistant", edited_reply), (2, "user", None), (2, "assistant", None),
+            (3, "user", edited_reply), (3, "assistant", edited_reply)] == [
+        (m["turn"], m["role"], m["replaced_by"]) for m in rows]
+    restored = load_chat(store, session.store_id)
+    assert session.messages == restored.messages and "Second question, edited" == restored.messages[2]["content"]
+    assert [1, 2] == [t.turn for t in restored.traces] and 2 == store.sessions()[0]["turns"]
+    record(engine, store, "A new third question", session=session)  # turn 3 again, after the replaced one
+    restored = load_chat(store, session.store_id)
+    assert ["First question", "Second question, edited", "A new third question"] == [
+        m["content"] for m in restored.messages[::2]]
+    assert session.messages == restored.messages
+    exported = to_json(store, session.store_id)["sessions"][0]["messages"]
+    assert 10 == len(exported) and 4 == sum(m["replaced_by"] is not None for m in exported)  # nothing lost
 
 
 def test_a_session_continued_in_two_tabs_goes_on_in_a_copy_for_the_second(tiny, store):

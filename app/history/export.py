@@ -28,7 +28,8 @@ DEFINITIONS = {
     "start_ms": "step start, from the request's submission",
     "batch_size": "sequences decoded together in the step that produced this token",
     "cached_prompt_tokens": "prompt tokens whose KV came from the cache (prefix caching), not prefilled",
-    "replaced_by": "the reply that Retry put in this one's place (same turn); empty for the replies kept",
+    "replaced_by": "the reply that took this message's place: Retry's (same turn), or an edited message's (this "
+                   "turn or an earlier one); empty for the messages kept",
     "engine": "how the local engine ran the reply: the weights' precision and the switches set away from their "
               "defaults (CSV: precision, and switches as JSON); none for a remote endpoint's and older replies",
     "summary": "a session's p50/p90/p99 of ttft_ms, tpot_ms, itl_ms and e2e_ms over its replies (replaced ones too)",

@@ -166,7 +166,7 @@ def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession
     each turn with its latest reply (one a Retry replaced is left out)."""
     session = ChatSession(store_id=session_id, lang=lang)
     messages = store.messages(session_id)
-    questions = {m["turn"]: m["content"] for m in messages if m["role"] == "user"}
+    questions = {m["turn"]: m["content"] for m in messages if m["role"] == "user" and m["replaced_by"] is None}
     for message in messages:
         if message["role"] == "assistant" and message["replaced_by"] is None:
             trace = ReplyTrace(turn=message["turn"])

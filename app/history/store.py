@@ -282,27 +282,28 @@ class Store:
 
     def add_reply(self, session_id: int, turn: int, user_text: str, latest: int | None = None) -> int:
         """A turn's user message and its assistant reply (in progress), in one transaction; returns the
-        reply's id. A turn that has a reply already is being retried: its user message stays as it is,
-        and its earlier replies are marked replaced_by the new one. latest: the session's latest reply as
+        reply's id. A turn that has a reply already is being sent again: by Retry, its message as it was
+        (it stays), or edited (a new message). The rows the new reply takes the place of are marked
+        replaced_by it, kept: the turn's earlier replies, an edited message's earlier text, and every later
+        turn (an earlier message edited: the chat went back to it). latest: the session's latest reply as
         the sending chat knows it (None: no reply yet); where the session has another (a second tab
         continued it), SessionMoved is raised and nothing is written."""
-        stamp = now_iso()
+        stamp, text = now_iso(), clean(user_text)
         with self._write():
             if self._latest_reply(session_id) != latest:
                 raise SessionMoved(f"session {session_id} was continued elsewhere")
             self.db["sessions"].update(session_id, {"updated_at": stamp})
-            this_turn = [session_id, turn]
-            retried = self.db.execute("SELECT 1 FROM messages WHERE session_id = ? AND turn = ? "
-                                      "AND role = 'assistant'", this_turn).fetchone()
-            if not retried:
-                self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user",
-                                                content=clean(user_text), status="complete", created_at=stamp))
+            asked = self.db.execute("SELECT id, content FROM messages WHERE session_id = ? AND turn = ? "
+                                    "AND role = 'user' AND replaced_by IS NULL", [session_id, turn]).fetchone()
+            if asked is None or asked[1] != text:  # a new turn, or an edited message
+                asked = (self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user", content=text,
+                                                         status="complete", created_at=stamp)).last_pk, text)
             reply = dict(session_id=session_id, turn=turn, role="assistant", content="", status="in_progress",
                          created_at=stamp, writer=_this_writer())
             reply_id = self.db["messages"].insert(reply).last_pk
-            self.db.execute("UPDATE messages SET replaced_by = ? WHERE session_id = ? AND turn = ? "
-                            "AND role = 'assistant' AND replaced_by IS NULL AND id != ?",
-                            [reply_id, *this_turn, reply_id])
+            self.db.execute("UPDATE messages SET replaced_by = ? WHERE session_id = ? AND turn >= ? "
+                            "AND replaced_by IS NULL AND id NOT IN (?, ?)", [reply_id, session_id, turn, asked[0],
+                                                                             reply_id])
             return reply_id
 
     def fork_session(self, session_id: int, before_turn: int) -> int:

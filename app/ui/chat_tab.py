@@ -93,8 +93,8 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, chatb
     # piece only when its value differs from the one it last drew, so each value here is new
     pieces = [f"{html}<!--{next(_drawn)}-->" for html in _live_panels(session, engine, trace).values()]
     phase, kpis, split, kv_check, pool = pieces
-    return (session.display if chatbot else gr.skip(), gr.skip(), phase, kpis, split, stream, kv_check, pool,
-            session)
+    return (chat_view(session.display, session) if chatbot else gr.skip(), gr.skip(), phase, kpis, split, stream,
+            kv_check, pool, session)
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, seed, repetition_penalty=1.0) -> SamplingParams:
@@ -132,7 +132,7 @@ def make_accept(engine: Engine, active: ActiveRequests, streams: live.Streams):
         session.settings = dict(zip(SETTINGS, settings))
         streams.open(session.reply_id)
         active.wait(session.id)
-        queued = (session.display, "", panels.queued_html(0, 0, lang), session)
+        queued = (chat_view(session.display, session), "", panels.queued_html(0, 0, lang), session)
         if getattr(engine, "loading", False):  # the page's load draws the model line once the model is there
             return *queued, gr.skip(), gr.skip()
         return *queued, _model_line(session, engine, lang), engine.info.precision
@@ -151,6 +151,31 @@ def make_retry(accept):
         return display, gr.skip(), *rest
 
     return retry
+
+
+def make_edit(accept):
+    """A message of the chat edited in place (the pencil under it): the chat goes back to before that
+    message and sends the edited text, with the settings as they are now, as accept does (the box's draft
+    stays). The conversation before it is in the engine's prefix cache: only the edited message and what
+    follows it are prefilled. The pencils are hidden while a reply runs (accept, render); an edit that
+    comes then all the same is undone."""
+    def edit(edited: gr.EditData, message, session, lang, *settings):
+        text = str(edited.value or "").strip()  # as typed (static/phasescope.js gave the box the text, unescaped)
+        index = edited.index if isinstance(edited.index, int) else -1
+        if (session is None or session.pending or not text or not 0 <= index < len(session.display)
+                or session.display[index]["role"] != "user"):
+            return chat_view(session.display if session else [], session), gr.skip(), gr.skip(), session, \
+                gr.skip(), gr.skip()
+        session.cut(index // 2)
+        display, _, *rest = accept(text, session, lang, *settings)
+        return display, gr.skip(), *rest
+
+    return edit
+
+
+def chat_view(display: list[dict], session: ChatSession | None) -> gr.Chatbot:
+    """The conversation for the Chatbot, its messages editable unless the chat has a message pending."""
+    return gr.Chatbot(display, editable=None if session is not None and session.pending else "user")
 
 
 def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None, streams: live.Streams):
@@ -285,7 +310,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     with gr.Row(equal_height=False):
         with gr.Column(scale=5, min_width=360):
             chatbot = gr.Chatbot(show_label=False, height=480, elem_id="ps-chatbot", buttons=["copy"],
-                                 sanitize_html=True, render_markdown=True, feedback_options=None)
+                                 sanitize_html=True, render_markdown=True, feedback_options=None, editable="user")
             with gr.Row():
                 message = texts(gr.Textbox, placeholder=K("chat.placeholder"), show_label=False, scale=6,
                                 elem_id="ps-message", autofocus=True, lines=1, max_lines=8)
@@ -343,7 +368,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     respond = make_respond(engine, active, recorder, streams)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit
     replies = []
-    for trigger, first in ((message.submit, accept), (send.click, accept), (chatbot.retry, make_retry(accept))):
+    for trigger, first in ((message.submit, accept), (send.click, accept), (chatbot.retry, make_retry(accept)),
+                           (chatbot.edit, make_edit(accept))):
         # accept is instant: no progress overlay (its fade in and out was drawn as decode began)
         accepted = trigger(first, [message, session, lang, *settings], [chatbot, message, phase, session, model_line,
                                                                         precision], queue=False, show_progress="hidden")

@@ -47,7 +47,7 @@ class ChatSession:
     settings: dict = field(default_factory=dict)  # the accepted message's settings (chat_tab's SETTINGS)
     reply_id: str = ""  # the accepted message's reply: this chat's random id and the reply's number
     asked: str = ""  # the last exchange's message (raw text), for Retry
-    refused: bool = False  # the engine refused the last message before it ran (no trace: show_error)
+    refused: set[int] = field(default_factory=set)  # the exchanges (0, 1, ...) the engine refused: no trace
     sent: int = 0  # messages accepted in this chat: a retried one gets a reply id of its own
 
     def accept(self, user_text: str) -> None:
@@ -56,7 +56,6 @@ class ChatSession:
         reply, before decode, and again when the reply ends (a re-render of the chat, while decode runs,
         took ~140 ms of the page's CPU from it)."""
         self.pending = self.asked = user_text
-        self.refused = False
         self.sent += 1
         self.reply_id = f"{self.id}-{self.sent}"
         self.display += [{"role": "user", "content": as_text(user_text)},
@@ -80,21 +79,34 @@ class ChatSession:
         if not trace.failed:
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": trace.text}]
 
+    @property
+    def num_exchanges(self) -> int:
+        """The messages shown with their replies (or the engine's refusal)."""
+        return len(self.display) // 2
+
     def retract(self) -> str:
         """Take back the last exchange, for Retry: its message and reply leave the chat, and the message is
         returned, to be sent again (the history keeps the reply, marked replaced: app/history/store.py)."""
+        last = self.num_exchanges - 1
         del self.display[-2:]
-        if not self.refused:
-            if not self.traces.pop().failed:  # it was part of the conversation
-                del self.messages[-2:]
+        if last in self.refused:
+            self.refused.discard(last)
+        elif not self.traces.pop().failed:  # it was part of the conversation
+            del self.messages[-2:]
         return self.asked
+
+    def cut(self, exchange: int) -> None:
+        """Take back exchange (0 the first) and every one after it, for an edited message: the chat goes on
+        from the conversation before it (the history keeps what is taken back, marked replaced)."""
+        while self.num_exchanges > exchange:
+            self.retract()
 
     def warn(self, message: str) -> None:
         self.warnings.append(message)
 
     def show_error(self, error: str) -> None:
         """The engine refused the message (its settings, a full queue): said in the reply's place."""
-        self.refused = True
+        self.refused.add(self.num_exchanges - 1)
         self.display[-1] = {"role": "assistant", "content": f"⚠️ {as_text(error)}"}
 
 
