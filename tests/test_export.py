@@ -159,6 +159,32 @@ def test_a_sessions_percentiles_are_those_of_its_replies(filled):
     assert "" == engines_line([{**m, "engine": None} for m in messages], "en")  # saved before schema 8
 
 
+def test_a_sessions_turns_show_each_kept_message_and_its_reply(tiny, store):
+    """History's turn by turn: the message and reply each turn kept, with the reply's figures; a message
+    edited and a reply retried are left out and counted."""
+    from app.history.export import to_json
+    from app.ui.history_tab import turns_table
+
+    engine = Engine(tiny)
+    session, _, _ = record(engine, store, "First <b>question</b>, long enough to be cut short in its row")
+    record(engine, store, "Second question", session=session)
+    session.cut(1)  # the second message edited
+    record(engine, store, "Second question, edited", session=session)
+    messages = to_json(store, session.store_id)["sessions"][0]["messages"]
+    html = turns_table(messages, "en")
+    replies = [m for m in messages if m["role"] == "assistant" and m["replaced_by"] is None]
+    cells = [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr><td>.*?</tr>", html)]
+    assert [["1", "2"], ["6", "6"]] == [[c[0] for c in cells], [c[-1] for c in cells]]  # the kept turns
+    assert 'title="First &lt;b&gt;question&lt;/b&gt;, long enough to be cut short in its row">' in cells[0][1]
+    assert ">First &lt;b&gt;question&lt;/b&gt;, long enough to be cut sh…<" in cells[0][1]  # 48 characters
+    assert ">Second question, edited<" in cells[1][1]
+    m = replies[1]["metrics"]
+    assert f"{m['num_prompt_tokens']} ({m['num_cached_tokens']})" == cells[1][2] and m["num_cached_tokens"] > 0
+    assert f"{m['ttft_ms']:,.1f}" == cells[1][3]
+    assert "1 reply that a Retry or an edit replaced is left out here." in html
+    assert "逐轮" in turns_table(messages, "zh") and "" == turns_table(messages[:1], "en")
+
+
 def test_unknown_session_is_an_error(filled, tmp_path):
     with pytest.raises(StoreError, match="no session with id 99"):
         write_export(filled, "json", tmp_path / "x.json", session_id=99)

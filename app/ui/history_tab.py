@@ -89,6 +89,44 @@ def percentile_table(summary: dict, lang: str) -> str:
             f'<table class="ps-percentiles"><tr><th></th>{head}</tr>{rows}</table>')
 
 
+TURN_COLUMNS = ["saved.turn_col_turn", "saved.turn_col_message", "saved.turn_col_prompt", "saved.turn_col_ttft",
+                "saved.turn_col_tpot", "saved.turn_col_decode", "saved.turn_col_tokens"]
+SHORT_MESSAGE = 48  # characters of a turn's message in its row (all of it on hover)
+
+
+def turns_table(messages: list[dict], lang: str) -> str:
+    """Turn by turn, the message and reply each turn kept, with the reply's figures (the JSON export's
+    messages): a later turn's prompt comes mostly from the prefix cache, and its TTFT shows it. The
+    replies a Retry or an edit replaced are counted under it (the percentiles above include them)."""
+    asked = {m["turn"]: m["content"] for m in messages if m["role"] == "user" and m["replaced_by"] is None}
+    replies = [m for m in messages if m["role"] == "assistant"]
+    kept = [m for m in replies if m["replaced_by"] is None]
+    if not kept:
+        return ""
+
+    def cell(value, digits: int = 1) -> str:
+        return "–" if value is None else f"{value:,.{digits}f}"
+
+    ended = {"cancelled": t(lang, "stats.stopped"), "interrupted": t(lang, "stats.interrupted"), "error": "⚠️"}
+    rows = []
+    for reply in kept:
+        m, text = reply["metrics"] or {}, asked.get(reply["turn"], "")
+        short = text if len(text) <= SHORT_MESSAGE else text[:SHORT_MESSAGE - 1] + "…"
+        prompt = f"{cell(m.get('num_prompt_tokens'), 0)} ({cell(m.get('num_cached_tokens'), 0)})"
+        tokens = cell(m.get("num_generated_tokens"), 0)
+        if reply.get("finish_reason") in ended:
+            tokens += f" · {ended[reply['finish_reason']]}"
+        values = [reply["turn"], f'<span title="{escape(text)}">{escape(short)}</span>', prompt,
+                  cell(m.get("ttft_ms")), cell(m.get("tpot_ms")), cell(m.get("decode_tokens_per_s")), tokens]
+        rows.append("<tr>" + "".join(f"<td>{value}</td>" for value in values) + "</tr>")
+    head = "".join(f"<th>{escape(t(lang, key))}</th>" for key in TURN_COLUMNS)
+    note = t(lang, "saved.turns")
+    if len(replies) > len(kept):
+        note += " " + counted(lang, len(replies) - len(kept), "saved.replaced_one", "saved.replaced")
+    return (f'<div class="ps-percentiles-note">{escape(note)}</div>'
+            f'<table class="ps-percentiles ps-turns"><tr>{head}</tr>{"".join(rows)}</table>')
+
+
 def write_exports(store: Store, folder: Path, session_id: int | None) -> tuple[list[str], dict]:
     """One file per format, named without user text; returns their paths and the JSON export's data."""
     texts, data = render_all(store, session_id)
@@ -176,7 +214,8 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         except (ValueError, OSError) as exc:
             return [label + attention(t(lang_choice, "error.other", detail=exc)), *_no_files()]
         session = data["sessions"][0]
-        label += percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
+        label += (percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
+                  + turns_table(session["messages"], lang_choice))
         return [label] + [gr.DownloadButton(value=p, interactive=True) for p in paths]
 
     def select(rows, lang_choice, event: gr.SelectData):
