@@ -45,8 +45,11 @@ IDLE_TIMEOUT = timedelta(days=30)  # a worker waits this long for the next forwa
 
 
 def even_ranges(total: int, world: int) -> list[range]:
-    """total split into world consecutive ranges, as even as whole units allow (the first ones longer)."""
-    bounds = list(itertools.accumulate((total // world + (rank < total % world) for rank in range(world)), initial=0))
+    """total split into world consecutive ranges, as even as whole units allow, the last ones longer: rank 0
+    is also the engine (it broadcasts every forward, and schedules and samples between them), so it takes
+    a shorter share where the shares cannot be equal."""
+    sizes = [total // world + (rank >= world - total % world) for rank in range(world)]
+    bounds = list(itertools.accumulate(sizes, initial=0))
     return [range(bounds[r], bounds[r + 1]) for r in range(world)]
 
 
@@ -54,8 +57,9 @@ def split_plan(config, world: int) -> list[tuple[range, range, range]]:
     """Each rank's (query heads, KV heads, MLP columns). Query heads and columns are shared out as evenly
     as whole ones allow, since every all-reduce waits for the slowest rank. A rank holds the KV heads its
     query heads read; a KV head whose query heads fall on two ranks is held by both (as vLLM does when
-    ranks outnumber KV heads): SmolLM2's 9 query heads on 2 ranks are 5 and 4, and of its 3 KV heads
-    each rank holds 2."""
+    ranks outnumber KV heads): SmolLM2's 9 query heads on 2 ranks are 4 and 5, and of its 3 KV heads
+    each rank holds 2. (5 on rank 0 and 4 on rank 1 made TP=2's pp512 2-4 % slower, as slow as with
+    a head left out altogether: rank 0's own work made it the slower rank already.)"""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if not 1 <= world <= heads:
         raise ValueError(f"tensor parallelism splits the attention heads across ranks: this model has {heads}, "
