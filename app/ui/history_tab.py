@@ -124,7 +124,8 @@ def turns_table(messages: list[dict], lang: str) -> str:
     if len(replies) > len(kept):
         note += " " + counted(lang, len(replies) - len(kept), "saved.replaced_one", "saved.replaced")
     return (f'<div class="ps-percentiles-note">{escape(note)}</div>'
-            f'<table class="ps-percentiles ps-turns"><tr>{head}</tr>{"".join(rows)}</table>')
+            f'<div class="ps-turns-box"><table class="ps-percentiles ps-turns"><tr>{head}</tr>{"".join(rows)}'
+            '</table></div>')
 
 
 def write_exports(store: Store, folder: Path, session_id: int | None) -> tuple[list[str], dict]:
