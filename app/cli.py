@@ -462,13 +462,14 @@ def _dim(text: str) -> str:
     return text
 
 
-CHAT_COMMANDS = ("Type /retry for another reply to your last message, /clear for a new chat, /bye or Ctrl-D to "
-                 "leave, /? for help; Ctrl-C stops a reply")
+CHAT_COMMANDS = ("Type /retry for another reply to your last message, /edit TEXT to send TEXT in its place, "
+                 "/clear for a new chat, /bye or Ctrl-D to leave, /? for help; Ctrl-C stops a reply")
 
 
 def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> Iterator[str]:
-    """What the user types at the >>> prompt, line by line; /retry sends the last message again, /clear
-    starts a new chat, /bye or Ctrl-D ends."""
+    """What the user types at the >>> prompt, line by line; /retry sends the last message again, /edit TEXT
+    sends TEXT in its place (both take back the last exchange: retry), /clear starts a new chat, /bye or
+    Ctrl-D ends."""
     while True:
         try:
             text = input("\n>>> ").strip()
@@ -485,6 +486,14 @@ def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> I
             print(f"(again: {again})" if again else "(no reply to retry yet)")
             if again:
                 yield again
+        elif text == "/edit" or text.startswith("/edit "):
+            edited = text[len("/edit"):].strip()
+            if not edited:
+                print("(/edit TEXT sends TEXT in place of your last message)")
+            elif retry() is None:
+                print("(no message to edit yet)")
+            else:
+                yield edited
         elif text in ("/?", "/help"):
             print(f"{CHAT_COMMANDS}. Any other line is sent to the model.")
         elif text.startswith("/") and " " not in text:  # a mistyped command, not a message (/usr/bin? is sent)

@@ -143,11 +143,16 @@ def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     assert (retried["id"], None) == (replaced["replaced_by"], retried["replaced_by"])
     ada = store.sessions()[1]["id"]  # continued in a new process: the conversation so far is shown and sent
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
-                          "--db", str(db), "--session", str(ada), "--no-prefix-cache"], input="And again?\n/bye\n",
+                          "--db", str(db), "--session", str(ada), "--no-prefix-cache"],
+                         input="And again?\n/edit\n/edit And once more?\n/bye\n",
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "decode: fused C++) with --no-prefix-cache; history: " in out.stdout  # the first line says how it runs
     assert ">>> My name is Ada." in out.stdout and ">>> What is my name?" in out.stdout
-    [(prompt, _)] = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
+    (prompt, _), (edited, _) = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
     assert int(prompt) > second and [s["turns"] for s in store.sessions() if s["id"] == ada] == [3]
+    assert abs(int(edited) - int(prompt)) <= 2  # the chat before "And again?" and its reply, and the new text
+    assert "(/edit TEXT sends TEXT in place of your last message)" in out.stdout
+    assert [("And again?", True), ("And once more?", False)] == [  # /edit: the turn again, the first kept
+        (m["content"], m["replaced_by"] is not None) for m in store.messages(ada) if m["turn"] == 3 and m["role"] == "user"]
     assert "\033[" not in out.stdout  # to a pipe: no terminal styling
