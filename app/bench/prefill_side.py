@@ -11,7 +11,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.llama import score_matrix_bytes
 from engine.tensor_parallel import start
 
-from .extras import random_prompt
+from .extras import interleaved, random_prompt
 
 IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 
@@ -72,30 +72,42 @@ def tensor_parallel_vs_one_rank(loaded, pp: int, tg: int, repetitions: int, worl
     """The honest experiment on one machine, in fp32, all through the same tensor-parallel code: one rank
     with one thread; `world` ranks with one thread each (adding cores as devices); one rank with `world`
     threads (the same cores, shared by threads instead). Prefill pp tokens and decode tg tokens, each with
-    its time in all-reduce; and whether the split model gives one rank's logits and greedy tokens."""
+    its time in all-reduce, the setups in turns (interleaved: a noisy minute hits the three alike; the
+    split's workers wait without spinning meanwhile), the best prefill of each; and whether the split model
+    gives one rank's logits and greedy tokens."""
     vocab = loaded.model.config.vocab_size
     prompt = random_prompt(pp, vocab, seed=pp)
-    setups = {"1 rank x 1 thread": (1, 1), f"{world} ranks x 1 thread": (world, 1),
-              f"1 rank x {world} threads": (1, world)}
-    threads_before = torch.get_num_threads()
-    report, logits, tokens = {}, {}, {}
-    try:
-        for name, (ranks, threads) in setups.items():
-            runner = start(loaded.model, "fp32", ranks, threads)
-            try:
-                engine = Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False, kv_cache_mb=256),
-                                runner=runner)
-                report[name] = tp_speed(engine, prompt, tg, repetitions)
-                cache = runner.new_cache(pp + 1)
-                logits[name] = runner.forward(torch.tensor(prompt), 0, cache)
-                request = engine.new_request_from_ids(prompt[:64], SamplingParams(max_new_tokens=16, temperature=0))
-                *_, finished = engine.run(request)
-                tokens[name] = request.generated_ids
-            finally:
-                runner.close()
-    finally:
-        torch.set_num_threads(threads_before)
     one, split = "1 rank x 1 thread", f"{world} ranks x 1 thread"
+    setups = {one: (1, 1), split: (world, 1), f"1 rank x {world} threads": (1, world)}
+    threads_before = torch.get_num_threads()
+    runners: dict[str, object] = {}
+    try:
+        # the one-rank runners first: start() refuses a second process group, which the split has made
+        for name, (ranks, threads) in sorted(setups.items(), key=lambda item: item[1][0]):
+            runners[name] = start(loaded.model, "fp32", ranks, threads)
+        engines = {name: Engine(loaded, EngineConfig(precision="fp32", prefix_caching=False, kv_cache_mb=256),
+                                runner=runner) for name, runner in runners.items()}
+
+        def run(name: str):
+            def measure() -> dict:
+                torch.set_num_threads(setups[name][1])  # this process runs rank 0 of each setup
+                return tp_speed(engines[name], prompt, tg, repetitions=0)
+            return measure
+
+        samples = interleaved({name: run(name) for name in setups}, repetitions)
+        report, logits, tokens = {}, {}, {}
+        for name in setups:
+            report[name] = min(samples[name], key=lambda sample: sample["prefill_ms"])
+            torch.set_num_threads(setups[name][1])
+            cache = runners[name].new_cache(pp + 1)
+            logits[name] = runners[name].forward(torch.tensor(prompt), 0, cache)
+            request = engines[name].new_request_from_ids(prompt[:64], SamplingParams(max_new_tokens=16, temperature=0))
+            *_, finished = engines[name].run(request)
+            tokens[name] = request.generated_ids
+    finally:
+        for runner in runners.values():
+            runner.close()
+        torch.set_num_threads(threads_before)
     report["prefill_speedup"] = round(report[split]["prefill_tokens_per_s"] / report[one]["prefill_tokens_per_s"], 2)
     report["decode_speedup"] = round(report[split]["decode_tokens_per_s"] / report[one]["decode_tokens_per_s"], 2)
     report["max_logit_difference"] = float((logits[split] - logits[one]).abs().max())
