@@ -153,6 +153,7 @@ def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     assert int(prompt) > second and [s["turns"] for s in store.sessions() if s["id"] == ada] == [3]
     assert abs(int(edited) - int(prompt)) <= 2  # the chat before "And again?" and its reply, and the new text
     assert "(/edit TEXT sends TEXT in place of your last message)" in out.stdout
+    asked = [m for m in store.messages(ada) if m["turn"] == 3 and m["role"] == "user"]
     assert [("And again?", True), ("And once more?", False)] == [  # /edit: the turn again, the first kept
-        (m["content"], m["replaced_by"] is not None) for m in store.messages(ada) if m["turn"] == 3 and m["role"] == "user"]
+        (m["content"], m["replaced_by"] is not None) for m in asked]
     assert "\033[" not in out.stdout  # to a pipe: no terminal styling
