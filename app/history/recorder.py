@@ -161,17 +161,23 @@ def message_events(message: dict, steps: list[dict]) -> list[Event]:
     return events
 
 
+def questions(messages: list[dict]) -> dict[int, str]:
+    """Each turn's message as the session stands (one a Retry kept, or the edited text; not what an edit
+    replaced), by turn, from a session's stored or exported messages."""
+    return {m["turn"]: m["content"] for m in messages if m["role"] == "user" and m["replaced_by"] is None}
+
+
 def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession:
     """A stored session as the chat tab holds it, to show it again and continue it (in the page's language):
     each turn with its latest reply (one a Retry replaced is left out)."""
     session = ChatSession(store_id=session_id, lang=lang)
     messages = store.messages(session_id)
-    questions = {m["turn"]: m["content"] for m in messages if m["role"] == "user" and m["replaced_by"] is None}
+    asked = questions(messages)
     for message in messages:
         if message["role"] == "assistant" and message["replaced_by"] is None:
             trace = ReplyTrace(turn=message["turn"])
             for event in message_events(message, store.steps(message["id"])):
                 trace.add(event)
-            session.restore_exchange(questions.get(message["turn"], ""), trace)
+            session.restore_exchange(asked.get(message["turn"], ""), trace)
             session.saved_reply = message["id"]
     return session

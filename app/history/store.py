@@ -295,14 +295,16 @@ class Store:
             self.db["sessions"].update(session_id, {"updated_at": stamp})
             asked = self.db.execute("SELECT id, content FROM messages WHERE session_id = ? AND turn = ? "
                                     "AND role = 'user' AND replaced_by IS NULL", [session_id, turn]).fetchone()
-            if asked is None or asked[1] != text:  # a new turn, or an edited message
-                asked = (self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user", content=text,
-                                                         status="complete", created_at=stamp)).last_pk, text)
+            if asked is not None and asked[1] == text:  # Retry: the message as it was
+                asked_id = asked[0]
+            else:  # a new turn, or an edited message
+                asked_id = self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user", content=text,
+                                                           status="complete", created_at=stamp)).last_pk
             reply = dict(session_id=session_id, turn=turn, role="assistant", content="", status="in_progress",
                          created_at=stamp, writer=_this_writer())
             reply_id = self.db["messages"].insert(reply).last_pk
             self.db.execute("UPDATE messages SET replaced_by = ? WHERE session_id = ? AND turn >= ? "
-                            "AND replaced_by IS NULL AND id NOT IN (?, ?)", [reply_id, session_id, turn, asked[0],
+                            "AND replaced_by IS NULL AND id NOT IN (?, ?)", [reply_id, session_id, turn, asked_id,
                                                                              reply_id])
             return reply_id
 

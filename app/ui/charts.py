@@ -143,7 +143,7 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFA
                     for tokens, phase in zip([kept_tokens] + [p.kv_tokens for p in points], phases)],
         hovertemplate=t(lang, "chart.turn", n=number) + " · " + t(lang, "chart.kv_hover") + "<extra></extra>",
     )]
-    num_chunks = sum(isinstance(p, PrefillChunk) for p in points)
+    num_chunks = phases.count("prefill")
     if num_chunks:  # the prompt's burst drawn in prefill's colour over the turn's line (hover stays on the turn)
         traces.append(dict(type="scatter", mode="lines", name=t(lang, "chart.prefill"), showlegend=False,
                            x=xs[:num_chunks + 1], y=traces[0]["y"][:num_chunks + 1], hoverinfo="skip",

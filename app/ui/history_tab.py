@@ -17,7 +17,7 @@ from .chat_tab import ChatTab, render
 from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, export_filename, render_all, write_export
-from ..history.recorder import load_chat
+from ..history.recorder import load_chat, questions
 from ..history.store import SessionReplying, Store, StoreError
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
@@ -98,7 +98,7 @@ def turns_table(messages: list[dict], lang: str) -> str:
     """Turn by turn, the message and reply each turn kept, with the reply's figures (the JSON export's
     messages): a later turn's prompt comes mostly from the prefix cache, and its TTFT shows it. The
     replies a Retry or an edit replaced are counted under it (the percentiles above include them)."""
-    asked = {m["turn"]: m["content"] for m in messages if m["role"] == "user" and m["replaced_by"] is None}
+    asked = questions(messages)
     replies = [m for m in messages if m["role"] == "assistant"]
     kept = [m for m in replies if m["replaced_by"] is None]
     if not kept:
