@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
     bench.add_argument("--llama-bench", help="path to llama.cpp's llama-bench (default: found on PATH)")
     bench.add_argument("--output", choices=["md", "csv", "json"], default="md")
+    bench.add_argument("--from-json", metavar="FILE", help="measure nothing: render a run saved with --output json "
+                       "again, e.g. as the Markdown tables (--output md)")
     bench.add_argument("--concurrency", default="1,2,4,8",
                        help="requests decoding at once, comma-separated (default 1,2,4,8; 0: skip)")
     bench.add_argument("-d", "--depth", default="",
@@ -585,10 +587,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from app.bench import tables as bench
     from app.bench.browser import browser_available
     from engine.config import PRECISIONS
 
+    if args.from_json:
+        print(bench.render(bench.load(Path(args.from_json)), args.output))
+        return 0
     if args.endpoint:
         return _load_sweep(args)
     if args.quick:

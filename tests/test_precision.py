@@ -11,7 +11,7 @@ import torch
 
 from app.bench.extras import QUALITY_TEXTS, quality_vs
 from app.bench.figures import headline as figures_headline
-from app.bench.tables import CONCURRENCY_HEADER, Result, render
+from app.bench.tables import CONCURRENCY_HEADER, Result, load, render
 from conftest import tiny_model
 from engine import Engine, EngineConfig, SamplingParams
 from engine.hf_runner import make_runner
@@ -80,7 +80,7 @@ def test_bundled_int8_quality_and_kv_cache(bundled):
 
 @pytest.mark.sweep
 @pytest.mark.model
-def test_bench_quick_produces_a_well_formed_table():
+def test_bench_quick_produces_a_well_formed_table(tmp_path):
     result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json", "-d", "0,64",
                              "--tensor-parallel", "1"],
                             capture_output=True, text=True, timeout=600)
@@ -134,16 +134,20 @@ def test_bench_quick_produces_a_well_formed_table():
         assert quality["KV window 32 + 4 sinks"]["perplexity"] > 0
         attention = summary["prefill_attention"][mode]  # native, sdpa and eager prefill at 16 and 32 tokens
         assert ["16", "32"] == list(attention) and attention["32"]["eager"]["prefill_ms"] > 0
-    # the same run as the default output, a Markdown table (rendered here: a second run took 30 s)
-    results = [Result(r["engine"], r["mode"], r["test"], r["samples"], r["achieved"]) for r in report["results"]]
-    markdown = render({"results": results, "summary": summary}, "md")
+    # the same run as the default output, a Markdown table, rendered from the saved JSON (a second run: 30 s)
+    saved = tmp_path / "run.json"
+    saved.write_text(result.stdout)
+    shown = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--from-json", str(saved)],
+                           capture_output=True, text=True, timeout=120)
+    assert 0 == shown.returncode, shown.stderr
+    markdown = shown.stdout
     assert markdown.startswith("| engine | mode | test | tokens/s | vs transformers | vs llama.cpp | achieved |")
     tg8 = next(line for line in markdown.splitlines() if line.startswith("| phasescope | lean-llama int8 | tg8 |"))
     # the ratio to transformers in its column; from the JSON's samples, rounded to 0.01, so within 0.02
     shown = float(tg8.split("|")[5].strip().rstrip("×"))
     assert abs(shown - float(rows[("phasescope", "lean-llama int8", "tg8")]["vs_transformers"].rstrip("×"))) <= 0.02
     assert CONCURRENCY_HEADER in markdown
-    figures = dict(figures_headline({"results": results, "summary": summary}))  # what the run measured, no more
+    figures = dict(figures_headline(load(saved)))  # what the run measured, no more
     assert figures["int8 vs fp32, decode / prefill [top-1 ≥ 90 %, KL ≤ 0.02]"].count("KL") == 2
     assert figures["hooks + store, share of a decode step [≤ 3 %]"].endswith("%")
     assert not any(label.startswith("four requests") for label in figures)  # --quick runs 1 and 2 only
@@ -215,3 +219,25 @@ def test_headline_figures_read_what_the_run_measured_and_leave_out_the_rest():
         "TPOT at four vs one, fp32 / int8 [≤ 1.5×]": "1.60×",
         "int8 cache vs fp32 cache at d4096, int8 weights [faster]": "90.0 vs 60.0 tok/s",
     }  # no llama.cpp row at d4096: its comparison is left out, ours against our fp32 cache stays
+
+
+def test_a_saved_run_renders_again_and_a_wrong_file_says_so_in_one_line(tmp_path, capsys):
+    """`bench --from-json FILE` measures nothing: a run saved with --output json comes back as its tables;
+    a file that is not one, or is not there, gets a line saying so."""
+    from app.cli import main
+
+    results = [Result("phasescope", "lean-llama int8", "tg128", [150.0, 152.0], "35.6 GB/s of weights"),
+               Result("llama.cpp", "llama 256M Q4_1, 2 threads", "tg128", [100.0])]
+    saved = tmp_path / "run.json"
+    saved.write_text(render({"results": results, "summary": {"machine": "x86_64", "model": "m", "best_mode": "int8"}},
+                            "json"))
+    assert 0 == main(["bench", "--from-json", str(saved)])
+    out, err = capsys.readouterr()
+    assert "| phasescope | lean-llama int8 | tg128 | 151.0 ± 1.4 |  | 1.51× | 35.6 GB/s of weights |" in out
+    assert "machine: x86_64; model: m; best mode: int8" in out and err == ""
+    assert load(saved)["results"] == results
+    (tmp_path / "other.json").write_text('{"levels": []}')  # e.g. `bench --endpoint`'s JSON
+    for path in (tmp_path / "other.json", tmp_path / "gone.json"):
+        assert 2 == main(["bench", "--from-json", str(path)])
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("phasescope: error:") and str(path) in err

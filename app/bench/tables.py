@@ -337,6 +337,21 @@ def to_rows(report: dict) -> list[dict]:
     return rows
 
 
+def load(path: Path) -> dict:
+    """A run saved with `--output json`, as run() returns it, to render again as Markdown or CSV (its
+    samples rounded to two decimals, as saved)."""
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        results = [Result(row["engine"], row["mode"], row["test"], list(row["samples"]), row["achieved"])
+                   for row in saved["results"]]
+        summary = dict(saved["summary"])
+        if not results:
+            raise ValueError("no results")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a run saved by `phasescope bench --output json`") from exc
+    return {"results": results, "summary": summary}
+
+
 def render(report: dict, output: str) -> str:
     if output == "json":
         return json.dumps({"results": to_rows(report), "summary": report["summary"]}, indent=1)
