@@ -429,7 +429,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if trace.failed:
             print(f"error: {trace.finished.error}")
         else:
-            session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+            session.converse(text, trace)
         if finished is not None and finished.metrics.num_generated_tokens:  # none: nothing was measured
             print(_dim(_remote_line(finished) if endpoint else _local_line(finished)))
     return 0

@@ -42,9 +42,37 @@ def valid_text(text: str) -> str:
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """The whole conversation through the tokenizer's chat template, as token ids."""
-    messages = [{**m, "content": valid_text(m["content"])} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+    """The whole conversation through the tokenizer's chat template, as token ids.
+
+    A reply may carry the ids the model generated for it ("token_ids"): where they spell its text, they
+    stand in the prompt in place of the text tokenized again, so that the next turn's prompt starts with
+    exactly the tokens the KV cache holds and the prefix cache finds the whole conversation. Tokenized
+    again, a reply can split differently (SmolLM2 writes "\n\n" as one token; its tokenizer, before a
+    digit, as two), and the cache's match ends there."""
+    texts = [{"role": m["role"], "content": valid_text(m["content"])} for m in messages]
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer("\n\n".join(m["content"] for m in texts))["input_ids"]
+    text = tokenizer.apply_chat_template(texts, tokenize=False, add_generation_prompt=True)
+    ids, done, end = [], 0, 0  # the ids so far, how much of text they cover, where the last message ends
+    for message, plain in zip(messages, texts):
+        at = text.find(plain["content"], end)
+        if at < 0:  # a template that changes the text (e.g. trims it): no ids are taken from here on
+            break
+        end = at + len(plain["content"])
+        generated = _spelling(tokenizer, message.get("token_ids"), plain["content"])
+        if generated is not None:
+            ids += tokenizer(text[done:at], add_special_tokens=False)["input_ids"] + generated
+            done = end
+    return ids + tokenizer(text[done:], add_special_tokens=False)["input_ids"]
+
+
+def _spelling(tokenizer, token_ids, content: str) -> list[int] | None:
+    """A reply's generated ids, without the end-of-turn token that closed it (the template writes its own),
+    if they decode to exactly its text; else None."""
+    if not content or not isinstance(token_ids, (list, tuple)) or \
+            not all(isinstance(t, int) and 0 <= t < len(tokenizer) for t in token_ids):
+        return None
+    for ids in (list(token_ids), list(token_ids[:-1])):
+        if tokenizer.decode(ids) == content:
+            return ids
+    return None

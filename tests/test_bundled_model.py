@@ -49,6 +49,44 @@ def test_greedy_tokens_equal_transformers_generate(bundled, engine, name):
     assert bundled.tokenizer.decode(expected, skip_special_tokens=True).rstrip("\ufffd") == finished.text
 
 
+def test_a_reply_comes_back_into_the_prompt_as_the_tokens_it_was_generated_as(bundled):
+    """Where a reply's generated ids spell its text, the next prompt holds them instead of the text tokenized
+    again, which can split it otherwise (SmolLM2 writes "\n\n" as one token; its tokenizer, before a digit,
+    makes two); the prompt's text is the same either way."""
+    tok = bundled.tokenizer
+    text = "Two planets:\n\n1. Mars"
+    generated = tok("Two planets:\n\n", add_special_tokens=False)["input_ids"] + \
+        tok("1. Mars", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # closed by its end of turn
+    assert tok.decode(generated[:-1]) == text and generated[:-1] != tok(text, add_special_tokens=False)["input_ids"]
+    first, then = [{"role": "user", "content": "Name two planets."}], {"role": "user", "content": "Which is larger?"}
+
+    def prompt(reply: dict, before: list[dict] = first) -> list[int]:
+        return render_prompt(tok, [*before, {"role": "assistant", "content": text, **reply}, then])
+
+    plain, reused = prompt({}), prompt({"token_ids": generated})
+    opening = render_prompt(tok, first)
+    assert reused[:len(opening) + len(generated) - 1] == opening + generated[:-1] and reused != plain
+    assert tok.decode(reused) == tok.decode(plain)
+    assert prompt({"token_ids": [5, 6, 7]}) == prompt({"token_ids": [10 ** 9]}) == plain  # ids that do not spell it
+    echo = [{"role": "user", "content": f"Say: {text}"}]  # the reply's text in the message before it too
+    echoed = prompt({"token_ids": generated}, echo)
+    assert tok.decode(echoed) == tok.decode(prompt({}, echo))
+    at = next(i for i in range(len(echoed)) if echoed[i:i + len(generated) - 1] == generated[:-1])
+    assert tok.decode(echoed[:at]).endswith("<|im_start|>assistant\n")  # in the reply's place, not the message's
+
+
+def test_a_second_turn_finds_the_whole_first_turn_in_the_prefix_cache(engine):
+    """With its reply's token ids, a chat's second turn prefills only what is new: the first turn's prompt
+    and every token of its reply come from the cache (all but the last, which no forward took in)."""
+    first = [{"role": "user", "content": "List three colours, one per line, numbered."}]
+    request = engine.new_request(first, SamplingParams(max_new_tokens=40, temperature=0))
+    finished = list(engine.run(request))[-1]
+    conversation = [*first, {"role": "assistant", "content": finished.text, "token_ids": request.generated_ids},
+                    {"role": "user", "content": "And a fourth?"}]
+    second = engine.generate(conversation, SamplingParams(max_new_tokens=1, temperature=0))
+    assert second.metrics.num_cached_tokens == request.num_prompt_tokens + len(request.generated_ids) - 1
+
+
 def test_event_stream_of_a_32_token_reply(engine):
     request = engine.new_request(CONVERSATIONS["english"], SamplingParams(max_new_tokens=32, temperature=0,
                                                                            ignore_eos=True))

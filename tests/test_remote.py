@@ -123,6 +123,15 @@ def test_the_request_carries_the_sampling_settings(faulty):
     assert not {"frequency_penalty", "presence_penalty", "repetition_penalty", "top_k"} & set(Faulty.received[-1])
 
 
+def test_a_local_replys_token_ids_stay_home(faulty):
+    """A chat that moves to a server sends its replies as text: their token ids are the local model's."""
+    endpoint = Endpoint(f"{faulty}/ok", "m", read_timeout_s=1.0, scrape_metrics=False)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello", "token_ids": [1, 2]},
+                    {"role": "user", "content": "again"}]
+    list(endpoint.stream(conversation, SAMPLING))
+    assert Faulty.received[-1]["messages"] == [{k: m[k] for k in ("role", "content")} for m in conversation]
+
+
 @pytest.mark.parametrize("fault, message, partial", [
     ("json", "did not answer with a stream (content-type application/json)", ""),
     ("500", "answered HTTP 500: out of memory", ""),

@@ -146,7 +146,9 @@ class _Stream:
 
     def _body(self) -> dict:
         s = self.sampling
-        body = {"model": self.endpoint.model, "messages": self.messages, "stream": True,
+        # role and text only: a local chat's replies also carry their token ids, which mean nothing to a server
+        messages = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        body = {"model": self.endpoint.model, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature, "top_p": s.top_p}
         if s.seed is not None:

@@ -237,7 +237,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
                 session.warn(t(session.lang, "warning.ended_early", detail=worker.error))
             session.pending = ""
             if not trace.failed:
-                session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+                session.converse(text, trace)
             _show_warnings(session)  # the reply's last ones (its end not saved, an error): here, in the queue,
             # as toasts; finish draws the tab outside the queue, where Gradio 6 shows none
         session.show_reply(trace)

@@ -77,7 +77,14 @@ class ChatSession:
         self.traces.append(trace)
         self.show_reply(trace)
         if not trace.failed:
-            self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": trace.text}]
+            self.converse(user_text, trace)
+
+    def converse(self, user_text: str, trace: ReplyTrace) -> None:
+        """A message and its reply join the conversation the model sees: the reply with the token ids it was
+        generated as, which the next prompt reuses where they spell its text (engine.render_prompt), so
+        that the prefix cache finds all of it."""
+        self.messages += [{"role": "user", "content": user_text},
+                          {"role": "assistant", "content": trace.text, "token_ids": trace.token_ids}]
 
     @property
     def num_exchanges(self) -> int:

@@ -65,6 +65,10 @@ class ReplyTrace:
         return self.finished.text if self.finished else "".join(s.text for s in list(self.steps))
 
     @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in list(self.steps)]
+
+    @property
     def phase(self) -> str:
         if self.finished:
             return "stopped" if self.finished.reason == "cancelled" else (

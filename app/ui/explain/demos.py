@@ -139,7 +139,7 @@ def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
 def run_second_turn(engine: Engine) -> list[ReplyTrace]:
     question = {"role": "user", "content": _fresh("What is the KV cache?")}
     first = _reply(engine, [question], 32)
-    second = _reply(engine, [question, {"role": "assistant", "content": first.text},
+    second = _reply(engine, [question, {"role": "assistant", "content": first.text, "token_ids": first.token_ids},
                              {"role": "user", "content": "And why does it grow?"}], 32)
     second.turn = 2
     return [first, second]
