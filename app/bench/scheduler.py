@@ -102,8 +102,10 @@ def second_turn(engine: Engine, first_tokens: int, repetitions: int, reply_token
         def run() -> tuple[float, int, int]:
             with _prefix_caching(engine, caching):
                 first = [{"role": "user", "content": f"Chat {next(chats)}. {text}"}]
-                reply = engine.generate(first, greedy).text  # the first turn; its blocks stay in the pool
-                return ttft(first + [{"role": "assistant", "content": reply}, question])
+                request = engine.new_request(first, greedy)  # the first turn; its blocks stay in the pool
+                reply = {"role": "assistant", "content": engine.run_all([request])[0].text,
+                         "token_ids": request.generated_ids}  # as the chat sends it back
+                return ttft(first + [reply, question])
         return run
 
     def fresh() -> tuple[float, int, int]:
