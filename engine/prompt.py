@@ -69,8 +69,10 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 def _spelling(tokenizer, token_ids, content: str) -> list[int] | None:
     """A reply's generated ids, without the end-of-turn token that closed it (the template writes its own),
     if they decode to exactly its text; else None."""
-    if not content or not isinstance(token_ids, (list, tuple)) or \
-            not all(isinstance(t, int) and 0 <= t < len(tokenizer) for t in token_ids):
+    if not content or not isinstance(token_ids, (list, tuple)):
+        return None
+    vocab = len(tokenizer)
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
         return None
     for ids in (list(token_ids), list(token_ids[:-1])):
         if tokenizer.decode(ids) == content:
