@@ -90,6 +90,6 @@ def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None,
     request = engine.new_request(messages, sampling)
     events = list(engine.run(request, hooks=[hook, trace.add, *hooks]))
     session.pending = ""
-    session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+    session.converse(text, trace)
     session.show_reply(trace)
     return session, events, hook

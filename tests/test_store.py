@@ -165,7 +165,7 @@ def test_cut_takes_back_answered_failed_and_refused_exchanges():
             trace.add(Finished("r", 1.0, "error", "", None, "the forward failed"))
         session.traces.append(trace)
         if outcome == "answered":
-            session.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": trace.text}]
+            session.converse(text, trace)
         session.show_reply(trace)
     session.cut(2)  # "three" edited: "three" and "four" leave
     assert (4, 2, 1, {1}) == (len(session.display), len(session.messages), len(session.traces), session.refused)
