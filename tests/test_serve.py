@@ -99,6 +99,23 @@ def test_chat_whole_and_streamed_give_the_same_greedy_text_with_usage_and_timing
     assert final.model_extra["timings"]["cache_n"] == chunks[-1].usage.prompt_tokens_details.cached_tokens
 
 
+def test_a_reply_sent_back_as_text_is_prompted_as_the_tokens_it_was(client, tokenizer):
+    """A client's second turn sends the first reply back as text; the server prompts it with the ids the
+    model wrote (app/serve/replies.py), so the whole first turn comes from the prefix cache: all but the
+    reply's last token, which no forward took in."""
+    messages = [{"role": "user", "content": "What are the steps to make tea?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
+                                           logprobs=True)
+    reply = first.choices[0].message.content
+    written = [t.token for t in first.choices[0].logprobs.content]  # as the model wrote it ("\n\n" one token)
+    again = [tokenizer.decode([i]) for i in tokenizer(reply, add_special_tokens=False)["input_ids"]]
+    assert written != again  # tokenized again, the reply splits otherwise ("\n", "\n")
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == first.usage.prompt_tokens + first.usage.completion_tokens - 1 < second.usage.prompt_tokens
+
+
 def test_completions_logprobs_and_stop(client):
     answer = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
                                        logprobs=3)

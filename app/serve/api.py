@@ -25,6 +25,7 @@ from engine import (DecodeStep, Engine, Event, Finished, KVPoolTooSmall, Prefill
 from engine import Request as EngineRequest
 
 from .metrics import ServerMetrics
+from .replies import RecentReplies
 from .protocol import (APIError, ChatRequest, CompletionRequest, Listed, chat_logprob, completion_logprobs,
                        finish_reason, listed_prompt, listed_steps, now, timings, usage)
 
@@ -39,6 +40,7 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     """The API for an engine that serves (its scheduler loop runs on its own thread)."""
     model = engine.info.name
     metrics = metrics or ServerMetrics(engine, model)
+    replies = RecentReplies()
     api = FastAPI(title="PhaseScope", summary="An OpenAI-compatible API that measures prefill and decode.")
     api.state.metrics = metrics
 
@@ -128,12 +130,12 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
         check_key(request)
         check_model(body.model)
         body.check_supported()
-        messages = body.chat()  # the engine refuses an empty or ill-formed conversation (400 below)
+        messages = replies.attach(body.chat())  # the engine refuses an empty or ill-formed conversation (400 below)
         top = (body.top_logprobs or 0) if body.logprobs else None
         jobs, inbox = submit([lambda sampling: engine.new_request(messages, sampling)], body,
                              body.max_completion_tokens or body.max_tokens)
         answer = _Answer(engine, jobs, inbox, request, f"chatcmpl-{uuid.uuid4().hex}", model, chat=True, top=top,
-                         n=body.n)
+                         n=body.n, replies=replies)
         if body.stream:
             return _sse(answer.chunks(body.include_usage))
         return await answer.whole()
@@ -190,8 +192,8 @@ class _Answer:
 
     def __init__(self, engine: Engine, jobs: list[EngineRequest], inbox: asyncio.Queue, http: Request,
                  answer_id: str, model: str, chat: bool, top: int | None, n: int = 1,
-                 echo: list[str | None] | None = None) -> None:
-        self.engine, self.jobs, self.inbox, self.http = engine, jobs, inbox, http
+                 echo: list[str | None] | None = None, replies: RecentReplies | None = None) -> None:
+        self.engine, self.jobs, self.inbox, self.http, self.replies = engine, jobs, inbox, http, replies
         self.id, self.model, self.chat, self.top, self.n, self.echo = answer_id, model, chat, top, n, echo
         self.created = now()
         self.prompt_tokens: list[list[PromptToken]] = [[] for _ in jobs]  # each choice's, as its chunks report them
@@ -212,6 +214,8 @@ class _Answer:
                         return
                     check_at = time.monotonic() + WAIT_S
                 if event is not None:
+                    if isinstance(event, Finished) and self.replies is not None:
+                        self.replies.remember(event.text, self.jobs[index].generated_ids)
                     yield index, event
                     running -= isinstance(event, Finished)
                 elif self.engine.calling in HELD_BY:
