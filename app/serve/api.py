@@ -25,9 +25,9 @@ from engine import (DecodeStep, Engine, Event, Finished, KVPoolTooSmall, Prefill
 from engine import Request as EngineRequest
 
 from .metrics import ServerMetrics
-from .replies import RecentReplies
 from .protocol import (APIError, ChatRequest, CompletionRequest, Listed, chat_logprob, completion_logprobs,
                        finish_reason, listed_prompt, listed_steps, now, timings, usage)
+from .replies import RecentReplies
 
 WAIT_S = 0.25  # how often an answer checks that its client is still there
 # what an Engine.call named so holds the engine for (the page's Lab, its precision check): a streamed answer
