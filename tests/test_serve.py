@@ -454,3 +454,16 @@ def test_a_stream_waiting_behind_a_measurement_of_the_lab_says_so(tokenizer):
     assert lines.index(said[0]) < next(i for i, line in enumerate(lines) if '"content": "' in line and
                                        '"role"' not in line)
     assert lines[-1] == "data: [DONE]"
+
+
+def test_the_server_forgets_its_least_recently_used_reply_first():
+    from app.serve.replies import RecentReplies
+
+    replies = RecentReplies(limit=2)
+    for text, ids in (("one", [1]), ("two", [2]), ("", [9]), ("nothing", [])):
+        replies.remember(text, ids)  # an empty reply, or one without ids, is not kept
+    conversation = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "one"}]
+    assert replies.attach(conversation) == [conversation[0], {**conversation[1], "token_ids": [1]}]  # used
+    replies.remember("three", [3])  # "two" goes: "one" was used since
+    assert [m.get("token_ids") for m in replies.attach([{"role": "assistant", "content": t}
+                                                        for t in ("one", "two", "three")])] == [[1], None, [3]]
