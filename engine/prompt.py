@@ -41,6 +41,12 @@ def valid_text(text: str) -> str:
         return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
+def reply_message(text: str, token_ids: list[int]) -> dict:
+    """A reply as the next turn's conversation holds it: its text, and the token ids the model generated
+    for it (render_prompt prompts with these where they spell the text)."""
+    return {"role": "assistant", "content": text, "token_ids": list(token_ids)}
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """The whole conversation through the tokenizer's chat template, as token ids.
 

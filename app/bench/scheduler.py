@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, reply_message
 
 from .extras import bare_loop, interleaved
 
@@ -103,9 +103,8 @@ def second_turn(engine: Engine, first_tokens: int, repetitions: int, reply_token
             with _prefix_caching(engine, caching):
                 first = [{"role": "user", "content": f"Chat {next(chats)}. {text}"}]
                 request = engine.new_request(first, greedy)  # the first turn; its blocks stay in the pool
-                reply = {"role": "assistant", "content": engine.run_all([request])[0].text,
-                         "token_ids": request.generated_ids}  # as the chat sends it back
-                return ttft(first + [reply, question])
+                reply = engine.run_all([request])[0].text
+                return ttft(first + [reply_message(reply, request.generated_ids), question])  # as the chat does
         return run
 
     def fresh() -> tuple[float, int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import DecodeStep, Engine, EngineConfig
+from engine import DecodeStep, Engine, EngineConfig, reply_message
 from engine.llama import score_matrix_bytes
 from engine.tensor_parallel import start
 
@@ -77,7 +77,7 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
                              "lab.col.ttft_no_reuse": r(ttft["lab.set.no_reuse"][turn - 1]),
                              "lab.col.ttft_prefix_cache": r(ttft[name][-1])})
             replied = [e.token_id for e in events if isinstance(e, DecodeStep)]  # as the chat sends it back
-            messages += [{"role": "assistant", "content": finished.text, "token_ids": replied},
+            messages += [reply_message(finished.text, replied),
                          {"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]}]
         series.append(Series(said("lab.series", setting=name, what="TTFT"), list(range(1, turns + 1)),
                              [r(t) for t in ttft[name]]))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from engine import reply_message
+
 REMEMBERED = 256  # replies, the least recently sent or used forgotten first
 
 
@@ -34,6 +36,6 @@ class RecentReplies:
                 ids = self._ids.get(message["content"]) if message["role"] == "assistant" else None
                 if ids is not None:
                     self._ids.move_to_end(message["content"])
-                    message = {**message, "token_ids": list(ids)}
+                    message = reply_message(message["content"], ids)
                 out.append(message)
         return out

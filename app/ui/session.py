@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import TYPE_CHECKING
 
-from engine import Event, Finished, Request, SamplingParams, Status
+from engine import Event, Finished, Request, SamplingParams, Status, reply_message
 
 from ..i18n import DEFAULT
 from .panels import stats_line
@@ -83,8 +83,7 @@ class ChatSession:
         """A message and its reply join the conversation the model sees: the reply with the token ids it was
         generated as, which the next prompt reuses where they spell its text (engine.render_prompt), so
         that the prefix cache finds all of it."""
-        self.messages += [{"role": "user", "content": user_text},
-                          {"role": "assistant", "content": trace.text, "token_ids": trace.token_ids}]
+        self.messages += [{"role": "user", "content": user_text}, reply_message(trace.text, trace.token_ids)]
 
     @property
     def num_exchanges(self) -> int:

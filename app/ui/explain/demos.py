@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from engine import SamplingParams
+from engine import SamplingParams, reply_message
 
 from ...i18n import t
 from .. import charts
@@ -139,7 +139,7 @@ def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
 def run_second_turn(engine: Engine) -> list[ReplyTrace]:
     question = {"role": "user", "content": _fresh("What is the KV cache?")}
     first = _reply(engine, [question], 32)
-    second = _reply(engine, [question, {"role": "assistant", "content": first.text, "token_ids": first.token_ids},
+    second = _reply(engine, [question, reply_message(first.text, first.token_ids),
                              {"role": "user", "content": "And why does it grow?"}], 32)
     second.turn = 2
     return [first, second]
