@@ -209,3 +209,28 @@ def test_a_run_stored_before_the_lab_spoke_chinese_reads_as_it_was():
     assert "| requests | aggregate tok/s |" in stored.markdown("zh")
     assert "- 已显示：batching raises aggregate throughput（计时）" in stored.markdown("zh")
     assert [trace.name for trace in lab.figure(stored, "zh").data] == ["batching · aggregate decode"]
+
+
+def test_lines_stay_above_bars_counted_on_the_right_axis_and_log_axes_read_whole_numbers():
+    """Plotly draws the overlaying axis's traces on top: the prefix cache's bars (tokens, right axis) would
+    hide the TTFT lines, so they trade layers and each axis keeps its side and title; a log axis is
+    labelled 1-2-5 in whole numbers, not Plotly's bare minor digits."""
+    turns = lab.LabResult("prefix-cache", "TTFT of each turn", "A chat.", {}, "turn", "TTFT (ms)",
+                          [lab.Series("no reuse · TTFT", [1, 2], [141.0, 82.4]),
+                           lab.Series("prefix cache · cached tokens", [1, 2], [0, 104], kind="bar", axis="y2")],
+                          [], "", {}, y2_label="prompt tokens from the cache")
+    fig = lab.figure(turns)
+    line, bars = fig.data
+    assert (line.yaxis, bars.yaxis) == ("y2", "y")  # the line on the overlaying axis: drawn above the bars
+    assert fig.layout.yaxis2.overlaying == "y" and fig.layout.yaxis2.side == "left"
+    assert fig.layout.yaxis2.title.text == "TTFT (ms)" and fig.layout.yaxis.title.text == "prompt tokens from the cache"
+    assert fig.layout.yaxis.side == "right" and bars.opacity < 1  # a background: the line may share its colour
+
+    roofline = lab.LabResult("roofline", "Roofline", "A step.", {}, "FLOP per byte", "GFLOP/s",
+                             [lab.Series("decode · achieved", [0.5, 2.0], [14.5, 43.3], kind="markers")], [], "", {},
+                             log_x=True, log_y=True)
+    fig = lab.figure(roofline)
+    assert (fig.data[0].yaxis, fig.layout.yaxis.type, fig.layout.xaxis.type) == ("y", "log", "log")
+    assert {"0.5", "2", "5", "10", "20", "50", "100"} <= set(fig.layout.yaxis.ticktext)
+    assert fig.layout.yaxis2.overlaying is None  # no right axis asked for
+    assert fig.layout.xaxis.dtick is None and lab.figure(turns).layout.xaxis.dtick == 1  # turns count 1, 2, 3
