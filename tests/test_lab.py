@@ -225,6 +225,7 @@ def test_lines_stay_above_bars_counted_on_the_right_axis_and_log_axes_read_whole
     assert fig.layout.yaxis2.overlaying == "y" and fig.layout.yaxis2.side == "left"
     assert fig.layout.yaxis2.title.text == "TTFT (ms)" and fig.layout.yaxis.title.text == "prompt tokens from the cache"
     assert fig.layout.yaxis.side == "right" and bars.opacity < 1  # a background: the line may share its colour
+    assert fig.layout.yaxis.tickmode == "auto"  # round ticks of its own, not synced to the left axis's grid
 
     roofline = lab.LabResult("roofline", "Roofline", "A step.", {}, "FLOP per byte", "GFLOP/s",
                              [lab.Series("decode · achieved", [0.5, 2.0], [14.5, 43.3], kind="markers")], [], "", {},

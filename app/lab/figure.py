@@ -48,8 +48,9 @@ def figure(result: LabResult, lang: str = DEFAULT) -> go.Figure:
         xaxis=dict(title=dict(text=result.x_label), **x_ticks, **axis))
     left_axis = dict(title=dict(text=result.y_label), side="left",
                      **(dict(type="log", **log_ticks) if result.log_y else dict(rangemode="tozero")), **axis)
-    right_axis = dict(title=dict(text=result.y2_label), side="right", rangemode="tozero", showgrid=False,
-                      zeroline=False)
+    # ticks of its own ("auto"): plotly.js 3 syncs an overlaying axis's ticks to the grid, at 4.16, 8.31, ...
+    right_axis = dict(title=dict(text=result.y2_label), side="right", rangemode="tozero", tickmode="auto",
+                      showgrid=False, zeroline=False)
     if flip:
         fig.update_layout(yaxis=right_axis, yaxis2=dict(left_axis, overlaying="y"))
     else:

@@ -131,7 +131,8 @@ def show_long_answer(engine: Engine, replies: list[ReplyTrace], lang: str) -> tu
         legend=dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom"),
         xaxis=dict(title=dict(text=t(lang, "demo.token"))),
         yaxis=dict(title=dict(text=t(lang, "demo.itl")), rangemode="tozero"),
-        yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right", rangemode="tozero"))))
+        yaxis2=dict(title=dict(text=t(lang, "demo.kv_mb")), overlaying="y", side="right", rangemode="tozero",
+                    tickmode="auto", showgrid=False))))  # round ticks of its own, not synced to the grid
     rows = [_row(lang, t(lang, "demo.long_answer"), trace)]
     return _table(lang, rows) + f"<p>{text}</p>" + _notes(engine, replies, lang), figure
 
