@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_access_options(ui)
 
     generate = commands.add_parser("generate", help="answer one prompt and print the reply or its events")
-    generate.add_argument("--prompt", required=True)
+    generate.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt (or --prompt); - reads it from stdin")
+    generate.add_argument("--prompt", help="the prompt, as PROMPT; - reads it from standard input")
     generate.add_argument("--json", action="store_true", help="print one JSON object per event")
     _add_model_options(generate)
     _add_sampling_options(generate, max_new_tokens=256)
@@ -330,7 +331,7 @@ def print_reply(events) -> object:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
-    messages = _conversation(args.system) + [{"role": "user", "content": args.prompt}]
+    messages = _conversation(args.system) + [{"role": "user", "content": _prompt(args)}]
     from engine import check_messages
 
     check_messages(messages)  # before the model loads: an empty prompt is refused at once
@@ -352,6 +353,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(tensor_parallel_line(seen), file=sys.stderr)
     engine.close()
     return 0
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt given as PROMPT or --prompt; "-" reads it from standard input (a file piped in)."""
+    if args.text is not None and args.prompt is not None:
+        raise ValueError("give the prompt once: as PROMPT or as --prompt, not both")
+    prompt = args.prompt if args.prompt is not None else args.text
+    if prompt is None:
+        raise ValueError("no prompt: phasescope generate \"Your question\" (or --prompt TEXT, or - to read stdin)")
+    return sys.stdin.read() if prompt == "-" else prompt
 
 
 def _recorded(events, seen: list):

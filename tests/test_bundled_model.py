@@ -135,6 +135,8 @@ def test_cli_generate_json_prints_every_event():
     (["--prompt", "hi", "--model", "/no/such/model"], "model path not found: /no/such/model"),
     (["--prompt", "hi", "--top-p", "2"], "top_p must be in (0.0, 1.0], got 2.0"),
     (["--prompt", "word " * 9000], "context window is 8,192 tokens"),
+    ([], "no prompt: phasescope generate"),
+    (["hi", "--prompt", "hi"], "give the prompt once"),
 ])
 def test_cli_errors_are_one_line(args, message):
     result = run_cli("generate", *args)
@@ -142,6 +144,16 @@ def test_cli_errors_are_one_line(args, message):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_cli_generate_takes_the_prompt_as_an_argument_an_option_or_from_stdin():
+    prompt = "Name two colours.\nThen name a fruit."
+    greedy = ["--max-new-tokens", "8", "--temperature", "0"]
+    replies = [run_cli("generate", prompt, *greedy), run_cli("generate", "--prompt", prompt, *greedy),
+               subprocess.run([sys.executable, "-m", "app.cli", "generate", "-", *greedy], input=prompt,
+                              capture_output=True, text=True, timeout=300)]
+    assert all(r.returncode == 0 for r in replies), [r.stderr for r in replies]
+    assert replies[0].stdout.strip() and replies[0].stdout == replies[1].stdout == replies[2].stdout
 
 
 @pytest.mark.parametrize("flags", ["--no-prefix-cache --no-split-kv --kv-window 256 --kv-sinks 8 --attention eager "
