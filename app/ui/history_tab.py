@@ -282,5 +282,10 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one], queue=False)
-    texts.on_switch(lambda lang_choice, query: (table_value(query, lang_choice), t(lang_choice, "saved.select_hint")),
-                    [search], [table, chosen])
+    def redraw(lang_choice, query, session_id):
+        """The table, and the selection's line in the new language: the selection stays, with its files."""
+        if session_id is None or not store.has_session(session_id):
+            return table_value(query, lang_choice), None, t(lang_choice, "saved.select_hint"), *_no_files()
+        return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice)
+
+    texts.on_switch(redraw, [search, selected], [table, selected, chosen, *one])
