@@ -269,6 +269,20 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         candidates, grid = (page.locator(f"#ps-explain-{name}").bounding_box() for name in ("candidates", "kv"))
         assert candidates["y"] + candidates["height"] <= grid["y"] and grid["width"] > 300  # charts stacked
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # the pipeline scrolls alone
+        page.get_by_role("tab").nth(3).click()  # a Lab report's table: whole words in its cells, scrolled alone
+        page.click("#ps-lab-quick input")
+        page.click("#ps-lab-experiment input")
+        page.get_by_role("option", name="Prefix cache").click()
+        page.click("#ps-lab-run")
+        page.wait_for_selector("#ps-lab-report table td", timeout=120_000)
+        broken = page.evaluate("""() => { const c = document.createElement('canvas').getContext('2d');
+            return [...document.querySelectorAll('#ps-lab-report :is(td, th)')].filter(cell => {
+              const s = getComputedStyle(cell); c.font = `${s.fontWeight} ${s.fontSize} ${s.fontFamily}`;
+              const longest = Math.max(...cell.innerText.split(/\\s+/).map(word => c.measureText(word).width));
+              return longest > cell.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight) + 1;
+            }).map(cell => cell.innerText); }""")
+        assert [] == broken  # "turn" was drawn a letter per line
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= 420
     finally:
         page.close()
 
