@@ -282,6 +282,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one], queue=False)
+
     def redraw(lang_choice, query, session_id):
         """The table, and the selection's line in the new language: the selection stays, with its files."""
         if session_id is None or not store.has_session(session_id):
