@@ -251,6 +251,16 @@ def test_the_panel_and_charts_read_in_a_light_and_a_dark_browser(browser, app_ur
         page.close()
 
 
+def words_broken_in_cells(page, selector: str) -> list[str]:
+    """The cells under selector whose longest word is wider than the cell: drawn broken across lines."""
+    return page.evaluate("""(selector) => { const c = document.createElement('canvas').getContext('2d');
+        return [...document.querySelectorAll(selector)].filter(cell => {
+          const s = getComputedStyle(cell); c.font = `${s.fontWeight} ${s.fontSize} ${s.fontFamily}`;
+          const longest = Math.max(...cell.innerText.split(/\\s+/).map(word => c.measureText(word).width));
+          return longest > cell.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight) + 1;
+        }).map(cell => cell.innerText); }""", selector)
+
+
 def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app_url):
     page = open_chat(browser, app_url)
     try:
@@ -269,20 +279,6 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         candidates, grid = (page.locator(f"#ps-explain-{name}").bounding_box() for name in ("candidates", "kv"))
         assert candidates["y"] + candidates["height"] <= grid["y"] and grid["width"] > 300  # charts stacked
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # the pipeline scrolls alone
-        page.get_by_role("tab").nth(3).click()  # a Lab report's table: whole words in its cells, scrolled alone
-        page.click("#ps-lab-quick input")
-        page.click("#ps-lab-experiment input")
-        page.get_by_role("option", name="Prefix cache").click()
-        page.click("#ps-lab-run")
-        page.wait_for_selector("#ps-lab-report table td", timeout=120_000)
-        broken = page.evaluate("""() => { const c = document.createElement('canvas').getContext('2d');
-            return [...document.querySelectorAll('#ps-lab-report :is(td, th)')].filter(cell => {
-              const s = getComputedStyle(cell); c.font = `${s.fontWeight} ${s.fontSize} ${s.fontFamily}`;
-              const longest = Math.max(...cell.innerText.split(/\\s+/).map(word => c.measureText(word).width));
-              return longest > cell.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight) + 1;
-            }).map(cell => cell.innerText); }""")
-        assert [] == broken  # "turn" was drawn a letter per line
-        assert page.evaluate("() => document.documentElement.scrollWidth") <= 420
     finally:
         page.close()
 
@@ -706,6 +702,11 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     assert plot_traces(page, "ps-lab-plot") == {"batching · aggregate decode": 3}  # B = 1, 2, 4
     report = page.inner_text("#ps-lab-report")
     assert "aggregate tok/s" in report and "shown: batching raises aggregate throughput" in report
+    size = page.viewport_size
+    page.set_viewport_size({"width": 390, "height": 844})  # a phone: whole words in the table, which scrolls alone
+    page.wait_for_function("() => document.documentElement.scrollWidth <= 390")
+    assert [] == words_broken_in_cells(page, "#ps-lab-report :is(td, th)")  # "requests" was a letter per line
+    page.set_viewport_size(size)
     page.screenshot(path=str(tmp_path / "lab.png"), full_page=True)
 
     page.locator("#ps-lab-experiment input").click()
