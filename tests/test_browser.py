@@ -469,7 +469,8 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         assert "3" in page.locator(HISTORY_CELLS).all_inner_texts()[4]  # three turns now
         page.get_by_text("简体中文").click()  # the selection stays, its line in the new language
         page.wait_for_selector("#ps-history-selected:has-text('已选择')")
-        assert "#1" in page.inner_text("#ps-history-selected") and "运行方式" in page.inner_text("#ps-history-selected")
+        selected = page.inner_text("#ps-history-selected")
+        assert "#1" in selected and "运行方式" in selected  # its line and its run line
         page.get_by_text("English").click()
         page.wait_for_selector("#ps-history-selected:has-text('Selected:')")
         page.locator(HISTORY_CELLS, has_text="Phases").first.click()
