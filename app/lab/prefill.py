@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import DecodeStep, Engine, EngineConfig, reply_message
+from engine import Engine, EngineConfig, reply_message
 from engine.llama import score_matrix_bytes
 from engine.tensor_parallel import start
 
@@ -67,7 +67,7 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
         messages, ttft[name], cached = [{"role": "user", "content": prompt}], [], []
         for turn in range(1, turns + 1):
             lab.step(said("lab.step.turn", setting=name, turn=turn))
-            _, events = lab.run(e, messages, num_gen)
+            request, events = lab.run(e, messages, num_gen)
             finished = events[-1]
             ttft[name].append(finished.metrics.ttft_ms)
             cached.append(finished.metrics.num_cached_tokens)
@@ -76,8 +76,7 @@ def prefix_cache(lab: Lab, prompt: str) -> LabResult:
                              "lab.col.cached_tokens": cached[-1],
                              "lab.col.ttft_no_reuse": r(ttft["lab.set.no_reuse"][turn - 1]),
                              "lab.col.ttft_prefix_cache": r(ttft[name][-1])})
-            replied = [e.token_id for e in events if isinstance(e, DecodeStep)]  # as the chat sends it back
-            messages += [reply_message(finished.text, replied),
+            messages += [reply_message(finished.text, request.generated_ids),  # as the chat sends it back
                          {"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]}]
         series.append(Series(said("lab.series", setting=name, what="TTFT"), list(range(1, turns + 1)),
                              [r(t) for t in ttft[name]]))
