@@ -684,8 +684,9 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     other.get_by_role("tab", name="Lab").click()
     other.locator("#ps-lab-quick input").check()
     page.get_by_role("tab", name="Lab").click()
-    page.click("#ps-lab-open")  # no saved run picked yet
-    page.wait_for_selector("[data-testid=toast-body]:has-text('Pick a saved run first.')")
+    # nothing saved yet: the list and Open are off, and the list says why
+    page.wait_for_selector("#ps-lab-runs:has-text('None yet')")
+    assert page.is_disabled("#ps-lab-open") and page.is_disabled("#ps-lab-runs input")
     page.locator("#ps-lab-experiment input").click()
     page.get_by_role("option", name="Batching", exact=True).click()
     page.wait_for_function("() => document.querySelector('#ps-lab-prompt textarea').value.includes('poem')")
@@ -701,6 +702,7 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     page.wait_for_selector("#ps-lab-plot .js-plotly-plot", timeout=120_000)
     page.wait_for_function("() => document.querySelector('#ps-lab-status').innerText.includes('saved as lab run')")
     assert plot_traces(page, "ps-lab-plot") == {"batching · aggregate decode": 3}  # B = 1, 2, 4
+    assert page.is_enabled("#ps-lab-open") and "None yet" not in page.inner_text("#ps-lab-runs")
     report = page.inner_text("#ps-lab-report")
     assert "aggregate tok/s" in report and "shown: batching raises aggregate throughput" in report
     size = page.viewport_size

@@ -43,6 +43,14 @@ def _run_choices(store: Store, lang: str = DEFAULT) -> list[tuple[str, int]]:
              f"{row['created_at'][:19].replace('T', ' ')}", row["id"]) for row in runs]
 
 
+def _runs_list(store: Store, lang: str, value: int | None = None) -> list:
+    """The saved runs' list and its Open button: both off, with a line that says why, until a run is saved."""
+    choices = _run_choices(store, lang)
+    return [gr.Dropdown(choices=choices, value=value, interactive=bool(choices),
+                        info=None if choices else t(lang, "lab.no_runs")),
+            gr.Button(interactive=bool(choices))]
+
+
 def _exports(result: lab.LabResult, run_id: int | None, lang: str) -> tuple[Path, Path]:
     """The run as JSON and its figure as a standalone page (plotly.js inlined: it opens offline), in lang.
     The figure's own camera button saves a PNG."""
@@ -78,8 +86,8 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     plot = gr.Plot(visible=False, show_label=False, elem_id="ps-lab-plot")
     report = gr.Markdown(elem_id="ps-lab-report")
     with gr.Row(equal_height=True):
-        runs = texts(gr.Dropdown, choices=_run_choices(store), value=None, label=K("lab.saved"), scale=3,
-                     elem_id="ps-lab-runs")
+        # drawn with the saved runs when the page loads (redraw)
+        runs = texts(gr.Dropdown, choices=[], value=None, label=K("lab.saved"), scale=3, elem_id="ps-lab-runs")
         reopen = texts(gr.Button, value=K("lab.open"), scale=1, elem_id="ps-lab-open")
         json_file = texts(gr.DownloadButton, label=K("lab.export_json"), visible=False, scale=1,
                           elem_id="ps-lab-json")
@@ -87,12 +95,16 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                           elem_id="ps-lab-html")
     shown = [status, plot, report, json_file, html_file, shown_run]
 
+    def say(line: str) -> list:
+        """Only the status line of on_run's outputs (shown, the saved runs' list and Open) changes."""
+        return [line, *[gr.skip()] * (len(shown) + 1)]
+
     def on_run(events, name, text, is_quick, lang_choice):
         """events: the tab's Stop events, the last this run's, made at its click, so that a Stop while the
         run waits its turn (behind another tab's run) ends it before it begins."""
         event = events[-1]
         if event.is_set():
-            yield [t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
+            yield say(t(lang_choice, "lab.stopped"))
             return
         progress, outcome = queue.SimpleQueue(), {}
 
@@ -105,20 +117,20 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
         worker = threading.Thread(target=work, name="lab", daemon=True)
         worker.start()
-        yield [t(lang_choice, "lab.waiting"), *[gr.skip()] * 6]
+        yield say(t(lang_choice, "lab.waiting"))
         while worker.is_alive():
             worker.join(0.25)
             line = None
             while not progress.empty():
                 line = progress.get()
             if line:
-                yield [t(lang_choice, "lab.running", step=lab.words(lang_choice, line)), *[gr.skip()] * 6]
+                yield say(t(lang_choice, "lab.running", step=lab.words(lang_choice, line)))
         error = outcome.get("error")
         if isinstance(error, lab.LabStopped):
-            yield [t(lang_choice, "lab.stopped"), *[gr.skip()] * 6]
+            yield say(t(lang_choice, "lab.stopped"))
             return
         if error is not None:
-            yield [t(lang_choice, "lab.failed", detail=user_error(lang_choice, error)), *[gr.skip()] * 6]
+            yield say(t(lang_choice, "lab.failed", detail=user_error(lang_choice, error)))
             return
         result, run_id = outcome["result"], None
         try:
@@ -126,8 +138,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                                        result.machine, result.to_dict())
         except Exception as exc:  # a full disk or a broken database: the result is still shown
             gr.Warning(t(lang_choice, "lab.save_failed", detail=str(exc)))
-        yield [*_show(result, run_id, lang_choice),
-               gr.Dropdown(choices=_run_choices(store, lang_choice), value=run_id)]
+        yield [*_show(result, run_id, lang_choice), *_runs_list(store, lang_choice, run_id)]
 
     def on_open(run_id, lang_choice):
         """The saved run, and the experiment, prompt and size it ran with (Run repeats it)."""
@@ -147,7 +158,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     def redraw(lang_choice, current, run, shown_now):
         """A language switch: the lists relabelled, and the run on show drawn again in the new language."""
         lists = [gr.Dropdown(choices=_experiment_choices(lang_choice), value=current),
-                 gr.Dropdown(choices=_run_choices(store, lang_choice), value=run)]
+                 *_runs_list(store, lang_choice, run)]
         if not shown_now:
             return [*lists, *[gr.skip()] * 6]
         data, run_id = shown_now
@@ -162,9 +173,9 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     # Stop sets the event of every Run clicked in this tab: a click while a run goes on adds one (Gradio
     # starts no second run for it), and the running one must still stop
     armed = run.click(lambda events: [*(events or []), threading.Event()], [stops], [stops], queue=False)
-    armed.then(on_run, [stops, experiment, prompt, quick, lang], [*shown, runs], concurrency_limit=1,
+    armed.then(on_run, [stops, experiment, prompt, quick, lang], [*shown, runs, reopen], concurrency_limit=1,
                concurrency_id="lab")
     run.click(lab.prompt_for, [experiment, prompt], [prompt], queue=False)  # an emptied box shows what runs
     stop.click(stop_all, [stops], None, queue=False)
     reopen.click(on_open, [runs, lang], [*shown, experiment, prompt, quick])
-    texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, *shown])
+    texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, reopen, *shown])
