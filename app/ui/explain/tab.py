@@ -59,17 +59,18 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         run = texts(gr.Button, value=K("explain.run"), scale=1, elem_id="ps-explain-run")
         pause = texts(gr.Button, value=K("explain.pause"), scale=1, elem_id="ps-explain-pause")
         stop = texts(gr.Button, value=K("explain.stop"), variant="stop", scale=1, elem_id="ps-explain-stop")
-    with gr.Row():
+    with gr.Row():  # sampling
         temperature = texts(gr.Slider, 0, 2, value=0, step=0.05, label=K("chat.temperature"),
                             elem_id="ps-explain-temperature")
         top_k = texts(gr.Slider, 0, 50, value=0, step=1, label=K("chat.top_k"), elem_id="ps-explain-top-k")
         top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"), elem_id="ps-explain-top-p")
+    with gr.Row(equal_height=True):  # what the panels below show
         # the layer and head choices and the panels below are drawn when the page loads (redraw)
         layer = texts(gr.Dropdown, _choices(0, DEFAULT), value="mean", label=K("explain.layer_choice"),
                       scale=1, elem_id="ps-explain-layer")
         head = texts(gr.Dropdown, _choices(0, DEFAULT), value="mean", label=K("explain.head_choice"),
                      scale=1, elem_id="ps-explain-head")
-        presenter = texts(gr.Checkbox, value=False, label=K("explain.presenter"), elem_id="ps-presenter")
+        presenter = texts(gr.Checkbox, value=False, label=K("explain.presenter"), scale=1, elem_id="ps-presenter")
     with gr.Row(elem_id="ps-demos"):
         texts(gr.Markdown, value=K("explain.demos"))
         demo_walk = texts(gr.Button, value=K("demo.walk"), size="sm", elem_id="ps-demo-walk")
