@@ -144,12 +144,12 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
         """The saved run, and the experiment, prompt and size it ran with (Run repeats it)."""
         if run_id is None:
             gr.Warning(t(lang_choice, "lab.pick_first"))  # a queued event: Gradio shows it as a toast
-            return [gr.skip()] * 9
+            return [gr.skip()] * (len(shown) + 3)  # shown, the experiment, prompt and size
         try:
             row = store.lab_run(int(run_id))
         except StoreError as exc:
             gr.Warning(t(lang_choice, "error.other", detail=str(exc)))
-            return [gr.skip()] * 9
+            return [gr.skip()] * (len(shown) + 3)
         result = lab.LabResult.from_dict(row["results"])
         known = result.experiment in lab.EXPERIMENTS  # a run saved by a later version may name another
         return [*_show(result, row["id"], lang_choice), result.experiment if known else gr.skip(), result.prompt,
@@ -160,7 +160,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
         lists = [gr.Dropdown(choices=_experiment_choices(lang_choice), value=current),
                  *_runs_list(store, lang_choice, run)]
         if not shown_now:
-            return [*lists, *[gr.skip()] * 6]
+            return [*lists, *[gr.skip()] * len(shown)]
         data, run_id = shown_now
         return [*lists, *_show(lab.LabResult.from_dict(data), run_id, lang_choice)]
 
