@@ -223,18 +223,50 @@
   }
 
   // A message of yours being edited (its pencil): Gradio's edit box starts from the message as the chat
-  // holds it, with its markup escaped to be shown as text (app/ui/session.py's as_text: "3 &lt; 5"); the
-  // box gets the text itself, and the edit sends it as it reads (app/ui/chat_tab.py's make_edit).
+  // holds it, its markup outside code escaped to be shown as text (app/ui/markdown.py's as_text: "3 &lt; 5",
+  // code as typed); the box gets the text itself, and the edit sends it as it reads (app/ui/chat_tab.py's
+  // make_edit).
   function textInEditBoxes() {
     for (const box of document.querySelectorAll("#ps-chatbot textarea:not([data-ps-text])")) {
       box.dataset.psText = "1";
-      const decoder = document.createElement("textarea");  // its markup is text: nothing in it runs
-      decoder.innerHTML = box.value;
-      if (decoder.value !== box.value) {
-        box.value = decoder.value;
+      const text = unescapeOutsideCode(box.value);
+      if (text !== box.value) {
+        box.value = text;
         box.dispatchEvent(new Event("input", {bubbles: true}));  // into the value Gradio sends
       }
     }
+  }
+
+  // as_text undone, by app/ui/markdown.py's rules (keep them in step): blocks of code from a fence to a
+  // fence of the same character, at least as long, or to the end; spans of code between runs of as many
+  // backticks, with no blank line between
+  const OPENING = /^ {0,3}(?:(`{3,})[^`\n]*|(~{3,})[^\n]*)$/gm;
+  const SPAN = /(?<!`)(`+)(?!`)((?:(?!\n[ \t]*\n)[\s\S])+?)(?<!`)\1(?!`)/g;
+  const ESCAPED = {"&lt;": "<", "&gt;": ">", "&amp;": "&"};
+
+  function unescapeOutsideCode(shown) {
+    let out = "", at = 0, opening;
+    OPENING.lastIndex = 0;
+    while ((opening = OPENING.exec(shown))) {
+      const fence = opening[1] || opening[2];
+      const closing = new RegExp(`^ {0,3}${fence[0]}{${fence.length},}[ \\t]*$`, "gm");
+      closing.lastIndex = opening.index + opening[0].length;
+      const found = closing.exec(shown);
+      const end = found ? found.index + found[0].length : shown.length;
+      out += unescapeProse(shown.slice(at, opening.index)) + shown.slice(opening.index, end);
+      at = OPENING.lastIndex = end;
+    }
+    return out + unescapeProse(shown.slice(at));
+  }
+
+  function unescapeProse(prose) {
+    const unescape = (text) => text.replace(/&(lt|gt|amp);/g, (entity) => ESCAPED[entity]);
+    let out = "", at = 0;
+    for (const span of prose.matchAll(SPAN)) {
+      out += unescape(prose.slice(at, span.index)) + span[0];
+      at = span.index + span[0].length;
+    }
+    return out + unescape(prose.slice(at));
   }
 
   // the figures the page starts with: the stream box's first value (a change event only follows updates);
@@ -273,5 +305,5 @@
     }
   });
 
-  window.phasescope = {apply, start};
+  window.phasescope = {apply, start, unescapeOutsideCode};
 })();

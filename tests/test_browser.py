@@ -179,7 +179,7 @@ def test_editing_a_message_goes_back_to_it_and_answers_the_new_text(page, app_db
 
     set_setting(page, "ps-temperature", 0)
     set_setting(page, "ps-max-new", 4)
-    first = "Name a fruit & a <i>tree</i>."
+    first = "Name a fruit & a <i>tree</i>, not `a<b && c &amp; d`."  # markup as text, code as typed
     for n, text in enumerate((first, "Name a colour.")):
         send(page, text)
         page.wait_for_selector(f"#ps-chatbot [data-testid=user] >> nth={n}")
@@ -303,12 +303,30 @@ def test_stop_keeps_the_partial_reply(page):
 
 def test_markup_is_shown_as_text_and_never_run(page):
     set_setting(page, "ps-max-new", 4)
-    send(page, 'Repeat: <b>bold</b> <img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script>')
+    code = 'if a < b && c > d:\n    s = "&amp;<img src=y onerror=window.__pwned=3>"'
+    send(page, 'Repeat: <b>bold</b> <img src=x onerror="window.__pwned=1"> <script>window.__pwned=2</script> '
+               f"`x<y && z>0`\n```python\n{code}\n```")
     wait_phase(page, "done")
     user_text = page.locator("#ps-chatbot [data-testid=user]").last.inner_text()
     assert '<b>bold</b> <img src=x onerror="window.__pwned=1">' in user_text
     assert page.evaluate("() => window.__pwned === undefined")
     assert 0 == page.locator("#ps-chatbot [data-testid=user] img, #ps-chatbot [data-testid=user] b").count()
+    codes = page.locator("#ps-chatbot [data-testid=user]").last.locator("code").all_inner_texts()
+    assert ["x<y && z>0", code] == [c.strip() for c in codes]  # code as typed, not "x&lt;y"
+
+
+def test_the_edit_box_undoes_the_escaping_by_the_same_rules(page):
+    """static/phasescope.js's unescapeOutsideCode gives back exactly the text app/ui/markdown.py's
+    as_text was given, for random mixes of fences, backticks, markup and entities."""
+    import random
+
+    from app.ui.markdown import as_text
+
+    rng = random.Random(3)
+    parts = ["`", "``", "```", "~~~", "<", ">", "&", "&amp;", "&lt;", "\n", "\n\n", " ", "    ", "a", "py"]
+    texts = ["".join(rng.choice(parts) for _ in range(rng.randint(0, 25))) for _ in range(2000)]
+    back = page.evaluate("(shown) => shown.map(window.phasescope.unescapeOutsideCode)", [as_text(t) for t in texts])
+    assert texts == back
 
 
 def test_empty_and_too_long_messages(page):

@@ -21,6 +21,8 @@ PAYLOADS = [
     '<iframe srcdoc="<script>parent.__pwned=6</script>"></iframe>',
     "> " * 300 + "deep",
     "x" * 4000,
+    '`<img src=x onerror="window.__pwned=7">`',  # code: as typed, drawn as text by the Markdown renderer
+    "\n```html\n<script>window.__pwned=8</script>\n```\n",
 ]
 MESSAGE = "Repeat: " + " ".join(PAYLOADS)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from engine import Event, Finished, Request, SamplingParams, Status, reply_message
 
 from ..i18n import DEFAULT
+from .markdown import as_text, closed
 from .panels import stats_line
 from .trace import ReplyTrace
 
@@ -25,11 +26,6 @@ def live_span(reply_id: str) -> str:
     following its stream (app/ui/live.py, Streams) by the id it carries, in a class (the Chatbot's
     sanitizer keeps classes, not data attributes)."""
     return f'<span class="ps-live ps-reply-{escape(reply_id)}"></span>'
-
-
-def as_text(text: str) -> str:
-    """User or model text for the Chatbot: markup is shown as text, never run."""
-    return escape(text, quote=False)
 
 
 @dataclass
@@ -62,7 +58,7 @@ class ChatSession:
                          {"role": "assistant", "content": live_span(self.reply_id)}]
 
     def show_reply(self, trace: ReplyTrace) -> None:
-        content = as_text(trace.text)
+        content = closed(trace.text)  # a reply cut short in a block of code: its stats line after the block
         if trace.finished and trace.finished.reason == "error":
             content = f"⚠️ {as_text(trace.finished.error or 'error')}"
         elif trace.finished:
