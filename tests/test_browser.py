@@ -420,6 +420,9 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
     process, url = start_app("--db", str(db))
     try:
         page = open_chat(browser, url)
+        page.get_by_role("tab", name="History").click()  # empty: said so
+        page.wait_for_selector("#ps-history-selected:has-text('No chats yet')")
+        page.get_by_role("tab", name="Chat").click()
         set_setting(page, "ps-max-new", 10)
         send(page, "What is prefill?")
         wait_phase(page, "done")
@@ -439,14 +442,20 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page = open_chat(browser, url)
         open_history(page)
         assert ["What is prefill?"] == history_titles(page)
-        for button in ("#ps-history-open", "#ps-history-rename", "#ps-history-delete"):  # nothing selected yet
-            page.click(button)
-            page.wait_for_selector("#ps-history-selected .ps-attention:has-text('Select a session first.')")
-            page.reload()  # the next button from a fresh page
-            page.wait_for_selector("#ps-model-line .ps-model:not([data-loading])")
-            open_history(page)
+        acting = ("#ps-history-open", "#ps-history-rename", "#ps-history-delete")
+        assert all(page.is_disabled(button) for button in acting)  # nothing selected yet
+        assert "Select a session in the table." == page.inner_text("#ps-history-selected").strip()
+        search = "#ps-history-search textarea, #ps-history-search input"
+        page.fill(search, "no such words")
+        page.press(search, "Enter")
+        page.wait_for_selector("#ps-history-selected:has-text('No session matches “no such words”.')")
+        page.fill(search, "")
+        page.press(search, "Enter")
+        page.wait_for_selector("#ps-history-selected:has-text('Select a session in the table.')")
         page.locator(HISTORY_CELLS, has_text="What is prefill?").first.click()
         page.wait_for_selector("#ps-history-selected b")
+        page.wait_for_selector("#ps-history-delete:not([disabled])")
+        assert not any(page.is_disabled(button) for button in acting)
         percentiles = page.inner_text("#ps-history-selected table.ps-percentiles")  # over its two replies
         assert all(name in percentiles for name in ("p50", "p99", "TTFT", "TPOT", "ITL", "E2E"))
         assert re.search(r"Run in: (int8|fp32) \(2\)", page.inner_text("#ps-history-selected [data-engines]"))
@@ -498,6 +507,7 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page.click("#ps-history-delete")
         page.click("#ps-history-confirm")
         page.wait_for_function("() => !document.querySelector('#ps-history-table').innerText.includes('Phases')")
+        page.wait_for_selector("#ps-history-open[disabled]")  # nothing selected any more
         other.click("#ps-history-open")  # the session the first tab deleted: said so, and not opened
         other.wait_for_selector("#ps-history-selected .ps-attention:has-text('Session 1 is no longer in the history')")
         assert "History" == other.locator("button[role=tab][aria-selected=true]").inner_text()

@@ -144,6 +144,11 @@ def _no_files() -> list[gr.DownloadButton]:
     return [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
 
 
+def _acting(on: bool) -> list[gr.Button]:
+    """Open, Rename and Delete: on while a session is selected."""
+    return [gr.Button(interactive=on) for _ in range(3)]
+
+
 def export_folder() -> Path:
     """A private folder for the export files the download buttons serve, removed when the process exits
     (Gradio serves copies from its own cache, which the app's delete_cache empties)."""
@@ -174,12 +179,15 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     table = gr.Dataframe(headers=columns(DEFAULT), value=[], interactive=False, wrap=True, show_label=False,
                          elem_id="ps-history-table")  # filled when the page loads (on_switch)
     chosen = gr.HTML(t(DEFAULT, "saved.select_hint"), elem_id="ps-history-selected")
-    with gr.Row():
-        open_button = texts(gr.Button, value=K("saved.open"), variant="primary", elem_id="ps-history-open")
+    with gr.Row():  # off until a session is selected (acting)
+        open_button = texts(gr.Button, value=K("saved.open"), variant="primary", interactive=False,
+                            elem_id="ps-history-open")
         title = texts(gr.Textbox, placeholder=K("saved.new_title"), show_label=False, scale=3,
                       elem_id="ps-history-title")
-        rename = texts(gr.Button, value=K("saved.rename"), elem_id="ps-history-rename")
-        delete = texts(gr.Button, value=K("saved.delete"), variant="stop", elem_id="ps-history-delete")
+        rename = texts(gr.Button, value=K("saved.rename"), interactive=False, elem_id="ps-history-rename")
+        delete = texts(gr.Button, value=K("saved.delete"), variant="stop", interactive=False,
+                       elem_id="ps-history-delete")
+        acting = [open_button, rename, delete]
         confirm = texts(gr.Button, value=K("saved.confirm"), variant="stop", visible=False,
                         elem_id="ps-history-confirm")
     with gr.Row():
@@ -192,8 +200,17 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
         return sessions_table(store, query or "", lang_choice)
 
-    def listing(query, lang_choice):
-        return table_value(query, lang_choice)
+    def hint(query: str, lang_choice: str) -> str:
+        """The line under the table while no session is selected: what to do, or why the table is empty."""
+        if store.sessions(query or ""):
+            return t(lang_choice, "saved.select_hint")
+        if (query or "").strip():
+            return t(lang_choice, "saved.no_match", query=escape(query.strip()))
+        return t(lang_choice, "saved.none_yet")
+
+    def listing(query, session_id, lang_choice):
+        """The table as the database is now; the line under it too, unless it is about a selected session."""
+        return table_value(query, lang_choice), gr.skip() if session_id is not None else hint(query, lang_choice)
 
     def export_all(fmt, shown, lang_choice):
         """The file of all sessions in one format, as the database is now, for the page to download; where
@@ -222,7 +239,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def select(rows, lang_choice, event: gr.SelectData):
         session_id = int(rows.iloc[event.index[0], 0])
         label, *downloads = selection(session_id, lang_choice)
-        return [session_id, label, gr.Button(visible=False), *downloads]
+        return [session_id, label, gr.Button(visible=False), *downloads, *_acting(True)]
 
     # What a button needs first is said under the selection's line (panels.attention), which stays
     def refused(session_id, shown, lang_choice) -> str | None:
@@ -266,27 +283,29 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             line = with_attention(shown, t(lang_choice, "error.other", detail=exc))
         if line:
             return [gr.skip(), line, gr.Button(visible=False), table_value(query, lang_choice)] + \
-                [gr.skip() for _ in FORMATS]
+                [gr.skip() for _ in (*FORMATS, *acting)]
         return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice),
-                *_no_files()]
+                *_no_files(), *_acting(False)]
 
     for trigger in (search.submit, refresh.click, page.select):
-        trigger(listing, [search, lang], [table], queue=False)
+        trigger(listing, [search, selected, lang], [table, chosen], queue=False)
     for fmt, button in zip(FORMATS, every):
         written = button.click(functools.partial(export_all, fmt), [chosen, lang], [every_file, chosen], queue=False)
         written.then(None, js="() => { const file = document.querySelector('#ps-export-all-file');"
                               " if (file && !file.disabled) file.click(); }")
-    table.select(select, [table, lang], [selected, chosen, confirm, *one], queue=False)
+    table.select(select, [table, lang], [selected, chosen, confirm, *one, *acting], queue=False)
     open_button.click(open_session, [selected, chosen, lang, chat.session], [*chat.outputs, tabs, chosen],
                       queue=False)
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
-    confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one], queue=False)
+    confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one, *acting],
+                  queue=False)
 
     def redraw(lang_choice, query, session_id):
         """The table, and the selection's line in the new language: the selection stays, with its files."""
         if session_id is None or not store.has_session(session_id):
-            return table_value(query, lang_choice), None, t(lang_choice, "saved.select_hint"), *_no_files()
-        return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice)
+            return table_value(query, lang_choice), None, hint(query, lang_choice), *_no_files(), \
+                *_acting(False)
+        return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice), *_acting(True)
 
-    texts.on_switch(redraw, [search, selected], [table, selected, chosen, *one])
+    texts.on_switch(redraw, [search, selected], [table, selected, chosen, *one, *acting])
