@@ -269,6 +269,36 @@
     return out + unescape(prose.slice(at));
   }
 
+  // Copy message (a button under each message) copies the message as the chat holds it: its markup outside
+  // code escaped (as_text) and, under a reply, its stats line's markup. The clipboard gets the message as
+  // written instead. Code blocks' own copy buttons, which copy the code itself, are left alone.
+  const STATS_LINE = /\n\n<span class="ps-stats">[^<]*<\/span>$/;
+  let messageButtonAt = -Infinity;  // when a button under a message was last clicked (any other click: never)
+
+  function asWritten(copied) {
+    const fromMessage = performance.now() - messageButtonAt < 1000;
+    messageButtonAt = -Infinity;
+    return fromMessage ? unescapeOutsideCode(copied.replace(STATS_LINE, "")) : null;
+  }
+
+  document.addEventListener("click", (event) => {
+    const button = event.target instanceof Element && event.target.closest("#ps-chatbot .message-buttons button");
+    messageButtonAt = button ? performance.now() : -Infinity;
+  }, true);
+  if (navigator.clipboard && navigator.clipboard.writeText) {
+    const write = navigator.clipboard.writeText.bind(navigator.clipboard);
+    navigator.clipboard.writeText = (text) => write(asWritten(String(text)) ?? text);
+  }
+  // where the page is not a secure context (served on a network address over http), Gradio copies from a
+  // text box it selects, with the browser's copy command
+  document.addEventListener("copy", (event) => {
+    const box = event.target;
+    const text = box instanceof HTMLTextAreaElement && event.clipboardData ? asWritten(box.value) : null;
+    if (text === null) return;
+    event.clipboardData.setData("text/plain", text);
+    event.preventDefault();
+  }, true);
+
   // the figures the page starts with: the stream box's first value (a change event only follows updates);
   // called on load, it waits for the page and plotly.js, which Gradio may add after its own scripts
   function start() {

@@ -315,6 +315,31 @@ def test_markup_is_shown_as_text_and_never_run(page):
     assert ["x<y && z>0", code] == [c.strip() for c in codes]  # code as typed, not "x&lt;y"
 
 
+def test_copy_message_copies_the_message_as_written(page, app_db):
+    """Copy message, under a message: the text as written, not the markup that shows it (escaped outside
+    code; the reply's stats line); a code block's own copy button: its code."""
+    from app.history.store import Store
+
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    set_setting(page, "ps-max-new", 6)
+    message = "Repeat: 3 < 5 & 7 > 2, `x<y`\n```\na<b && c\n```"
+    send(page, message)
+    wait_phase(page, "done")
+    page.wait_for_selector("#ps-chatbot [data-testid=bot] .ps-stats")
+
+    def copied(button) -> str:
+        button.click(force=True)  # the buttons show on hover
+        page.wait_for_timeout(300)
+        return page.evaluate("() => navigator.clipboard.readText()")
+
+    under_messages = page.locator("#ps-chatbot .message-buttons button[aria-label='Copy message']")
+    assert message == copied(under_messages.nth(0))
+    store = Store.open(app_db)
+    reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
+    assert reply == copied(under_messages.nth(1))
+    assert "a<b && c" == copied(page.locator("#ps-chatbot [data-testid=user] .copy_code_button").first).strip()
+
+
 def test_the_edit_box_undoes_the_escaping_by_the_same_rules(page):
     """static/phasescope.js's unescapeOutsideCode gives back exactly the text app/ui/markdown.py's
     as_text was given, for random mixes of fences, backticks, markup and entities."""
