@@ -270,15 +270,20 @@
   }
 
   // Copy message (a button under each message) copies the message as the chat holds it: its markup outside
-  // code escaped (as_text) and, under a reply, its stats line's markup. The clipboard gets the message as
-  // written instead. Code blocks' own copy buttons, which copy the code itself, are left alone.
+  // code escaped (as_text) and, under a reply, its stats line's markup, or while the reply streams its live
+  // span. The clipboard gets the message as written instead (a streaming reply: its text so far). Code
+  // blocks' own copy buttons, which copy the code itself, are left alone.
   const STATS_LINE = /\n\n<span class="ps-stats">[^<]*<\/span>$/;
+  const LIVE_SPAN = /^<span class="ps-live ps-reply-([\w-]+)"><\/span>$/;
   let messageButtonAt = -Infinity;  // when a button under a message was last clicked (any other click: never)
 
   function asWritten(copied) {
     const fromMessage = performance.now() - messageButtonAt < 1000;
     messageButtonAt = -Infinity;
-    return fromMessage ? unescapeOutsideCode(copied.replace(STATS_LINE, "")) : null;
+    if (!fromMessage) return null;
+    const live = copied.match(LIVE_SPAN);
+    if (live) return live[1] === reply.id ? reply.text : "";
+    return unescapeOutsideCode(copied.replace(STATS_LINE, ""));
   }
 
   document.addEventListener("click", (event) => {

@@ -338,6 +338,14 @@ def test_copy_message_copies_the_message_as_written(page, app_db):
     reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
     assert reply == copied(under_messages.nth(1))
     assert "a<b && c" == copied(page.locator("#ps-chatbot [data-testid=user] .copy_code_button").first).strip()
+    set_setting(page, "ps-max-new", 400)
+    send(page, "Tell me a long story about a lighthouse.")
+    wait_phase(page, "decode")
+    page.wait_for_timeout(300)
+    so_far = copied(under_messages.nth(3))  # the reply streaming: its text so far, not its live span's markup
+    wait_phase(page, "done")
+    reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
+    assert so_far and reply.startswith(so_far)
 
 
 def test_the_edit_box_undoes_the_escaping_by_the_same_rules(page):
