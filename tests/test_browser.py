@@ -343,9 +343,16 @@ def test_copy_message_copies_the_message_as_written(page, app_db):
     wait_phase(page, "decode")
     page.wait_for_timeout(300)
     so_far = copied(under_messages.nth(3))  # the reply streaming: its text so far, not its live span's markup
+    shown = page.evaluate("""() => {  // while it streams (read at once, before it may end): no Retry under it
+        const live = document.querySelector("#ps-chatbot .ps-live");
+        const retry = document.querySelector("#ps-chatbot button[aria-label=Retry]");
+        return live ? getComputedStyle(retry).display : null; }""")
+    assert shown in (None, "none")
     wait_phase(page, "done")
     reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
     assert so_far and reply.startswith(so_far)
+    page.locator("#ps-chatbot [data-testid=bot]").last.hover()
+    assert page.locator("#ps-chatbot button[aria-label=Retry]").is_visible()  # the reply done: Retry back
 
 
 def test_the_edit_box_undoes_the_escaping_by_the_same_rules(page):
