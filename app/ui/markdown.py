@@ -3,8 +3,8 @@
 Outside code, `<`, `>` and `&` are escaped, so that "<b>" shows as "<b>" (the Chatbot's sanitizer would
 keep it as markup, or drop a tag it does not allow, and the text would lose it). Code (fenced blocks and
 `spans`) is left as it is: the Markdown renderer shows code as text itself, and escaped there "a < b" would
-show as "a &lt; b". static/phasescope.js undoes the escaping for the edit box by the same rules (unescape
-outside code): keep the two in step.
+show as "a &lt; b". static/phasescope.js undoes the escaping by the same rules (unescape outside code) for
+the edit box and for Copy message: keep the two in step.
 """
 from __future__ import annotations
 
