@@ -57,6 +57,7 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     set_setting(page, "ps-max-new", 48)
     send(page, "What is a KV cache? Answer in two sentences.")
     wait_phase(page, "prefill", "decode", "done")  # the live phase indicator moves
+    page.wait_for_function("() => document.activeElement === document.querySelector('#ps-message textarea')")
     assert "done" == wait_phase(page, "done")
     page.wait_for_timeout(500)  # the last figure update
     reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()

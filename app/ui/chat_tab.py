@@ -377,6 +377,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                               concurrency_id="engine", show_progress="hidden")
         reply.then(finish, [session], tab.outputs, queue=False, show_progress="hidden")
         replies.append(reply)
+    # after a click on Send, the box again, for the next message (as after Enter in it)
+    send.click(None, None, None, js="() => { document.querySelector('#ps-message textarea')?.focus(); }")
     stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
     measured = {"report": None}  # the last precision report, for a redraw in another language
     # change: once per pick, by mouse or keys (Gradio 6 sends input twice for a click, and select not for
