@@ -60,6 +60,7 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     page.wait_for_function("() => document.activeElement === document.querySelector('#ps-message textarea')")
     assert "done" == wait_phase(page, "done")
     page.wait_for_timeout(500)  # the last figure update
+    assert page.evaluate("() => document.activeElement === document.querySelector('#ps-message textarea')")
     reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
     generated = int(kpi(page, "generated_tokens"))
     assert reply.strip() and 1 <= generated <= 48
