@@ -334,10 +334,12 @@ def test_copy_message_copies_the_message_as_written(page, app_db):
         page.wait_for_timeout(300)
         return page.evaluate("() => navigator.clipboard.readText()")
 
-    under_messages = page.locator("#ps-chatbot .message-buttons button[aria-label='Copy message']")
+    # each message's Copy, found by place: its label reads "Copied message" for two seconds after a click
+    under_messages = page.locator("#ps-chatbot .message-buttons .icon-button-wrapper > button:first-of-type")
     assert message == copied(under_messages.nth(0))
     store = Store.open(app_db)
     reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
+    assert "Copy message" == under_messages.nth(1).get_attribute("aria-label")
     assert reply == copied(under_messages.nth(1))
     assert "a<b && c" == copied(page.locator("#ps-chatbot [data-testid=user] .copy_code_button").first).strip()
     set_setting(page, "ps-max-new", 400)
@@ -353,6 +355,7 @@ def test_copy_message_copies_the_message_as_written(page, app_db):
     wait_phase(page, "done")
     reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
     assert so_far and reply.startswith(so_far)
+    store.close()
     page.locator("#ps-chatbot [data-testid=bot]").last.hover()
     assert page.locator("#ps-chatbot button[aria-label=Retry]").is_visible()  # the reply done: Retry back
 
