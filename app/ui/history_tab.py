@@ -49,7 +49,10 @@ def session_rows(store: Store, search: str = "") -> tuple[list[list], int]:
 
 
 def sessions_table(store: Store, search: str, lang: str) -> gr.Dataframe:
-    rows, total = session_rows(store, search)
+    return _table(*session_rows(store, search), lang)
+
+
+def _table(rows: list[list], total: int, lang: str) -> gr.Dataframe:
     note = t(lang, "saved.recent", shown=len(rows), total=total) if total > len(rows) else None
     return gr.Dataframe(value=rows, headers=columns(lang), label=note, show_label=note is not None)
 
@@ -144,11 +147,6 @@ def _no_files() -> list[gr.DownloadButton]:
     return [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
 
 
-def _acting(on: bool) -> list[gr.Button]:
-    """Open, Rename and Delete: on while a session is selected."""
-    return [gr.Button(interactive=on) for _ in range(3)]
-
-
 def export_folder() -> Path:
     """A private folder for the export files the download buttons serve, removed when the process exits
     (Gradio serves copies from its own cache, which the app's delete_cache empties)."""
@@ -190,6 +188,11 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         acting = [open_button, rename, delete]
         confirm = texts(gr.Button, value=K("saved.confirm"), variant="stop", visible=False,
                         elem_id="ps-history-confirm")
+
+    def acting_on(on: bool) -> list[gr.Button]:
+        """Open, Rename and Delete: on while a session is selected."""
+        return [gr.Button(interactive=on) for _ in acting]
+
     with gr.Row():
         one = _export_buttons(texts, "saved.selected_exports", "ps-export", interactive=False)
         every = _export_buttons(texts, "saved.all_exports", "ps-export-all", interactive=True, button=gr.Button)
@@ -200,17 +203,22 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
         return sessions_table(store, query or "", lang_choice)
 
-    def hint(query: str, lang_choice: str) -> str:
-        """The line under the table while no session is selected: what to do, or why the table is empty."""
-        if store.sessions(query or ""):
-            return t(lang_choice, "saved.select_hint")
-        if (query or "").strip():
-            return t(lang_choice, "saved.no_match", query=escape(query.strip()))
-        return t(lang_choice, "saved.none_yet")
+    def table_and_hint(query: str, lang_choice: str) -> tuple[gr.Dataframe, str]:
+        """The table, and the line under it while no session is selected: what to do, or why the table is
+        empty."""
+        rows, total = session_rows(store, query or "")
+        if total:
+            hint = t(lang_choice, "saved.select_hint")
+        elif (query or "").strip():
+            hint = t(lang_choice, "saved.no_match", query=escape(query.strip()))
+        else:
+            hint = t(lang_choice, "saved.none_yet")
+        return _table(rows, total, lang_choice), hint
 
     def listing(query, session_id, lang_choice):
         """The table as the database is now; the line under it too, unless it is about a selected session."""
-        return table_value(query, lang_choice), gr.skip() if session_id is not None else hint(query, lang_choice)
+        table_now, hint = table_and_hint(query, lang_choice)
+        return table_now, gr.skip() if session_id is not None else hint
 
     def export_all(fmt, shown, lang_choice):
         """The file of all sessions in one format, as the database is now, for the page to download; where
@@ -239,7 +247,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def select(rows, lang_choice, event: gr.SelectData):
         session_id = int(rows.iloc[event.index[0], 0])
         label, *downloads = selection(session_id, lang_choice)
-        return [session_id, label, gr.Button(visible=False), *downloads, *_acting(True)]
+        return [session_id, label, gr.Button(visible=False), *downloads, *acting_on(True)]
 
     # What a button needs first is said under the selection's line (panels.attention), which stays
     def refused(session_id, shown, lang_choice) -> str | None:
@@ -285,7 +293,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             return [gr.skip(), line, gr.Button(visible=False), table_value(query, lang_choice)] + \
                 [gr.skip() for _ in (*FORMATS, *acting)]
         return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice),
-                *_no_files(), *_acting(False)]
+                *_no_files(), *acting_on(False)]
 
     for trigger in (search.submit, refresh.click, page.select):
         trigger(listing, [search, selected, lang], [table, chosen], queue=False)
@@ -304,8 +312,8 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def redraw(lang_choice, query, session_id):
         """The table, and the selection's line in the new language: the selection stays, with its files."""
         if session_id is None or not store.has_session(session_id):
-            return table_value(query, lang_choice), None, hint(query, lang_choice), *_no_files(), \
-                *_acting(False)
-        return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice), *_acting(True)
+            table_now, hint = table_and_hint(query, lang_choice)
+            return table_now, None, hint, *_no_files(), *acting_on(False)
+        return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice), *acting_on(True)
 
     texts.on_switch(redraw, [search, selected], [table, selected, chosen, *one, *acting])
