@@ -338,7 +338,11 @@ def test_copy_message_copies_the_message_as_written(page, app_db):
     under_messages = page.locator("#ps-chatbot .message-buttons .icon-button-wrapper > button:first-of-type")
     assert message == copied(under_messages.nth(0))
     store = Store.open(app_db)
-    reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
+
+    def last_reply() -> str:
+        return [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
+
+    reply = last_reply()
     assert "Copy message" == under_messages.nth(1).get_attribute("aria-label")
     assert reply == copied(under_messages.nth(1))
     assert "a<b && c" == copied(page.locator("#ps-chatbot [data-testid=user] .copy_code_button").first).strip()
@@ -353,7 +357,7 @@ def test_copy_message_copies_the_message_as_written(page, app_db):
         return live ? getComputedStyle(retry).display : null; }""")
     assert shown in (None, "none")
     wait_phase(page, "done")
-    reply = [m for m in store.messages(store.sessions()[0]["id"]) if m["role"] == "assistant"][-1]["content"]
+    reply = last_reply()
     assert so_far and reply.startswith(so_far)
     store.close()
     page.locator("#ps-chatbot [data-testid=bot]").last.hover()
