@@ -11,16 +11,17 @@ from engine import Finished, RequestMetrics
 
 
 @pytest.mark.parametrize("text, shown", [
-    ("a < b & <b>c</b>", "a &lt; b &amp; &lt;b&gt;c&lt;/b&gt;"),
-    ("use `a<b && c>d` here <i>", "use `a<b && c>d` here &lt;i&gt;"),
+    ("a < b & <b>c</b>", "a &lt; b &amp; &lt;b>c&lt;/b>"),
+    ("use `a<b && c>d` here <i>", "use `a<b && c>d` here &lt;i>"),
     ("``x`<y`` <", "``x`<y`` &lt;"),  # a span of two backticks holds one
-    ("one ` tick <b>", "one ` tick &lt;b&gt;"),  # a backtick alone opens nothing
+    ("one ` tick <b>", "one ` tick &lt;b>"),  # a backtick alone opens nothing
     ("`a\n\nb<` <", "`a\n\nb&lt;` &lt;"),  # no span across a blank line
-    ("<p>\n```python\nif a < b: x = '&amp;'\n```\n<q>", "&lt;p&gt;\n```python\nif a < b: x = '&amp;'\n```\n&lt;q&gt;"),
+    ("<p>\n```python\nif a < b: x = '&amp;'\n```\n<q>", "&lt;p>\n```python\nif a < b: x = '&amp;'\n```\n&lt;q>"),
     ("~~~~\nx<1\n~~~\ny<2\n~~~~~\n<", "~~~~\nx<1\n~~~\ny<2\n~~~~~\n&lt;"),  # closed by one as long, or longer
     ("  ```\nx<1\n  ```\n<", "  ```\nx<1\n  ```\n&lt;"),
     ("a ```not a fence``` <", "a ```not a fence``` &lt;"),  # mid-line: a span of three backticks
-    ("    <indented>", "    &lt;indented&gt;"),
+    ("    <indented>", "    &lt;indented>"),
+    ("> a quote &copy; -> b", "> a quote &amp;copy; -> b"),  # `>` starts no markup: a quote stays one
 ])
 def test_markup_outside_code_is_escaped_and_code_is_as_typed(text, shown):
     assert shown == as_text(text)

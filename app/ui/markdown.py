@@ -1,7 +1,8 @@
 """User and model text as the Chatbot's Markdown: markup is shown as text, never run, and code as typed.
 
-Outside code, `<`, `>` and `&` are escaped, so that "<b>" shows as "<b>" (the Chatbot's sanitizer would
-keep it as markup, or drop a tag it does not allow, and the text would lose it). Code (fenced blocks and
+Outside code, `<` and `&` are escaped, so that "<b>" shows as "<b>" (the Chatbot's sanitizer would keep
+it as markup, or drop a tag it does not allow, and the text would lose it) and "&copy;" as typed; `>` alone
+starts no markup and is left as it is, so that a line starting with "> " stays a quote. Code (fenced blocks and
 `spans`) is left as it is: the Markdown renderer shows code as text itself, and escaped there "a < b" would
 show as "a &lt; b". static/phasescope.js undoes the escaping by the same rules (unescape outside code) for
 the edit box and for Copy message: keep the two in step.
@@ -9,7 +10,6 @@ the edit box and for Copy message: keep the two in step.
 from __future__ import annotations
 
 import re
-from html import escape
 
 # A fence opens a block of code: three or more backticks or tildes at the start of a line (indented at most
 # three spaces), a language after it; the block ends at a line of the same character, at least as many,
@@ -47,8 +47,12 @@ def _spans(prose: str) -> list[tuple[str, bool]]:
     return out + [(prose[at:], False)]
 
 
+def _escaped(prose: str) -> str:
+    return prose.replace("&", "&amp;").replace("<", "&lt;")
+
+
 def _shown(parts: list[tuple[str, bool]]) -> str:
-    return "".join(piece if code else escape(piece, quote=False) for piece, code in parts)
+    return "".join(piece if code else _escaped(piece) for piece, code in parts)
 
 
 def as_text(text: str) -> str:
