@@ -87,7 +87,8 @@ def _plotly_js() -> Path:
 
 
 def launch_options() -> dict:
-    scripts = [STATIC / "frames.js", _plotly_js(), STATIC / "phasescope.js"]  # frames.js first: see there
+    # frames.js first (see there); markdown.js before phasescope.js, which uses it
+    scripts = [STATIC / "frames.js", _plotly_js(), STATIC / "markdown.js", STATIC / "phasescope.js"]
     gr.set_static_paths(scripts)  # served as files, cached by the browser
     # relative: under `serve --ui` the app lives at /ui/
     head = "".join(f'<script src="gradio_api/file={path}"></script>' for path in scripts)

@@ -1,10 +1,11 @@
 // PhaseScope's streaming front end. While a reply streams, the server sends only what is new (the reply's
 // new text, the charts' new points, the live panel's changed pieces) in a stream of its own that the
-// reply's live span names (follow); this script applies it in place: text is set on the live span (no
-// Markdown re-render of the whole reply), points are added to the drawn figure (no new figure: see
-// flush), the panel's pieces replace what Gradio drew in their boxes. Whole figures ("reset") come at
-// the start of a reply, and through the hidden textbox #ps-stream at its end, on a new chat and when a
-// saved chat is opened. The message format is app/ui/live.py's.
+// reply's live span names (follow); this script applies it in place: the text so far is drawn on the live
+// span as Markdown by static/markdown.js (not by Gradio, which would draw the whole conversation again),
+// points are added to the drawn figure (no new figure: see flush), the panel's pieces replace what Gradio
+// drew in their boxes. Whole figures ("reset") come at the start of a reply, and through the hidden
+// textbox #ps-stream at its end, on a new chat and when a saved chat is opened. The message format is
+// app/ui/live.py's.
 (() => {
   const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
   // While a reply streams, a chart is redrawn at most every CHART_EVERY_MS, and less often when its
@@ -27,6 +28,7 @@
     return Math.min(CHART_LATEST_MS, Math.max(CHART_EVERY_MS, chart.cost * (1 / CHART_SHARE - 1)));
   }
   let reply = {id: null, text: ""};
+  const markdown = window.phasescopeMarkdown;  // static/markdown.js, loaded before this script
 
   function chartDiv(name) {
     return document.querySelector(`#ps-${name} .ps-plot`);
@@ -140,13 +142,18 @@
     div.layout.xaxis = {...div.layout.xaxis, autorange: false, range: [lo, hi + Math.max(16, hi - lo)]};
   }
 
+  // the reply's text so far on its live span, as Markdown (static/markdown.js: its markup escaped, shown
+  // as text), kept scrolled to its end if the reader was there
+  const drawn = new WeakMap();  // live span -> the text drawn on it
+
   function showText() {
     const spans = document.querySelectorAll("#ps-chatbot .ps-live");
     const span = spans[spans.length - 1];
-    if (!span || span.textContent === reply.text) return;
+    if (!span || drawn.get(span) === reply.text) return;
     const before = scroller(span);  // none yet: the reply fitted, so the reader is at its end
     const atEnd = !before || before.scrollHeight - before.scrollTop - before.clientHeight < 40;
-    span.textContent = reply.text;  // text, never markup
+    span.innerHTML = markdown.render(reply.text);
+    drawn.set(span, reply.text);
     const box = before || scroller(span);
     if (atEnd && box) box.scrollTop = box.scrollHeight;
   }
@@ -229,44 +236,12 @@
   function textInEditBoxes() {
     for (const box of document.querySelectorAll("#ps-chatbot textarea:not([data-ps-text])")) {
       box.dataset.psText = "1";
-      const text = unescapeOutsideCode(box.value);
+      const text = markdown.unescapeOutsideCode(box.value);
       if (text !== box.value) {
         box.value = text;
         box.dispatchEvent(new Event("input", {bubbles: true}));  // into the value Gradio sends
       }
     }
-  }
-
-  // as_text undone, by app/ui/markdown.py's rules (keep them in step): blocks of code from a fence to a
-  // fence of the same character, at least as long, or to the end; spans of code between runs of as many
-  // backticks, with no blank line between
-  const OPENING = /^ {0,3}(?:(`{3,})[^`\n]*|(~{3,})[^\n]*)$/gm;
-  const SPAN = /(?<!`)(`+)(?!`)((?:(?!\n[ \t]*\n)[\s\S])+?)(?<!`)\1(?!`)/g;
-  const ESCAPED = {"&lt;": "<", "&gt;": ">", "&amp;": "&"};
-
-  function unescapeOutsideCode(shown) {
-    let out = "", at = 0, opening;
-    OPENING.lastIndex = 0;
-    while ((opening = OPENING.exec(shown))) {
-      const fence = opening[1] || opening[2];
-      const closing = new RegExp(`^ {0,3}${fence[0]}{${fence.length},}[ \\t]*$`, "gm");
-      closing.lastIndex = opening.index + opening[0].length;
-      const found = closing.exec(shown);
-      const end = found ? found.index + found[0].length : shown.length;
-      out += unescapeProse(shown.slice(at, opening.index)) + shown.slice(opening.index, end);
-      at = OPENING.lastIndex = end;
-    }
-    return out + unescapeProse(shown.slice(at));
-  }
-
-  function unescapeProse(prose) {
-    const unescape = (text) => text.replace(/&(lt|gt|amp);/g, (entity) => ESCAPED[entity]);
-    let out = "", at = 0;
-    for (const span of prose.matchAll(SPAN)) {
-      out += unescape(prose.slice(at, span.index)) + span[0];
-      at = span.index + span[0].length;
-    }
-    return out + unescape(prose.slice(at));
   }
 
   // Copy message (a button under each message) copies the message as the chat holds it: its markup outside
@@ -283,7 +258,7 @@
     if (!fromMessage) return null;
     const live = copied.match(LIVE_SPAN);
     if (live) return live[1] === reply.id ? reply.text : "";
-    return unescapeOutsideCode(copied.replace(STATS_LINE, ""));
+    return markdown.unescapeOutsideCode(copied.replace(STATS_LINE, ""));
   }
 
   document.addEventListener("click", (event) => {
@@ -340,5 +315,5 @@
     }
   });
 
-  window.phasescope = {apply, start, unescapeOutsideCode};
+  window.phasescope = {apply, start};
 })();

@@ -317,6 +317,63 @@ def test_markup_is_shown_as_text_and_never_run(page):
     assert ["x<y && z>0", code] == [c.strip() for c in codes]  # code as typed, not "x&lt;y"
 
 
+# Markdown as a streaming reply is drawn (static/markdown.js) and as Gradio draws the message once it ends:
+# the same elements for the same text, highlighting and copy buttons aside
+MARKDOWN = [
+    "Intro line\nsecond line",
+    "```python\nx = 1 < 2 and '&amp;'\n```",
+    "- a\n- b **bold** and `co<de>`\n  continued",
+    "1. one\n2. two\n   - nested a\n   - nested b\n3. three",
+    "4) four\n5) five",
+    "- loose\n\n- list",
+    "# Head ##\n> quote **x**\n> more\nlazy",
+    "para *it* _u_ ~~s~~ snake_case_name, *a **b** c*, **use `x` now**, 2*3*4",
+    "| a | b | c |\n|---|:-:|--:|\n| 1 | `|` | 3 |\n| 4 |",
+    "Setext\n======\n\nSub\n---",
+    "text\n\n    indented code\n    more",
+    "Use:\n~~~bash\npip install x\n~~~\nThen [the site](https://example.com/a?b=1&c=2).",
+    "&copy; & <b>x</b> <img src=x onerror=\"window.__pwned=1\"> 5 > 3",
+    "Here:\n\n```python\ndef open_block():\n    return",  # a block the text leaves open runs to its end
+]
+NORMALIZED = """(root) => {
+  const normalized = (node) => {
+    const copy = node.cloneNode(true);
+    copy.querySelectorAll('.copy_code_button').forEach((button) => button.remove());
+    copy.querySelectorAll('code').forEach((code) => { code.textContent = code.textContent; });  // highlighting
+    copy.querySelectorAll('*').forEach((element) => {
+      for (const {name} of [...element.attributes]) {
+        const kept = ['align', 'start', 'href'].includes(name)
+          || (name === 'class' && /^(CODE|DIV)$/.test(element.tagName));
+        if (!kept) element.removeAttribute(name);
+      }
+    });
+    return copy.innerHTML.replace(/>\\s+</g, '><').trim();
+  };
+  const drawn = document.createElement('div');
+  drawn.innerHTML = window.phasescopeMarkdown.render(root.dataset.text);
+  return [normalized(root), normalized(drawn)];
+}"""
+
+
+def test_a_streaming_reply_is_drawn_as_markdown_as_it_will_be_when_it_ends(page):
+    set_setting(page, "ps-max-new", 1)
+    for text in ["\n\n***\n\n".join(MARKDOWN[:-1]), MARKDOWN[-1]]:
+        send(page, text)  # a message of yours: drawn by the same Markdown as a reply's
+        wait_phase(page, "done")
+        page.wait_for_timeout(300)
+        gradio = page.locator("#ps-chatbot [data-testid=user] .message-content > .md").last
+        gradio.evaluate("(root, text) => { root.dataset.text = text; }", text)
+        by_gradio, by_page = gradio.evaluate(NORMALIZED)
+        assert by_gradio == by_page
+    assert page.evaluate("() => window.__pwned === undefined")
+    # while a reply streams, its live span holds the text so far drawn so
+    set_setting(page, "ps-max-new", 200)
+    set_setting(page, "ps-temperature", 0)
+    send(page, "Write a short poem about the sea, in three stanzas.")
+    page.wait_for_function("() => { const s = document.querySelector('#ps-chatbot .ps-live p'); "
+                           "return s && s.textContent.length > 20; }", polling=100, timeout=60_000)
+
+
 def test_copy_message_copies_the_message_as_written(page, app_db):
     """Copy message, under a message: the text as written, not the markup that shows it (escaped outside
     code; the reply's stats line); a code block's own copy button: its code."""
@@ -365,16 +422,18 @@ def test_copy_message_copies_the_message_as_written(page, app_db):
 
 
 def test_the_edit_box_undoes_the_escaping_by_the_same_rules(page):
-    """static/phasescope.js's unescapeOutsideCode gives back exactly the text app/ui/markdown.py's
+    """static/markdown.js's unescapeOutsideCode gives back exactly the text app/ui/markdown.py's
     as_text was given, for random mixes of fences, backticks, markup and entities."""
     import random
 
     from app.ui.markdown import as_text
 
     rng = random.Random(3)
-    parts = ["`", "``", "```", "~~~", "<", ">", "&", "&amp;", "&lt;", "\n", "\n\n", " ", "    ", "a", "py"]
+    parts = ["`", "``", "```", "~~~", "<", ">", "&", "&amp;", "&lt;", "&gt;", "> ", "\n", "\n\n", " ", "    ", "a",
+             "py"]
     texts = ["".join(rng.choice(parts) for _ in range(rng.randint(0, 25))) for _ in range(2000)]
-    back = page.evaluate("(shown) => shown.map(window.phasescope.unescapeOutsideCode)", [as_text(t) for t in texts])
+    back = page.evaluate("(shown) => shown.map(window.phasescopeMarkdown.unescapeOutsideCode)",
+                         [as_text(t) for t in texts])
     assert texts == back
 
 
