@@ -16,7 +16,7 @@ from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
-from ..history.export import FORMATS, export_filename, render_all, write_export
+from ..history.export import FORMATS, export_filename, render_all, to_json, write_export
 from ..history.recorder import load_chat, questions
 from ..history.store import SessionReplying, Store, StoreError
 
@@ -230,19 +230,21 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             return gr.DownloadButton(value=None, interactive=False), why
         return gr.DownloadButton(value=str(path), interactive=True), without_attention(shown)
 
-    def selection(session_id, lang_choice) -> list:
+    def selection(session_id, lang_choice, files: bool = True) -> list:
         """The selection's line and its session's export files, as they are now in the database (the line
-        without its percentiles, and why, where the files cannot be written)."""
+        without its percentiles, and why, where the files cannot be written); without files, the line only
+        (the files, in no language, stay as they were written)."""
         title = escape(str(store.session(session_id)["title"]))
         label = t(lang_choice, "saved.selected", id=session_id, title=title)
+        kept = [gr.skip() for _ in FORMATS]
         try:
-            paths, data = write_exports(store, folder, session_id)
+            paths, data = write_exports(store, folder, session_id) if files else ([], to_json(store, session_id))
         except (ValueError, OSError) as exc:
-            return [label + attention(t(lang_choice, "error.other", detail=exc)), *_no_files()]
+            return [label + attention(t(lang_choice, "error.other", detail=exc)), *(_no_files() if files else kept)]
         session = data["sessions"][0]
         label += (percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
                   + turns_table(session["messages"], lang_choice))
-        return [label] + [gr.DownloadButton(value=p, interactive=True) for p in paths]
+        return [label, *([gr.DownloadButton(value=p, interactive=True) for p in paths] if files else kept)]
 
     def select(rows, lang_choice, event: gr.SelectData):
         session_id = int(rows.iloc[event.index[0], 0])
@@ -314,6 +316,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         if session_id is None or not store.has_session(session_id):
             table_now, hint = table_and_hint(query, lang_choice)
             return table_now, None, hint, *_no_files(), *acting_on(False)
-        return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice), *acting_on(True)
+        return (table_value(query, lang_choice), session_id, *selection(session_id, lang_choice, files=False),
+                *acting_on(True))
 
     texts.on_switch(redraw, [search, selected], [table, selected, chosen, *one, *acting])
