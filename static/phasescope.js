@@ -143,19 +143,25 @@
   }
 
   // the reply's text so far on its live span, as Markdown (static/markdown.js: its markup escaped, shown
-  // as text), kept scrolled to its end if the reader was there
+  // as text), kept scrolled to its end if the reader was there; not while the reader has text of it
+  // selected (drawn again, the selection would go): the text catches up at the first update after
   const drawn = new WeakMap();  // live span -> the text drawn on it
 
   function showText() {
     const spans = document.querySelectorAll("#ps-chatbot .ps-live");
     const span = spans[spans.length - 1];
-    if (!span || drawn.get(span) === reply.text) return;
+    if (!span || drawn.get(span) === reply.text || selectedIn(span)) return;
     const before = scroller(span);  // none yet: the reply fitted, so the reader is at its end
     const atEnd = !before || before.scrollHeight - before.scrollTop - before.clientHeight < 40;
     span.innerHTML = markdown.render(reply.text);
     drawn.set(span, reply.text);
     const box = before || scroller(span);
     if (atEnd && box) box.scrollTop = box.scrollHeight;
+  }
+
+  function selectedIn(element) {
+    const selection = window.getSelection();
+    return Boolean(selection && !selection.isCollapsed && element.contains(selection.anchorNode));
   }
 
   function scroller(element) {

@@ -95,6 +95,16 @@ def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page
     # while it decodes, the text grows in the reply's live span and points are added to the open figure
     page.wait_for_function("() => { const s = document.querySelector('#ps-chatbot .ps-live'); "
                            "return s && s.textContent.length > 40; }", timeout=60_000)
+    # text of it selected stays selected (the reply is not drawn again under it), then the text goes on
+    selected = page.evaluate("() => { const s = document.querySelector('#ps-chatbot .ps-live'); "
+                             "window.getSelection().selectAllChildren(s.firstElementChild); "
+                             "return [window.getSelection().toString(), s.textContent.length]; }")
+    page.wait_for_timeout(800)  # three updates
+    assert selected == page.evaluate("() => [window.getSelection().toString(), "
+                                     "document.querySelector('#ps-chatbot .ps-live').textContent.length]")
+    page.evaluate("() => window.getSelection().removeAllRanges()")
+    page.wait_for_function(f"() => document.querySelector('#ps-chatbot .ps-live').textContent.length > {selected[1]}",
+                           polling=100, timeout=10_000)
     # the figure follows at its own pace (static/phasescope.js: every 1-1.5 s, a redraw taking at most 3 % of
     # the time)
     page.wait_for_function("() => { const p = document.querySelector('#ps-latency .js-plotly-plot'); "
