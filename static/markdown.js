@@ -60,10 +60,12 @@
   const UNDER_EM = [/(?<![\w_])_([^_\s](?:[^_]*[^_\s])?)_(?![\w_])/g, "<em>$1</em>"];
   const EMPHASIS = [
     EM, UNDER_EM,
-    [/\*\*(?=\S)([\s\S]*?\S)\*\*/g, "<strong>$1</strong>"],
-    [/(?<![\w_])__(?=\S)([\s\S]*?\S)__(?![\w_])/g, "<strong>$1</strong>"],
+    // strong (and strikethrough) holds no delimiter of its own: each opening looks no further than the next
+    // (a reply repeating "**a " would otherwise take time growing with its length squared)
+    [/\*\*(?=\S)((?:(?!\*\*)[\s\S])*?\S)\*\*/g, "<strong>$1</strong>"],
+    [/(?<![\w_])__(?=\S)((?:(?!__)[\s\S])*?\S)__(?![\w_])/g, "<strong>$1</strong>"],
     EM, UNDER_EM,
-    [/~~(?=\S)([\s\S]*?\S)~~/g, "<del>$1</del>"],
+    [/~~(?=\S)((?:(?!~~)[\s\S])*?\S)~~/g, "<del>$1</del>"],
     [/\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/g, '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>'],
   ];
 
@@ -134,7 +136,7 @@
   }
 
   function quote(lines, at) {
-    if (!QUOTE.test(lines[at])) return null;
+    if (depth > MAX_DEPTH || !QUOTE.test(lines[at])) return null;
     const inner = [];
     let end = at;
     for (; end < lines.length && !BLANK.test(lines[end]); end++) {
@@ -148,7 +150,7 @@
   // a list: its items, each its first line and the lines indented under it; a blank line between items or
   // in one makes the list loose (each item's text a paragraph)
   function list(lines, at) {
-    const first = lines[at].match(ITEM);
+    const first = depth > MAX_DEPTH ? null : lines[at].match(ITEM);
     if (!first) return null;
     const ordered = first[3] !== undefined, marker = first[2].slice(-1);
     const sameList = (found) => found && (ordered ? found[3] !== undefined && found[2].slice(-1) === marker
@@ -240,18 +242,28 @@
     return {html: `<p>${inline(text)}</p>`, next: end};
   }
 
+  // Quotes and lists hold blocks: nested deeper than MAX_DEPTH (a reply that repeats "> " or "- " along a
+  // line), the rest is drawn as paragraphs, so that no reply can take the page's stack
+  const MAX_DEPTH = 16;
+  let depth = 0;
+
   function blocks(lines) {
     const out = [];
-    for (let at = 0; at < lines.length;) {
-      if (BLANK.test(lines[at])) {
-        at++;
-        continue;
+    depth++;
+    try {
+      for (let at = 0; at < lines.length;) {
+        if (BLANK.test(lines[at])) {
+          at++;
+          continue;
+        }
+        let found = null;
+        for (const block of BLOCKS) if ((found = block(lines, at))) break;
+        found = found || paragraph(lines, at);
+        out.push(found.html);
+        at = found.next;
       }
-      let found = null;
-      for (const block of BLOCKS) if ((found = block(lines, at))) break;
-      found = found || paragraph(lines, at);
-      out.push(found.html);
-      at = found.next;
+    } finally {
+      depth--;
     }
     return out.map((html) => `${html}\n`).join("");
   }

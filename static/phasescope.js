@@ -153,7 +153,11 @@
     if (!span || drawn.get(span) === reply.text || selectedIn(span)) return;
     const before = scroller(span);  // none yet: the reply fitted, so the reader is at its end
     const atEnd = !before || before.scrollHeight - before.scrollTop - before.clientHeight < 40;
-    span.innerHTML = markdown.render(reply.text);
+    try {
+      span.innerHTML = markdown.render(reply.text);
+    } catch (error) {  // never expected (static/markdown.js is tested on replies made to break it): text
+      span.textContent = reply.text;
+    }
     drawn.set(span, reply.text);
     const box = before || scroller(span);
     if (atEnd && box) box.scrollTop = box.scrollHeight;
