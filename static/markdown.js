@@ -54,6 +54,14 @@
 
   // ---- inline: code spans, emphasis, strikethrough, links, line breaks
 
+  // links: [text](address), and an http(s) address alone as GitHub's Markdown links it, without the
+  // punctuation after it (the text is escaped: an address ends before "&lt;", "&gt;", "&quot;")
+  const NO_ENTITY = String.raw`(?!&lt;|&gt;|&quot;)`;
+  const LINK = new RegExp(String.raw`\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)`
+    + String.raw`|\bhttps?:\/\/(?:${NO_ENTITY}[^\s<])*${NO_ENTITY}[^\s<.,:;'")\]*_~]`, "g");
+  const linked = (whole, text, address) =>
+    `<a href="${address || whole}" target="_blank" rel="noopener noreferrer">${text || whole}</a>`;
+
   // emphasis holding no delimiter of its kind first, then strong (which may hold it), then emphasis again
   // (which may hold strong): "*a **b** c*", "**a *b* c**"
   const EM = [/(?<![*\\])\*([^*\s](?:[^*]*[^*\s])?)\*(?!\*)/g, "<em>$1</em>"];
@@ -66,7 +74,7 @@
     [/(?<![\w_])__(?=\S)((?:(?!__)[\s\S])*?\S)__(?![\w_])/g, "<strong>$1</strong>"],
     EM, UNDER_EM,
     [/~~(?=\S)((?:(?!~~)[\s\S])*?\S)~~/g, "<del>$1</del>"],
-    [/\[([^\]\n]+)\]\((https?:\/\/[^\s)]+)\)/g, '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>'],
+    [LINK, linked],
   ];
 
   function styled(text) {  // text: escaped already
@@ -97,6 +105,7 @@
   const RULE = /^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$/;
   const QUOTE = /^ {0,3}> ?(.*)$/;
   const ITEM = /^( {0,3})([-*+]|(\d{1,9})[.)])(?:[ \t]+(.*))?$/;
+  const TASK = /^\[([ xX])\][ \t]+/;
   const UNDERLINE = /^ {0,3}(=+|-+)[ \t]*$/;  // under a paragraph: it was a heading
   const DELIMITER = /^ {0,3}\|?[ \t]*:?-+:?[ \t]*(?:\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$/;
 
@@ -185,9 +194,14 @@
     }
     const tag = ordered ? "ol" : "ul";
     const start = ordered && Number(first[3]) !== 1 ? ` start="${Number(first[3])}"` : "";
-    const html = items.map((body) => {
-      let inner = blocks(body);
+    const html = items.map(([first, ...rest]) => {
+      const task = first.match(TASK);  // "[ ] " or "[x] ": a checkbox
+      let inner = blocks([task ? first.slice(task[0].length) : first, ...rest]);
       if (!loose) inner = inner.replace(/^<p>([\s\S]*?)<\/p>\n?/, "$1");
+      if (task) {
+        const box = `<input type="checkbox" disabled${task[1] === " " ? "" : " checked"}> `;
+        inner = loose ? inner.replace(/^<p>/, `<p>${box}`) : box + inner;
+      }
       return `<li>${inner.trimEnd()}</li>\n`;
     }).join("");
     return {html: `<${tag}${start}>\n${html}</${tag}>`, next: end};

@@ -342,6 +342,7 @@ MARKDOWN = [
     "Setext\n======\n\nSub\n---",
     "text\n\n    indented code\n    more",
     "Use:\n~~~bash\npip install x\n~~~\nThen [the site](https://example.com/a?b=1&c=2).",
+    "- [ ] todo\n- [x] done\n\nSee https://example.com/a_b?c=1&d=2. (https://x.io/page) \"https://q.r\"",
     "&copy; & <b>x</b> <img src=x onerror=\"window.__pwned=1\"> 5 > 3",
     "Here:\n\n```python\ndef open_block():\n    return",  # a block the text leaves open runs to its end
 ]
