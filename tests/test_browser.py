@@ -727,6 +727,10 @@ def test_precision_switch_keeps_the_app_running(page, browser, app_url):
 
 def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     page.get_by_role("tab", name="Explain").click()
+    page.wait_for_selector("#ps-explain-tokens:has-text('5 tokens')")
+    page.click("#ps-explain-next")  # before Start: nothing to step, and the prompt's tokens stay
+    page.wait_for_timeout(2500)
+    assert "3 characters, 9 UTF-8 bytes → 5 tokens" in page.inner_text("#ps-explain-tokens")
     page.click("#ps-explain-start")  # prefill, held after its token
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     assert "Prefill" in page.inner_text("#ps-explain-steps")

@@ -91,9 +91,10 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         texts(gr.Markdown, value=K("explain.answer"))
 
     def render(walk: Walkthrough | None, layer_choice: str, head_choice: str, lang_choice: str):
+        """The walk-through's views; before one, the prompt's tokens as the prompt box drew them."""
         trace = walk.trace if walk else None
         last = trace.steps[-1] if trace and trace.steps else None
-        return (walk, views.tokens_html(engine.tokenizer, walk.text if walk else "", lang_choice),
+        return (walk, views.tokens_html(engine.tokenizer, walk.text, lang_choice) if walk else gr.skip(),
                 views.steps_html(engine, walk, layer_choice, head_choice, lang_choice),
                 views.pipeline_html(engine, trace, lang_choice),
                 views.candidates_figure(engine.tokenizer, last, walk.request.sampling if walk else None, lang_choice),
