@@ -4,8 +4,8 @@ Outside code, `<` and `&` are escaped, so that "<b>" shows as "<b>" (the Chatbot
 it as markup, or drop a tag it does not allow, and the text would lose it) and "&copy;" as typed; `>` alone
 starts no markup and is left as it is, so that a line starting with "> " stays a quote. Code (fenced blocks and
 `spans`) is left as it is: the Markdown renderer shows code as text itself, and escaped there "a < b" would
-show as "a &lt; b". static/phasescope.js undoes the escaping by the same rules (unescape outside code) for
-the edit box and for Copy message: keep the two in step.
+show as "a &lt; b". static/markdown.js undoes the escaping by the same rules (unescapeOutsideCode) for the
+edit box and for Copy message, and draws a streaming reply by them: keep the two in step.
 """
 from __future__ import annotations
 
