@@ -194,9 +194,9 @@
     }
     const tag = ordered ? "ol" : "ul";
     const start = ordered && Number(first[3]) !== 1 ? ` start="${Number(first[3])}"` : "";
-    const html = items.map(([first, ...rest]) => {
-      const task = first.match(TASK);  // "[ ] " or "[x] ": a checkbox
-      let inner = blocks([task ? first.slice(task[0].length) : first, ...rest]);
+    const html = items.map(([lead, ...rest]) => {
+      const task = lead.match(TASK);  // "[ ] " or "[x] ": a checkbox
+      let inner = blocks([task ? lead.slice(task[0].length) : lead, ...rest]);
       if (!loose) inner = inner.replace(/^<p>([\s\S]*?)<\/p>\n?/, "$1");
       if (task) {
         const box = `<input type="checkbox" disabled${task[1] === " " ? "" : " checked"}> `;
