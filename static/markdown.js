@@ -109,6 +109,18 @@
   const UNDERLINE = /^ {0,3}(=+|-+)[ \t]*$/;  // under a paragraph: it was a heading
   const DELIMITER = /^ {0,3}\|?[ \t]*:?-+:?[ \t]*(?:\|[ \t]*:?-+:?[ \t]*)*\|?[ \t]*$/;
 
+  // A block's copy button, as Gradio draws it on a finished message's code; the copy action Gradio sets on
+  // each message copies the block's text and shows the check. Only on a block that is closed: the rest of
+  // an open one is still coming.
+  const COPY_BUTTON = '<button title="copy" class="copy_code_button"><span class="copy-text">'
+    + '<svg xmlns="http://www.w3.org/2000/svg" color="currentColor" stroke-width="1.3" width="15" height="15">'
+    + '<path fill="currentColor" d="M12.728 4.545v8.182H4.545V4.545zm0 -0.909H4.545a0.909 0.909 0 0 0 -0.909 '
+    + '0.909v8.182a0.909 0.909 0 0 0 0.909 0.909h8.182a0.909 0.909 0 0 0 0.909 -0.909V4.545a0.909 0.909 0 0 0 '
+    + '-0.909 -0.909"></path><path fill="currentColor" d="M1.818 8.182H0.909V1.818a0.909 0.909 0 0 1 0.909 '
+    + '-0.909h6.364v0.909H1.818Z"></path></svg></span><span class="check"><svg xmlns="http://www.w3.org/2000/svg" '
+    + 'width="17" height="17" fill="none" stroke="currentColor" stroke-width="1.3">'
+    + '<path d="m13.813 4.781 -7.438 7.438 -3.188 -3.188"></path></svg></span></button>';
+
   function code(lines, at) {
     const opening = lines[at].match(OPENING);
     if (!opening) return null;
@@ -120,8 +132,9 @@
       body.push(lines[end].replace(new RegExp(`^ {0,${indent}}`), ""));
     }
     const named = language ? ` class="language-${escape(language)}"` : "";
-    const text = body.map((line) => `${line}\n`).join("");
-    return {html: `<div class="code_wrap"><pre><code${named}>${escape(text)}</code></pre></div>`, next: end + 1};
+    const text = body.map((line) => `${line}\n`).join(""), button = end < lines.length ? COPY_BUTTON : "";
+    return {html: `<div class="code_wrap">${button}<pre><code${named}>${escape(text)}</code></pre></div>`,
+            next: end + 1};
   }
 
   function indentedCode(lines, at) {
@@ -130,7 +143,8 @@
     while (end < lines.length && (/^( {4}|\t)/.test(lines[end]) || BLANK.test(lines[end]))) end++;
     while (BLANK.test(lines[end - 1])) end--;
     const text = lines.slice(at, end).map((line) => `${line.replace(/^( {4}|\t)/, "")}\n`).join("");
-    return {html: `<div class="code_wrap"><pre><code>${escape(text)}</code></pre></div>`, next: end};
+    const button = end < lines.length ? COPY_BUTTON : "";  // closed by the line after it
+    return {html: `<div class="code_wrap">${button}<pre><code>${escape(text)}</code></pre></div>`, next: end};
   }
 
   function heading(lines, at) {

@@ -377,6 +377,15 @@ def test_a_streaming_reply_is_drawn_as_markdown_as_it_will_be_when_it_ends(page)
         by_gradio, by_page = gradio.evaluate(NORMALIZED)
         assert by_gradio == by_page
     assert page.evaluate("() => window.__pwned === undefined")
+    # a closed block has Gradio's copy button (Gradio's action on the message copies its code); an open one none
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    gradio.evaluate("(root) => { const drawn = document.createElement('div'); drawn.id = 'ps-test-drawn'; "
+                    "drawn.innerHTML = window.phasescopeMarkdown.render('Code:\\n```\\nx = 1 < 2\\n```\\n"
+                    "```\\nstill coming'); root.appendChild(drawn); }")
+    assert 1 == page.locator("#ps-test-drawn .copy_code_button").count()
+    page.click("#ps-test-drawn .copy_code_button", force=True)  # shown on hover
+    page.wait_for_timeout(300)
+    assert "x = 1 < 2" == page.evaluate("() => navigator.clipboard.readText()")
     # replies a small model may loop into: drawn, no deeper than the page's stack allows
     for run in ["> ", "- ", "1. ", "> - ", "**a ", "~~a ", "` ", "| a "]:
         assert page.evaluate("(text) => window.phasescopeMarkdown.render(text).length", run * 8000) > 0
