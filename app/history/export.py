@@ -185,6 +185,13 @@ def render(store: Store, fmt: str, session_id: int | None = None) -> str:
     return _json_text(fmt, to_json(store, session_id) if fmt == "json" else to_trace(store, session_id))
 
 
+def checked_json(store: Store, session_id: int | None = None) -> dict:
+    """The JSON export's data after the size check that every export makes, without its text (what the
+    History tab's line shows of a session)."""
+    check_size(store, session_id)
+    return to_json(store, session_id)
+
+
 def render_all(store: Store, session_id: int | None = None) -> tuple[dict[str, str], dict]:
     """Every format's text after one size check and one read of the store, and the JSON export's data: its
     sessions' summaries are what the History tab shows, so it need not read the steps again for them."""

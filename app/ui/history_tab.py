@@ -16,7 +16,7 @@ from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, render
 from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
-from ..history.export import FORMATS, export_filename, render_all, to_json, write_export
+from ..history.export import FORMATS, checked_json, export_filename, render_all, write_export
 from ..history.recorder import load_chat, questions
 from ..history.store import SessionReplying, Store, StoreError
 
@@ -238,7 +238,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         label = t(lang_choice, "saved.selected", id=session_id, title=title)
         kept = [gr.skip() for _ in FORMATS]
         try:
-            paths, data = write_exports(store, folder, session_id) if files else ([], to_json(store, session_id))
+            paths, data = write_exports(store, folder, session_id) if files else ([], checked_json(store, session_id))
         except (ValueError, OSError) as exc:
             return [label + attention(t(lang_choice, "error.other", detail=exc)), *(_no_files() if files else kept)]
         session = data["sessions"][0]
