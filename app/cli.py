@@ -408,12 +408,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return session.retract() if session.traces else None
 
     for text in _user_lines(clear, retry):
-        messages = _conversation(args.system) + session.messages + [{"role": "user", "content": text}]
+        messages = session.prompt(args.system, text)
         try:
-            request = None if endpoint else engine.new_request(messages, sampling)
-        except ValueError as exc:  # empty, or longer than the context window: nothing is saved
+            request = None if endpoint else engine.new_request(messages, sampling, fit=True)
+        except ValueError as exc:  # empty, or a message longer than the context window: nothing is saved
             print(f"error: {exc}")
             continue
+        if request is not None:
+            session.sent_as(messages, request, engine.prompt_budget(sampling))
+            messages = request.messages
+        _print_warnings(session)
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
         session.asked = text
@@ -434,9 +438,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             events.close()  # cancels the request, or closes the remote connection
             print()
             finished = trace.finished
-        for warning in session.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-        session.warnings.clear()
+        _print_warnings(session)
         if trace.failed:
             print(f"error: {trace.finished.error}")
         else:
@@ -444,6 +446,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if finished is not None and finished.metrics.num_generated_tokens:  # none: nothing was measured
             print(_dim(_remote_line(finished) if endpoint else _local_line(finished)))
     return 0
+
+
+def _print_warnings(session) -> None:
+    for warning in session.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    session.warnings.clear()
 
 
 @contextmanager

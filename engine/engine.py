@@ -33,7 +33,7 @@ from .hf_runner import in_dtype, make_runner
 from .info import ModelInfo, PoolUsage
 from .kv_pool import blocks_for, kv_bytes_formula
 from .loader import LoadedModel, load_model
-from .prompt import PromptTooLong, check_messages, render_prompt
+from .prompt import PromptTooLong, check_messages, fit_conversation, render_prompt
 from .request import Request, Status
 from .sampling import make_generator, sample, top_logits
 from .scheduler import Scheduler
@@ -190,13 +190,23 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def new_request(self, messages: list[dict], sampling: SamplingParams | None = None,
-                    prefill_chunk: int | None = None) -> Request:
+                    prefill_chunk: int | None = None, fit: bool = False) -> Request:
         """Template and tokenize a conversation; raises ValueError for empty or too long input.
-        prefill_chunk overrides the engine's chunk size for this request (0: the whole prompt)."""
+        prefill_chunk overrides the engine's chunk size for this request (0: the whole prompt). fit: a chat
+        longer than the context window leaves out its earliest exchanges (prompt.fit_conversation); the
+        request's messages are those kept."""
         submit_ns = self._now_ns()
         check_messages(messages, self.config.limits.max_message_chars)
-        return self.new_request_from_ids(render_prompt(self.tokenizer, messages), sampling, prefill_chunk,
-                                         messages=messages, submit_ns=submit_ns)
+        ids = render_prompt(self.tokenizer, messages)
+        if fit:
+            messages, ids = fit_conversation(self.tokenizer, messages, ids, self.prompt_budget(sampling))
+        return self.new_request_from_ids(ids, sampling, prefill_chunk, messages=messages, submit_ns=submit_ns)
+
+    def prompt_budget(self, sampling: SamplingParams | None = None) -> int:
+        """The most prompt tokens a chat is fitted to (new_request(fit=True)): the context window less room
+        for the reply (up to half the window), within --limit-prompt-tokens."""
+        room = min((sampling or SamplingParams()).max_new_tokens, self.context_window // 2)
+        return min(self.context_window - room, self.config.limits.max_prompt_tokens or self.context_window)
 
     def new_request_from_ids(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                              prefill_chunk: int | None = None, messages: list[dict] | None = None,

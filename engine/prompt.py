@@ -72,6 +72,36 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return ids + tokenizer(text[done:], add_special_tokens=False)["input_ids"]
 
 
+def fit_conversation(tokenizer, messages: list[dict], ids: list[int], budget: int) -> tuple[list[dict], list[int]]:
+    """A chat grown longer than the model can read, kept going as chat apps keep it: without its earliest
+    exchanges. messages: a system prompt (if any), the exchanges so far, the new message; ids: their
+    prompt; budget: the most prompt tokens wanted (the context window less room for the reply).
+
+    Where the prompt fits the budget, nothing changes. Where it does not, the earliest exchanges after the
+    system prompt are left out until the prompt takes at most half the budget, as llama.cpp's context
+    shift discards half: the caller then sends the chat from the same message on, turn after turn, so
+    that each next prompt starts as the last one did and the prefix cache finds it, instead of one more
+    exchange falling out and the whole prompt being read again at every turn. The new message always
+    stays: a message too long by itself is still refused."""
+    head = 1 if messages and messages[0]["role"] == "system" else 0
+    cuts = [i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"]  # where the kept part may start
+    if len(ids) <= budget or not cuts:  # fits, or is one message: as it is
+        return messages, ids
+
+    def kept(cut: int) -> tuple[list[dict], list[int]]:
+        part = messages[:head] + messages[cut:]
+        return part, render_prompt(tokenizer, part)
+
+    lo, hi = 0, len(cuts) - 1  # binary search: the fewest exchanges left out for at most half the budget
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(kept(cuts[mid])[1]) <= budget // 2:
+            hi = mid
+        else:
+            lo = mid + 1
+    return kept(cuts[lo])
+
+
 def _spelling(tokenizer, token_ids, content: str) -> list[int] | None:
     """A reply's generated ids, without the end-of-turn token that closed it (the template writes its own),
     if they decode to exactly its text; else None."""

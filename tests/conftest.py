@@ -82,12 +82,13 @@ def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None,
 
     session = session or ChatSession()
     sampling = sampling or SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    messages = session.messages + [{"role": "user", "content": text}]
+    messages = session.prompt(None, text)
+    request = engine.new_request(messages, sampling, fit=True)
+    session.sent_as(messages, request, engine.prompt_budget(sampling))
     session.accept(text)
     trace = ReplyTrace(turn=len(session.traces) + 1)
     session.traces.append(trace)
-    hook = make_recorder(store, lambda: engine.info)(session, messages, sampling, trace)
-    request = engine.new_request(messages, sampling)
+    hook = make_recorder(store, lambda: engine.info)(session, request.messages, sampling, trace)
     events = list(engine.run(request, hooks=[hook, trace.add, *hooks]))
     session.pending = ""
     session.converse(text, trace)

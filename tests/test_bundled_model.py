@@ -166,6 +166,22 @@ def test_switches_are_told_as_the_flags_that_set_them(flags):
     assert set(switch_flags(config.switches()).split(" --")) == set(flags.split(" --"))
 
 
+def test_cli_chat_goes_on_past_the_prompt_limit_without_its_earliest_messages(tmp_path):
+    db = tmp_path / "history.db"
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "4",
+                          "--limit-prompt-tokens", "90", "--db", str(db)],
+                         input="One two three.\nFour five six.\nSeven eight nine.\nTen eleven twelve.\nThirteen.\n",
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    prompts = [(int(p), int(c)) for p, c in re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)]
+    assert 5 == len(prompts) and all(p <= 90 for p, _ in prompts)  # every message answered, none refused
+    assert 1 == out.stderr.count("this chat outgrew the 90 tokens a prompt may take here")
+    assert "its first 6 messages are no longer sent" in out.stderr
+    (dropped, _), (after, cached) = prompts[3:]
+    assert dropped < prompts[2][0] and cached >= dropped  # the turn after: its prompt starts as the last one's
+    assert [("One two three.", 5)] == [(s["title"], s["turns"]) for s in Store.open(db).sessions()]
+
+
 def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     db = tmp_path / "history.db"
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",

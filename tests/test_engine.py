@@ -187,6 +187,31 @@ def test_prompt_longer_than_the_context_window_is_refused(tiny_engine):
     assert tiny_engine.generate(user("Hi"), GREEDY).reason == "length"
 
 
+def test_a_chat_longer_than_the_context_window_leaves_out_its_earliest_exchanges(tiny_engine):
+    system = [{"role": "system", "content": "Be brief."}]
+    exchanges = [message for i in range(12) for message in
+                 ({"role": "user", "content": f"Question {i}: " + "word " * 12},
+                  {"role": "assistant", "content": f"Answer {i}: " + "more " * 8})]
+    chat = system + exchanges + user("And now?")
+    sampling = SamplingParams(max_new_tokens=16)
+    with pytest.raises(PromptTooLong):
+        tiny_engine.new_request(chat, sampling)
+    request = tiny_engine.new_request(chat, sampling, fit=True)
+    kept = request.messages
+    assert kept[0] == system[0] and kept[-1] == chat[-1] and kept[1]["role"] == "user"
+    assert kept[1:] == chat[len(chat) - len(kept) + 1:]  # the latest exchanges, whole
+    budget = tiny_engine.prompt_budget(sampling)
+    assert budget == tiny_engine.context_window - 16
+    assert len(request.prompt_ids) <= budget // 2  # half the budget: the next turns fit as they are
+    one_more = tiny_engine.new_request(chat[:1] + chat[len(chat) - len(kept) - 1:], sampling)
+    assert len(one_more.prompt_ids) > budget // 2  # no more left out than needed for that
+    short = system + exchanges[:2] + user("And now?")
+    assert short == tiny_engine.new_request(short, sampling, fit=True).messages  # fits: unchanged
+    for before in (exchanges, system, []):  # a message too long by itself is still refused
+        with pytest.raises(PromptTooLong):
+            tiny_engine.new_request(before + user("word " * 400), sampling, fit=True)
+
+
 def test_reply_is_clipped_to_the_context_window(tokenizer):
     engine = Engine(tiny_model(tokenizer, max_positions=64))
     request = engine.new_request(user("word " * 10), SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True))

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.history.store import Store
-from engine import SamplingParams
-from tests.conftest import record
+from engine import Engine, SamplingParams
+from tests.conftest import record, tiny_model
 from tests.test_crash import signal_mid_reply
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,8 @@ SAMPLING = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("fault", ["read-only", "full"])
-def test_the_database_failing_mid_session_warns_and_keeps_what_was_saved(tmp_path, tiny_engine, fault):
+def test_the_database_failing_mid_session_warns_and_keeps_what_was_saved(tmp_path, tokenizer, fault):
+    tiny_engine = Engine(tiny_model(tokenizer, max_positions=4096))  # room for a message of pages of its own
     store = Store.open(tmp_path / "h.db")
     session, _, _ = record(tiny_engine, store, "A first turn, saved", SAMPLING)
     if fault == "read-only":

@@ -44,6 +44,26 @@ def test_round_trip_keeps_every_step(tiny, store):
     assert restored[-1].metrics.tpot_ms == pytest.approx(finished.metrics.tpot_ms)
 
 
+def test_a_chat_goes_on_past_the_context_window_and_the_history_keeps_every_turn(tiny, store):
+    engine = Engine(tiny)  # a 256-token context window
+    session, cached, warned = None, [], []
+    for turn in range(14):
+        session, events, _ = record(engine, store, f"Question {turn}: " + "word " * 20, session=session)
+        cached.append(events[0].num_cached_tokens)
+        warned.append(bool(session.warnings))
+        session.warnings.clear()
+    drops = [turn for turn, said in enumerate(warned) if said]
+    assert drops and drops[0] >= 4 and all(b - a > 1 for a, b in zip(drops, drops[1:]))  # not every turn
+    assert session.left_out > 0 and session.left_out % 2 == 0  # whole exchanges
+    for turn in range(drops[0] + 1, 14):  # each turn's prompt starts as the last one's did: the prefix cache finds it
+        if turn not in drops:
+            assert cached[turn] > 0, (turn, cached)
+    messages = store.messages(session.store_id)
+    assert [f"Question {turn}:" for turn in range(14)] == [m["content"].split(" word")[0] for m in messages[::2]]
+    session.cut(1)  # an edit of the second message: back before the part left out, which may all fit again
+    assert session.left_out == 0 and len(session.messages) == 2
+
+
 def test_steps_are_written_while_generating(tiny, store, monkeypatch):
     # batches by count alone: on a busy machine slow steps also write by age, and the batch seen is not whole
     monkeypatch.setattr("app.history.recorder.BATCH_SECONDS", 1e9)

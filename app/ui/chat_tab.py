@@ -194,11 +194,10 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
 
     def _respond(session, text, system, max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed,
                  prefill_chunk):
-        system_messages = [{"role": "system", "content": system}] if system and system.strip() else []
-        messages = system_messages + session.messages + [{"role": "user", "content": text}]
+        messages = session.prompt(system, text)
         try:
             sampling = _settings(max_new_tokens, temperature, top_p, top_k, seed, repetition_penalty)
-            request = None if session.endpoint else engine.new_request(messages, sampling,
+            request = None if session.endpoint else engine.new_request(messages, sampling, fit=True,
                                                                         prefill_chunk=int(prefill_chunk or 0))
             if request is not None:
                 engine.check_room()  # QueueFull: refused before anything is saved
@@ -207,6 +206,9 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             session.pending = ""
             session.show_error(user_error(session.lang, exc))
             return
+        if request is not None:
+            session.sent_as(messages, request, engine.prompt_budget(sampling))
+            messages = request.messages
         trace = ReplyTrace(turn=len(session.traces) + 1)
         session.traces.append(trace)
         hooks = []

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from engine import Event, Finished, Request, SamplingParams, Status, reply_message
 
-from ..i18n import DEFAULT
+from ..i18n import DEFAULT, t
 from .markdown import as_text, closed
 from .panels import stats_line
 from .trace import ReplyTrace
@@ -45,6 +45,7 @@ class ChatSession:
     asked: str = ""  # the last exchange's message (raw text), for Retry
     refused: set[int] = field(default_factory=set)  # the exchanges (0, 1, ...) the engine refused: no trace
     sent: int = 0  # messages accepted in this chat: a retried one gets a reply id of its own
+    left_out: int = 0  # the earliest messages no longer sent to the model: the chat outgrew its context window
 
     def accept(self, user_text: str) -> None:
         """Show the user's message at once, and the reply as an empty span (shown as "…") that the page
@@ -56,6 +57,20 @@ class ChatSession:
         self.reply_id = f"{self.id}-{self.sent}"
         self.display += [{"role": "user", "content": as_text(user_text)},
                          {"role": "assistant", "content": live_span(self.reply_id)}]
+
+    def prompt(self, system: str | None, text: str) -> list[dict]:
+        """The conversation sent to the model with a new message: the system prompt, the chat from its
+        first message still sent (left_out), the message."""
+        head = [{"role": "system", "content": system}] if system and system.strip() else []
+        return head + self.messages[self.left_out:] + [{"role": "user", "content": text}]
+
+    def sent_as(self, prompt: list[dict], request: Request, limit: int) -> None:
+        """The engine fitted prompt to limit tokens (Engine.new_request(fit=True), Engine.prompt_budget):
+        the exchanges it left out stay out of this chat's next prompts (which then start alike, for the
+        prefix cache), and the user is told, when it happens."""
+        if dropped := len(prompt) - len(request.messages):
+            self.left_out += dropped
+            self.warn(t(self.lang, "warning.context_full", limit=limit, count=self.left_out))
 
     def show_reply(self, trace: ReplyTrace) -> None:
         content = closed(trace.text)  # a reply cut short in a block of code: its stats line after the block
@@ -95,6 +110,8 @@ class ChatSession:
             self.refused.discard(last)
         elif not self.traces.pop().failed:  # it was part of the conversation
             del self.messages[-2:]
+        if self.left_out > len(self.messages):  # taken back to before the part left out: it may all fit again
+            self.left_out = 0
         return self.asked
 
     def cut(self, exchange: int) -> None:
