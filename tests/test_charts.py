@@ -245,6 +245,32 @@ def test_a_failing_hook_ends_the_reply_with_a_warning(tiny_engine):
     assert [(50, 0.0, 1.15)] == [(s.max_new_tokens, s.temperature, s.repetition_penalty) for s in asked]
 
 
+def test_a_fault_before_the_reply_starts_is_said_in_its_place_and_the_chat_goes_on(tiny_engine, monkeypatch, capsys):
+    from app.ui.chat_tab import SETTINGS, make_respond
+    from app.ui.session import ChatSession, EngineThread
+
+    def broken(*args, **kwargs):
+        raise IndexError("list index out of range")
+
+    active, streams = ActiveRequests(), Streams()
+    session = ChatSession()
+    session.settings = dict(zip(SETTINGS, ("", 4, 0, 1.0, 0, 1.0, -1, 0)))
+    respond = make_respond(tiny_engine, active, None, streams)
+    with monkeypatch.context() as patch:
+        patch.setattr(tiny_engine, "new_request", broken)
+        session.accept("Hi")
+        active.wait(session.id)
+        respond(session)
+    assert "list index out of range" in session.display[-1]["content"] and "IndexError" in capsys.readouterr().err
+    assert not active.is_busy(session.id) and "" == session.pending and [] == session.messages
+    runner = EngineThread().start().serve(tiny_engine)
+    session.accept("Hi again")  # the chat goes on
+    active.wait(session.id)
+    respond(session)
+    runner.stop()
+    assert session.traces[-1].finished.reason == "length" and 2 == len(session.messages)
+
+
 def test_messages_are_editable_unless_the_chat_has_one_pending():
     from app.ui.chat_tab import chat_view
     from app.ui.session import ChatSession

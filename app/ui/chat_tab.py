@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -201,7 +202,9 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
                                                                         prefill_chunk=int(prefill_chunk or 0))
             if request is not None:
                 engine.check_room()  # QueueFull: refused before anything is saved
-        except (ValueError, QueueFull) as exc:
+        except Exception as exc:  # refused (ValueError, QueueFull), or a fault: said in the reply's place
+            if not isinstance(exc, (ValueError, QueueFull)):
+                traceback.print_exc()  # a fault is the app's: its trace in the terminal
             active.finish(session.id)
             session.pending = ""
             session.show_error(user_error(session.lang, exc))
