@@ -99,11 +99,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int,
-                          repetition_penalty: float = 1.0) -> None:
+                          repetition_penalty: float = 1.0, top_p: float = 1.0) -> None:
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=top_p, help=f"1: off; default {top_p:g}")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
                         help=f"divides the logits of tokens in the prompt or the reply (1: off; default "
@@ -118,7 +118,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine import CHAT_REPETITION_PENALTY
+    from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P
 
     parser = argparse.ArgumentParser(prog="phasescope", description=__doc__)
     commands = parser.add_subparsers(dest="command")
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="chat in the terminal, with a timing line after each reply")
     _add_model_options(chat)
-    _add_sampling_options(chat, max_new_tokens=512, repetition_penalty=CHAT_REPETITION_PENALTY)
+    _add_sampling_options(chat, max_new_tokens=512, repetition_penalty=CHAT_REPETITION_PENALTY, top_p=CHAT_TOP_P)
     _add_endpoint_options(chat)
     _add_db_option(chat)
     chat.add_argument("--session", type=int, metavar="ID",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-from .config import CHAT_REPETITION_PENALTY, SWITCHES, EngineConfig, Limits, SamplingParams
+from .config import CHAT_REPETITION_PENALTY, CHAT_TOP_P, SWITCHES, EngineConfig, Limits, SamplingParams
 from .errors import EngineBusy, KVPoolTooSmall, ModelError, QueueFull
 from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken,
                      Speculation, Started, TopToken)
@@ -42,8 +42,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CHAT_REPETITION_PENALTY", "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig", "Event",
-    "Finished", "FirstToken", "Hook",
+    "CHAT_REPETITION_PENALTY", "CHAT_TOP_P", "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig",
+    "Event", "Finished", "FirstToken", "Hook",
     "IncrementalDetokenizer", "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo",
     "PoolUsage", "PrefillChunk", "PromptToken", "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SWITCHES", "SamplingParams", "Started", "Status", "TopToken", "check_messages",

@@ -36,6 +36,12 @@ def _check_range(name: str, value: float, low: float, high: float, *, low_open: 
 # (the worst reply 0.25 -> 0.81), replies no longer (1.2 made 15 of 18 run to the limit), TPOT within
 # noise. Elsewhere (SamplingParams, `generate`, the API) it stays off, 1.0, as in vLLM and transformers.
 CHAT_REPETITION_PENALTY = 1.1
+# The top-p a chat starts with, Ollama's default too. With top-p 1.0 the bundled model's long tail of
+# unlikely tokens takes it off course ("What is the capital of France?" - "Gabon: My best friend and
+# ..."): five factual questions, eight seeds each, temperature 0.7, penalty 1.1, answered right 19 of 40
+# times with 1.0 and 27 with 0.9 (greedy: 24); distinct 4-grams over 24 replies of eight prompts 0.99
+# both ways (no loops).
+CHAT_TOP_P = 0.9
 
 
 @dataclass(frozen=True, slots=True)

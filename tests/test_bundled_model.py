@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from app.history.store import Store
-from engine import (CHAT_REPETITION_PENALTY, DecodeStep, Engine, EngineConfig, PrefillChunk, SamplingParams,
-                    render_prompt)
+from engine import (CHAT_REPETITION_PENALTY, CHAT_TOP_P, DecodeStep, Engine, EngineConfig, PrefillChunk,
+                    SamplingParams, render_prompt)
 
 pytestmark = pytest.mark.model
 
@@ -199,8 +199,9 @@ def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     assert again == third and cached_again > 0  # /retry: the same prompt, from the cache
     store = Store.open(db)  # each conversation saved as the browser's are: messages, metrics, every step
     assert [(s["title"], s["turns"]) for s in store.sessions()] == [("Hello", 1), ("My name is Ada.", 2)]
-    # a chat's default penalty, which `generate` leaves off
-    assert {CHAT_REPETITION_PENALTY} == {json.loads(s["settings"])["repetition_penalty"] for s in store.sessions()}
+    # a chat's default penalty and top-p, which `generate` leaves off
+    settings = [json.loads(s["settings"]) for s in store.sessions()]
+    assert {(CHAT_REPETITION_PENALTY, CHAT_TOP_P)} == {(s["repetition_penalty"], s["top_p"]) for s in settings}
     for session in store.sessions():
         replies = [m for m in store.messages(session["id"]) if m["role"] == "assistant"]
         assert all(m["status"] == "complete" and m["ttft_ms"] > 0 for m in replies)

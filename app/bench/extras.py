@@ -152,7 +152,7 @@ SAMPLING_RULES = {"greedy": (0.0, 1.0), "temperature 0.7": (0.7, 1.0), "temperat
 
 
 def sampling_cost(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) -> dict:
-    """TPOT under the chat's sampling rules (the page's default is temperature 0.7) and under greedy,
+    """TPOT under the chat's sampling rules (the page's default is temperature 0.7, top-p 0.9) and under greedy,
     same engine and prompt, interleaved: what choosing the token costs beside the forward, as each
     rule's ms per token over greedy's."""
     def tpot_ms(temperature: float, top_p: float) -> float:

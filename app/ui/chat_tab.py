@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import CHAT_REPETITION_PENALTY, EngineBusy, Event, QueueFull, Request, SamplingParams, Status
+from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P, EngineBusy, Event, QueueFull, Request, SamplingParams, Status
 
 from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
@@ -330,7 +330,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                                        elem_id="ps-max-new")
                 temperature = texts(gr.Slider, 0, 2, value=0.7, step=0.05, label=K("chat.temperature"),
                                     elem_id="ps-temperature")
-                top_p = texts(gr.Slider, 0.05, 1, value=1.0, step=0.05, label=K("chat.top_p"))
+                top_p = texts(gr.Slider, 0.05, 1, value=CHAT_TOP_P, step=0.05, label=K("chat.top_p"))
                 top_k = texts(gr.Slider, 0, 200, value=0, step=1, label=K("chat.top_k"))
                 # small models fall into loops: 1.1, as Ollama's default (engine.config.CHAT_REPETITION_PENALTY)
                 repetition_penalty = texts(gr.Slider, 1.0, 2.0, value=CHAT_REPETITION_PENALTY, step=0.05,
