@@ -53,6 +53,7 @@ def page(browser, app_url):
 
 
 def test_chat_reply_with_live_panel(page, tmp_path):
+    assert "Send a message and watch the two phases" in page.inner_text("#ps-chatbot .placeholder")  # empty chat
     set_setting(page, "ps-temperature", 0)
     set_setting(page, "ps-max-new", 48)
     send(page, "What is a KV cache? Answer in two sentences.")
@@ -78,6 +79,7 @@ def test_chat_reply_with_live_panel(page, tmp_path):
     assert "46,080 B/token (formula: 46,080)" in page.inner_text("#ps-kv-check")
     assert "decode: fused C++" in page.inner_text("#ps-model-line")  # the native decode step runs in the app
     assert re.search(r"KV pool [\d.]+% in use", page.inner_text("#ps-pool"))
+    assert 0 == page.locator("#ps-chatbot .placeholder").count()  # the welcome goes with the first message
     assert re.fullmatch(r"cached \d+ / [\d,]+", kpi_note(page, "prompt_tokens"))
     page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
     if os.environ.get("PHASESCOPE_UPDATE_SCREENSHOT"):
@@ -530,6 +532,7 @@ def test_a_session_opened_while_a_reply_streams_stops_that_reply(page):
     wait_phase(page, "done")
     page.click("#ps-new")
     page.wait_for_selector("#ps-phase .ps-idle")
+    page.wait_for_selector("#ps-chatbot .placeholder")  # an empty chat again: the welcome
     for name, value in (("ps-max-new", 1500), ("ps-temperature", 0), ("ps-repetition-penalty", 1)):
         set_setting(page, name, value)
     send(page, "Write a long story about a lighthouse keeper who opens things.")

@@ -314,8 +314,9 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     session = gr.State(None)
     with gr.Row(equal_height=False):
         with gr.Column(scale=5, min_width=360):
-            chatbot = gr.Chatbot(show_label=False, height=480, elem_id="ps-chatbot", buttons=["copy"],
-                                 sanitize_html=True, render_markdown=True, feedback_options=None, editable="user")
+            chatbot = texts(gr.Chatbot, show_label=False, height=480, elem_id="ps-chatbot", buttons=["copy"],
+                            sanitize_html=True, render_markdown=True, feedback_options=None, editable="user",
+                            placeholder=K("chat.welcome"))  # shown while the chat is empty
             with gr.Row():
                 message = texts(gr.Textbox, placeholder=K("chat.placeholder"), show_label=False, scale=6,
                                 elem_id="ps-message", autofocus=True, lines=1, max_lines=8)
