@@ -678,11 +678,10 @@ class Engine:
         accepted when it is the one sampled."""
         sample_start_ns = self._now_ns()
         penalize = r.sampling.repetition_penalty != 1.0  # the prompt and reply joined: a copy, made only then
-        top_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
-        if top is not None:
-            top_fn = lambda *_: top  # noqa: E731
+        rank_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
+        top_fn = rank_fn if top is None else lambda *_: top
         picked = sample(logits, r.sampling, r.generator, r.prompt_ids + r.generated_ids if penalize else (),
-                        top_fn=top_fn, generated_ids=r.generated_ids)
+                        top_fn=top_fn, generated_ids=r.generated_ids, rank_fn=rank_fn)
         now_ns = self._now_ns()
         stage_ms = None
         if r.reports_stages:  # the forward's stages (none for token 1: the prefill's were reported), and sampling

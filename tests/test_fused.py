@@ -165,6 +165,34 @@ def test_top_logits_natively_and_with_torch(tokenizer):
     assert values == pytest.approx(expected_values) and lse == pytest.approx(expected_lse, rel=1e-6)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.5), (0, 0.99), (40, 0.9), (40, 1.0), (3, 0.9)])
+def test_top_p_from_the_most_likely_alone_keeps_what_the_full_search_keeps(tokenizer, top_k, top_p):
+    """sampling._nucleus (one ranking pass: the native one, or torch's) against _kept over the whole
+    softmax: the same tokens in the same order, the same probabilities; or None, for _kept to look further,
+    only where the first NUCLEUS_FIRST hold less than top_p."""
+    from engine.sampling import NUCLEUS_FIRST, _kept, _nucleus
+
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    generator = torch.Generator().manual_seed(11)
+    looked_further = 0
+    for scale in (0.3, 1.0, 3.0, 8.0):
+        for temperature in (0.2, 0.7, 1.5):
+            scores = torch.randn(49152, generator=generator) * scale
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            probs = (scores.double() / temperature).softmax(-1)
+            expected_ids, expected_probs = _kept(probs, top_k, top_p)
+            for rank_fn in (runner.top_logits, top_logits):
+                found = _nucleus(scores, params, rank_fn)
+                if found is None:
+                    assert not top_k and float(probs.topk(NUCLEUS_FIRST).values.sum()) < top_p
+                    looked_further += 1
+                    continue
+                ids, kept_probs = found
+                assert ids == expected_ids.tolist()
+                assert kept_probs == pytest.approx(expected_probs.tolist(), rel=1e-4)
+    assert looked_further < 24  # the peaked ones are found from the first NUCLEUS_FIRST
+
+
 def test_top_logits_of_a_batch_equal_each_rows(tokenizer):
     runner = make_runner(tiny_model(tokenizer).model, "fp32")
     logits = torch.randn(3, 5000) * 4
