@@ -96,25 +96,36 @@ def _kept(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, 
     return ids, values
 
 
+def _ranked(scores: torch.Tensor, temperature: float, k: int, rank_fn: TopLogits
+            ) -> tuple[list[int], list[float], torch.Tensor, float] | None:
+    """The k most likely tokens under the temperature (ids, probabilities; most likely first), the scaled
+    scores and their log-normalizer, from one ranking pass (rank_fn: top_logits, natively where the runner
+    brings it) over the scores shifted below their maximum: every value <= 0 (-inf at worst), the most
+    likely's 0, so that no temperature overflows them. None where float32 cannot: NaN scores, or a
+    temperature too small to divide by."""
+    most, inverse = float(scores.max()), 1.0 / temperature
+    if not (math.isfinite(most) and inverse < 1e38):
+        return None
+    scaled = (scores - most) * inverse
+    ids, values, lse = rank_fn(scaled, k)
+    probs = [math.exp(value - lse) for value in values]
+    return (ids, probs, scaled, lse) if probs[0] > 0 else None
+
+
 def _nucleus(scores: torch.Tensor, params: SamplingParams, rank_fn: TopLogits
              ) -> tuple[list[int], list[float]] | None:
-    """What _kept finds, from the NUCLEUS_FIRST most likely tokens alone: the tokens top-k and then top-p
-    keep and their probabilities under the temperature (most likely first), as Python lists. rank_fn
-    (top_logits, natively where the runner brings it) finds them and the normalizer in one pass over the
-    vocabulary, where softmax, topk and the lists' tensors took 0.3-0.5 ms of a 5-ms step. None where
-    they cannot say: top-k asks for more, the scores are not all numbers, or the tokens hold less than
-    top_p (a flat distribution): _kept then looks further."""
+    """What _kept finds, from the NUCLEUS_FIRST most likely tokens alone (_ranked): the tokens top-k and
+    then top-p keep and their probabilities under the temperature (most likely first), as Python lists,
+    where a float64 softmax over the vocabulary, a topk and tensors around a handful of tokens took 0.3-0.5
+    ms of a 5-ms step. None where it cannot say: top-k asks for more, _ranked cannot, or the tokens hold
+    less than top_p (a flat distribution): _kept then looks further."""
     top_k = params.top_k if 0 < params.top_k < scores.shape[0] else 0
-    if top_k > NUCLEUS_FIRST:
+    if not top_k and params.top_p >= 1.0:  # nothing to cut
         return None
-    most, inverse = float(scores.max()), 1.0 / params.temperature
-    if not (math.isfinite(most) and inverse < 1e38):  # NaN scores; a temperature float32 cannot divide by
+    ranked = _ranked(scores, params.temperature, top_k or NUCLEUS_FIRST, rank_fn) if top_k <= NUCLEUS_FIRST else None
+    if ranked is None:
         return None
-    # scores below the most likely one's, scaled: every value <= 0 (-inf at worst), the most likely's 0
-    ids, values, lse = rank_fn((scores - most) * inverse, top_k or NUCLEUS_FIRST)
-    probs = [math.exp(value - lse) for value in values]
-    if not probs[0] > 0:
-        return None
+    ids, probs, _, _ = ranked
     if params.top_p >= 1.0:  # top-k alone, less what it cannot draw (a native ranking's -1 ids have none)
         kept = sum(1 for p in probs if p > 0)
         return ids[:kept], probs[:kept]
@@ -126,6 +137,33 @@ def _nucleus(scores: torch.Tensor, params: SamplingParams, rank_fn: TopLogits
         above += probs[kept]
         kept += 1
     return ids[:kept], probs[:kept]
+
+
+def _tempered(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator, rank_fn: TopLogits
+              ) -> tuple[int, Callable[[int], float]] | None:
+    """A draw from the whole softmax(scores / temperature), mostly without computing it: one uniform
+    number against the NUCLEUS_FIRST most likely (_ranked) in turn, and only past their share (a few
+    draws in a hundred at a chat's temperature) the rest's probabilities, drawn from with a second number:
+    each token keeps its chance. Returns the token and each token's probability, or None where _ranked
+    cannot."""
+    ranked = _ranked(scores, params.temperature, NUCLEUS_FIRST, rank_fn)
+    if ranked is None:
+        return None
+    ids, probs, scaled, lse = ranked
+    found = dict(zip(ids, probs))
+
+    def chance(token_id: int) -> float:
+        return found[token_id] if token_id in found else math.exp(float(scaled[token_id]) - lse)
+
+    point, cumulative = float(torch.rand((), generator=generator, dtype=torch.float64)), 0.0
+    for token_id, p in zip(ids, probs):
+        cumulative += p
+        if cumulative > point:
+            return token_id, chance
+    rest = (scaled.double() - lse).exp()
+    rest[[i for i in ids if i >= 0]] = 0.0
+    drawn = _draw(rest, generator)
+    return (drawn[0] if drawn is not None else ids[0]), chance
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> tuple[int, float] | None:
@@ -196,12 +234,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.is_greedy:  # adjusted (plain greedy returned above)
         token_id = int(scores.argmax())
         sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]
-    elif (params.top_p < 1.0 or params.top_k > 0) and (cut := _nucleus(scores, params, rank_fn)) is not None:
+    elif (cuts := params.top_p < 1.0 or 0 < params.top_k < scores.shape[0]) and \
+            (cut := _nucleus(scores, params, rank_fn)) is not None:
         ids, weights = cut
         index, total = _draw_listed(weights, generator)
         token_id = ids[index]
         chances = dict(zip(ids, weights))
         sample_probs = [chances.get(i, 0.0) / total for i in top_ids]
+    elif not cuts and (drawn := _tempered(scores, params, generator, rank_fn)) is not None:
+        token_id, chance = drawn
+        sample_probs = [chance(i) for i in top_ids]
     else:
         # float64: a tiny temperature (or penalty) would overflow float32 to inf, and softmax to NaN
         probs = (scores.double() / params.temperature).nan_to_num(nan=float("-inf")).softmax(-1)

@@ -110,6 +110,23 @@ def test_sampled_tokens_follow_temperature_and_top_k():
     assert (counts / 20000 - expected).abs().max() < 0.015
 
 
+def test_a_temperature_alone_draws_from_the_whole_softmax_in_and_past_the_most_likely():
+    """_tempered: the NUCLEUS_FIRST most likely first, the rest past their share (here about 0.7); each
+    token keeps its chance."""
+    from engine.sampling import NUCLEUS_FIRST
+
+    logits = torch.cat([torch.full((NUCLEUS_FIRST,), 1.0), torch.zeros(400), torch.full((8,), 0.8)])
+    params = SamplingParams(temperature=1.0)
+    expected = logits.softmax(-1)
+    generator = make_generator(9)
+    drawn = [sample(logits, params, generator) for _ in range(20000)]
+    counts = torch.bincount(torch.tensor([d.token_id for d in drawn]), minlength=len(logits)) / 20000
+    groups = [slice(0, NUCLEUS_FIRST), slice(NUCLEUS_FIRST, NUCLEUS_FIRST + 400), slice(-8, None)]
+    for group in groups:  # about 0.29, 0.68 and 0.03: within 4 standard deviations
+        assert abs(float(counts[group].sum() - expected[group].sum())) < 0.015
+    assert drawn[0].top_sample_probs == pytest.approx(expected[drawn[0].top_ids].tolist())
+
+
 def test_repetition_penalty_discourages_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0])
     assert [1.0, -4.0, 1.0] == apply_repetition_penalty(logits, [0, 1], 2.0).tolist()
