@@ -231,11 +231,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     scores = apply_reply_penalties(scores, generated_ids, params.frequency_penalty, params.presence_penalty)
     scores = apply_logit_bias(scores, params.logit_bias)
+    cuts = params.top_p < 1.0 or 0 < params.top_k < scores.shape[0]  # top-k or top-p leave tokens out
     if params.is_greedy:  # adjusted (plain greedy returned above)
         token_id = int(scores.argmax())
         sample_probs = [1.0 if i == token_id else 0.0 for i in top_ids]
-    elif (cuts := params.top_p < 1.0 or 0 < params.top_k < scores.shape[0]) and \
-            (cut := _nucleus(scores, params, rank_fn)) is not None:
+    elif cuts and (cut := _nucleus(scores, params, rank_fn)) is not None:
         ids, weights = cut
         index, total = _draw_listed(weights, generator)
         token_id = ids[index]
