@@ -4,6 +4,7 @@ who may bind where."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -285,6 +286,18 @@ def test_bad_requests_get_openai_errors(server, body, status):
     code, answer = post(f"{server}/v1/chat/completions", body)
     assert code == status, answer
     assert answer["error"]["message"] and answer["error"]["type"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
+    ("completions", {"prompt": "word " * 9000}, "prompt"),
+])
+def test_a_prompt_longer_than_the_context_window_is_said_as_openai_says_it(server, path, body, param):
+    code, answer = post(f"{server}/v1/{path}", body)
+    error = answer["error"]
+    assert (code, error["code"], error["param"]) == (400, "context_length_exceeded", param)
+    assert re.fullmatch(r"the prompt is [\d,]+ tokens, but this model's context window is 8,192 tokens: shorten it",
+                        error["message"])
 
 
 @pytest.mark.parametrize("body, content_type, said", [
