@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P, EngineBusy, Event, QueueFull, Request, SamplingParams, Status
+from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P, EngineBusy, Event, Request, SamplingParams, Status
 
 from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
@@ -203,7 +203,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             if request is not None:
                 engine.check_room()  # QueueFull: refused before anything is saved
         except Exception as exc:  # refused (ValueError, QueueFull), or a fault: said in the reply's place
-            if not isinstance(exc, (ValueError, QueueFull)):
+            if not isinstance(exc, (ValueError, EngineBusy)):  # QueueFull is an EngineBusy
                 traceback.print_exc()  # a fault is the app's: its trace in the terminal
             active.finish(session.id)
             session.pending = ""
