@@ -83,9 +83,11 @@ def fit_conversation(tokenizer, messages: list[dict], ids: list[int], budget: in
     that each next prompt starts as the last one did and the prefix cache finds it, instead of one more
     exchange falling out and the whole prompt being read again at every turn. The new message always
     stays: a message too long by itself is still refused."""
+    if len(ids) <= budget:
+        return messages, ids
     head = 1 if messages and messages[0]["role"] == "system" else 0
     cuts = [i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"]  # where the kept part may start
-    if len(ids) <= budget or not cuts:  # fits, or is one message: as it is
+    if not cuts:  # one message: as it is
         return messages, ids
 
     def kept(cut: int) -> tuple[list[dict], list[int]]:
@@ -93,13 +95,14 @@ def fit_conversation(tokenizer, messages: list[dict], ids: list[int], budget: in
         return part, render_prompt(tokenizer, part)
 
     lo, hi = 0, len(cuts) - 1  # binary search: the fewest exchanges left out for at most half the budget
+    found = None  # cuts[hi] rendered, once it is known to fit
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(kept(cuts[mid])[1]) <= budget // 2:
-            hi = mid
+        if len((part := kept(cuts[mid]))[1]) <= budget // 2:
+            hi, found = mid, part
         else:
             lo = mid + 1
-    return kept(cuts[lo])
+    return found or kept(cuts[lo])
 
 
 def _spelling(tokenizer, token_ids, content: str) -> list[int] | None:
