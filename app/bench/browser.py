@@ -12,7 +12,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,21 +32,26 @@ def free_port() -> int:
 
 
 def start_app(*args: str, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
-    """Start `phasescope ui` on a free port, as a user would; return the process and its URL."""
+    """Start `phasescope ui` on a free port, as a user would; return the process and its URL. Its output
+    (stdout and stderr) is read on a thread into process.output, its last lines, as it comes: a pipe nobody
+    reads fills up (64 KB) and then blocks the app at its next print."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "app.cli", "ui", "--port", str(port), *args], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process.output = deque(maxlen=2000)
     deadline = time.monotonic() + timeout_s
     for line in process.stdout:
+        process.output.append(line)
         if "running at" in line:
+            threading.Thread(target=process.output.extend, args=(process.stdout,), daemon=True).start()
             url = re.search(r"http://\S+", line).group(0)
             _wait_http(url, deadline)
             return process, url
         if time.monotonic() > deadline:
             break
     process.kill()
-    raise RuntimeError(f"the app did not start: {process.stdout.read() if process.stdout else ''}")
+    raise RuntimeError(f"the app did not start: {''.join(process.output)}{process.stdout.read()}")
 
 
 def _wait_http(url: str, deadline: float) -> None:

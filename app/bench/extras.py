@@ -334,9 +334,10 @@ def app_ready_s(model: str | None, precision: str) -> dict:
     process, _ = start_app("--precision", precision, *(["--model", model] if model else []))
     page = time.perf_counter() - start
     try:
-        for line in process.stdout:  # stderr too; the engine's line once it serves: "<model> on <device> (...)"
-            if "decode: " in line:
-                break
+        while not any("decode: " in line for line in list(process.output)):  # the engine's line once it
+            if process.poll() is not None:  # serves: "<model> on <device> (...)"
+                raise RuntimeError(f"the app ended: {''.join(process.output)}")
+            time.sleep(0.005)
         served = time.perf_counter() - start
     finally:
         process.terminate()
