@@ -98,16 +98,21 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="a request still running after S seconds ends with an error (default 600; 0: none)")
 
 
-def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int,
-                          repetition_penalty: float = 1.0, top_p: float = 1.0) -> None:
+def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int, chat: bool = False) -> None:
+    """chat: start from a chat's sampling (top-p 0.9, repetition penalty 1.1) where the model sets none."""
+    from engine.model_defaults import CHAT_SAMPLING, PLAIN_SAMPLING
+
+    start = CHAT_SAMPLING if chat else PLAIN_SAMPLING
+    given = "; default: the model's generation_config.json, else {:g}"
+    parser.set_defaults(chat_sampling=chat)
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=top_p, help=f"1: off; default {top_p:g}")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--repetition-penalty", type=float, default=repetition_penalty,
-                        help=f"divides the logits of tokens in the prompt or the reply (1: off; default "
-                             f"{repetition_penalty:g})")
+    parser.add_argument("--temperature", type=float, help="0 is greedy" + given.format(start["temperature"]))
+    parser.add_argument("--top-p", type=float, help="1: off" + given.format(start["top_p"]))
+    parser.add_argument("--top-k", type=int, help="0: off" + given.format(start["top_k"]))
+    parser.add_argument("--repetition-penalty", type=float,
+                        help="divides the logits of tokens in the prompt or the reply (1: off" +
+                             given.format(start["repetition_penalty"]) + ")")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
                         help="minus this times a token's count in the reply, from its logit (-2 to 2)")
     parser.add_argument("--presence-penalty", type=float, default=0.0,
@@ -118,8 +123,6 @@ def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P
-
     parser = argparse.ArgumentParser(prog="phasescope", description=__doc__)
     commands = parser.add_subparsers(dest="command")
 
@@ -140,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="chat in the terminal, with a timing line after each reply")
     _add_model_options(chat)
-    _add_sampling_options(chat, max_new_tokens=512, repetition_penalty=CHAT_REPETITION_PENALTY, top_p=CHAT_TOP_P)
+    _add_sampling_options(chat, max_new_tokens=512, chat=True)
     _add_endpoint_options(chat)
     _add_db_option(chat)
     chat.add_argument("--session", type=int, metavar="ID",
@@ -271,12 +274,24 @@ def _engine(args: argparse.Namespace):
 
 
 def _sampling(args: argparse.Namespace):
-    from engine import SamplingParams
+    """The options' sampling; what they leave unset from the model's generation_config.json, else the
+    command's defaults (a chat's for `chat`)."""
+    from engine import SamplingParams, sampling_defaults
 
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, repetition_penalty=args.repetition_penalty,
-                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                          seed=args.seed, stop=tuple(args.stop))
+    start = sampling_defaults(args.model, chat=args.chat_sampling)
+    chosen = {key: start[key] if getattr(args, key) is None else getattr(args, key) for key in start}
+    return SamplingParams(max_new_tokens=args.max_new_tokens, **chosen, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty, seed=args.seed, stop=tuple(args.stop))
+
+
+def _print_model_sampling(args: argparse.Namespace) -> None:
+    """Say which settings came from the model's generation_config.json (the options leave them unset)."""
+    from engine import model_sampling
+
+    taken = {key: value for key, value in model_sampling(args.model).items() if getattr(args, key) is None}
+    if taken:
+        print("from the model's generation_config.json: " + ", ".join(f"{k}={v:g}" for k, v in taken.items()),
+              file=sys.stderr)
 
 
 def _conversation(system: str | None) -> list[dict]:
@@ -335,6 +350,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine import check_messages
 
     check_messages(messages)  # before the model loads: an empty prompt is refused at once
+    _print_model_sampling(args)
     engine = _engine(args)
     seen: list = []
     events = _recorded(engine.stream(messages, sampling), seen)
@@ -393,6 +409,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         about = lambda: engine.info  # noqa: E731  (a session is about the model running when it starts)
         what = engine_line(engine)
     print(f"{what}; history: {store.path}. {CHAT_COMMANDS}.")
+    _print_model_sampling(args)
     record = make_recorder(store, about)
     session = ChatSession() if args.session is None else load_chat(store, args.session)
     for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far

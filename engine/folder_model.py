@@ -52,7 +52,9 @@ class FolderModel:
                  dtype: torch.dtype, cache_key: str | None = None) -> None:
         self.config, self.device, self.dtype = config, device, dtype
         self.cache_key = cache_key  # names these weights for caches derived from them (int8)
-        self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id)
+        # where generation ends, as transformers reads it: generation_config.json's eos_token_id (often a
+        # list: an instruct model's end of turn and end of text), else config.json's
+        self.generation_config = SimpleNamespace(eos_token_id=config.generation_eos_token_id)
         self._tensors = tensors
         layers = [SimpleNamespace(
             self_attn=SimpleNamespace(**{p: _linear(tensors, f"model.layers.{i}.self_attn.{p}")
@@ -94,6 +96,12 @@ def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) ->
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
         intermediate_size=raw["intermediate_size"],
         rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"))
+    try:
+        generation = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        generation = {}
+    config.generation_eos_token_id = (generation.get("eos_token_id") if isinstance(generation, dict) else None
+                                      ) or config.eos_token_id
     weights = folder / "model.safetensors"
     with safe_open(str(weights), framework="pt", device=str(device)) as f:
         tensors = {name: f.get_tensor(name).to(dtype) for name in f.keys()}

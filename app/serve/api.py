@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from engine import (DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PrefillChunk, PromptToken, PromptTooLong,
-                    QueueFull, valid_text)
+                    QueueFull, model_sampling, valid_text)
 from engine import Request as EngineRequest
 
 from .metrics import ServerMetrics
@@ -39,6 +39,7 @@ MAX_CHOICES = 16  # choices in one answer: n, times the prompts of a completion
 def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
     """The API for an engine that serves (its scheduler loop runs on its own thread)."""
     model = engine.info.name
+    model_defaults = model_sampling(engine.config.model)  # generation_config.json's, for what a request leaves out
     metrics = metrics or ServerMetrics(engine, model)
     replies = RecentReplies()
     api = FastAPI(title="PhaseScope", summary="An OpenAI-compatible API that measures prefill and decode.")
@@ -84,7 +85,7 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
             raise APIError(400, f"{choices} choices in one request (prompts × n), but this server queues at most "
                                 f"{queue_limit} requests (--limit-waiting)", param="n")
         try:
-            sampling = body.sampling(max_tokens, engine.config.limits.max_new_tokens)
+            sampling = body.sampling(max_tokens, engine.config.limits.max_new_tokens, model_defaults)
             jobs = [new_request(sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i))
                     for new_request in new_requests for i in range(body.n)]
         except PromptTooLong as exc:  # in an API's words: no chat to start anew

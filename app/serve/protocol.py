@@ -69,8 +69,11 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's keys are) -> -100 to 100
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: exactly max_tokens (load tests)
 
-    def sampling(self, max_tokens: int | None, limit: int) -> SamplingParams:
-        """The engine's sampling parameters; no max_tokens: up to the limit (the context caps it too)."""
+    def sampling(self, max_tokens: int | None, limit: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's sampling parameters; no max_tokens: up to the limit (the context caps it too).
+        defaults: the model's own (generation_config.json) for what the request does not set, as vLLM."""
+        chosen = {key: getattr(self, key) for key in ("temperature", "top_p", "top_k", "repetition_penalty")}
+        chosen.update({key: value for key, value in (defaults or {}).items() if key not in self.model_fields_set})
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop) or len(stop) > 16:
             raise APIError(400, "stop takes up to 16 non-empty strings", param="stop")
@@ -81,9 +84,9 @@ class _Common(BaseModel):
             bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
         except ValueError:
             raise APIError(400, "logit_bias takes token ids as its keys", param="logit_bias") from None
-        return SamplingParams(max_new_tokens=max_tokens or limit, temperature=self.temperature, top_p=self.top_p,
-                              top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
-                              repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+        return SamplingParams(max_new_tokens=max_tokens or limit, temperature=chosen["temperature"],
+                              top_p=chosen["top_p"], top_k=max(chosen["top_k"], 0), seed=self.seed, stop=tuple(stop),
+                              repetition_penalty=chosen["repetition_penalty"], frequency_penalty=self.frequency_penalty,
                               presence_penalty=self.presence_penalty, logit_bias=bias, ignore_eos=self.ignore_eos)
 
     @property
@@ -121,9 +124,10 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
-    def sampling(self, max_tokens: int | None, limit: int) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, limit: int, defaults: dict | None = None) -> SamplingParams:
         """With echo and logprobs, the engine reports the prompt's own logprobs (and prefills all of it)."""
-        return replace(super().sampling(max_tokens, limit), prompt_logprobs=self.echo and self.logprobs is not None)
+        return replace(super().sampling(max_tokens, limit, defaults),
+                       prompt_logprobs=self.echo and self.logprobs is not None)
 
     def check_supported(self) -> None:
         if not self.prompt:

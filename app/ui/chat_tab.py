@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P, EngineBusy, Event, Request, SamplingParams, Status
+from engine import EngineBusy, Event, Request, SamplingParams, Status, model_sampling, sampling_defaults
 
 from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
@@ -309,6 +309,12 @@ def new_chat(engine: Engine, leave: Callable[[ChatSession | None], None]):
     return handler
 
 
+def _model_sampling_note(lang: str, given: dict) -> str:
+    """Which settings start from the model's generation_config.json, in its own names."""
+    settings = ", ".join(f"`{key}={value:g}`" for key, value in given.items())
+    return t(lang, "chat.model_sampling", settings=settings) if given else ""
+
+
 def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, streams: live.Streams,
           recorder: RecorderFactory | None = None) -> ChatTab:
     session = gr.State(None)
@@ -329,13 +335,22 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                 system = texts(gr.Textbox, label=K("chat.system"), placeholder=K("chat.system_default"), lines=2)
                 max_new_tokens = texts(gr.Slider, 1, 2048, value=256, step=1, label=K("chat.max_new"),
                                        elem_id="ps-max-new")
-                temperature = texts(gr.Slider, 0, 2, value=0.7, step=0.05, label=K("chat.temperature"),
-                                    elem_id="ps-temperature")
-                top_p = texts(gr.Slider, 0.05, 1, value=CHAT_TOP_P, step=0.05, label=K("chat.top_p"))
-                top_k = texts(gr.Slider, 0, 200, value=0, step=1, label=K("chat.top_k"))
-                # small models fall into loops: 1.1, as Ollama's default (engine.config.CHAT_REPETITION_PENALTY)
-                repetition_penalty = texts(gr.Slider, 1.0, 2.0, value=CHAT_REPETITION_PENALTY, step=0.05,
+                # the model's own (generation_config.json) where it sets them, else a chat's: top-p 0.9 and a
+                # repetition penalty of 1.1, as Ollama's defaults (engine/config.py: small models fall into loops)
+                start = sampling_defaults(engine.config.model, chat=True)
+                temperature = texts(gr.Slider, 0, max(2, start["temperature"]), value=start["temperature"],
+                                    step=0.05, label=K("chat.temperature"), elem_id="ps-temperature")
+                top_p = texts(gr.Slider, 0.05, 1, value=start["top_p"], step=0.05, label=K("chat.top_p"),
+                              elem_id="ps-top-p")
+                top_k = texts(gr.Slider, 0, max(200, start["top_k"]), value=start["top_k"], step=1,
+                              label=K("chat.top_k"), elem_id="ps-top-k")
+                repetition_penalty = texts(gr.Slider, 1.0, max(2, start["repetition_penalty"]),
+                                           value=start["repetition_penalty"], step=0.05,
                                            label=K("chat.repetition_penalty"), elem_id="ps-repetition-penalty")
+                given = model_sampling(engine.config.model)
+                model_note = gr.Markdown(_model_sampling_note(DEFAULT, given), visible=bool(given),
+                                         elem_id="ps-model-sampling")
+                texts.on_switch(lambda lang_choice: _model_sampling_note(lang_choice, given), [], [model_note])
                 seed = texts(gr.Number, label=K("chat.seed"), value=-1, precision=0, minimum=-1, elem_id="ps-seed")
                 prefill_chunk = texts(gr.Slider, 0, 1024, value=0, step=16, label=K("chat.prefill_chunk"),
                                       elem_id="ps-prefill-chunk")
