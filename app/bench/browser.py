@@ -107,8 +107,18 @@ def send(page, text: str) -> None:
 
 
 def wait_phase(page, *phases: str, timeout_ms: int = 180_000) -> str:
+    """The phase line showing one of phases; if it does not in time, an error that says what the page shows."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     selector = ", ".join(f"#ps-phase [data-phase={p}]" for p in phases)
-    page.wait_for_selector(selector, timeout=timeout_ms)
+    try:
+        page.wait_for_selector(selector, timeout=timeout_ms)
+    except PlaywrightTimeout:
+        shown = page.evaluate("() => [document.querySelector('#ps-phase [data-phase]')?.dataset.phase, "
+                              "[...document.querySelectorAll('#ps-chatbot [data-testid]')].slice(-2)"
+                              ".map(m => m.innerText.slice(-300))]")
+        raise AssertionError(f"no phase {'/'.join(phases)} in {timeout_ms / 1000:g} s: the page shows phase "
+                             f"{shown[0]!r}, its last two messages {shown[1]!r}") from None
     return page.get_attribute("#ps-phase [data-phase]", "data-phase")
 
 
