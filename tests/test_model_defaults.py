@@ -39,10 +39,43 @@ def test_a_file_that_sets_nothing_usable_changes_nothing(tmp_path, content):
     assert CHAT_SAMPLING == sampling_defaults(folder, chat=True) and PLAIN_SAMPLING == sampling_defaults(folder)
 
 
-def test_the_bundled_model_a_gguf_file_and_a_missing_folder_set_nothing(tmp_path):
+def test_the_bundled_model_and_missing_files_set_nothing(tmp_path):
+    from engine import default_model_path
+
     assert {} == model_sampling(None) == model_sampling(str(tmp_path / "model.gguf")) == model_sampling(
-        str(tmp_path / "missing"))
+        str(tmp_path / "missing")) == model_sampling(str(default_model_path()))  # its header has no such keys
     assert CHAT_SAMPLING == sampling_defaults(None, chat=True)
+
+
+def _gguf(path, write_keys) -> str:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", "tiny")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "<|im_end|>"])  # arrays before the keys: skipped
+    write_keys(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_a_gguf_files_sampling_metadata_is_read_from_its_header(tmp_path):
+    """convert_hf_to_gguf copies generation_config.json's settings into general.sampling.* (float32)."""
+    def keys(writer):
+        writer.add_float32("general.sampling.temp", 0.6)
+        writer.add_float32("general.sampling.top_p", 0.95)
+        writer.add_int32("general.sampling.top_k", 20)
+        writer.add_float32("general.sampling.penalty_repeat", 1.05)
+        writer.add_float32("general.sampling.min_p", 0.05)  # not a setting here: left out
+
+    path = _gguf(tmp_path / "model.gguf", keys)
+    assert {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05} == model_sampling(path)
+    data = (tmp_path / "model.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:60])  # a file cut short: nothing, no error
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    assert {} == model_sampling(str(tmp_path / "cut.gguf")) == model_sampling(str(tmp_path / "empty.gguf"))
 
 
 def test_the_api_takes_the_models_settings_for_what_a_request_leaves_out():
