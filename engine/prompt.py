@@ -9,11 +9,16 @@ class PromptTooLong(ValueError):
     """option: the setting that chose the limit (None: the model's context window)."""
 
     def __init__(self, num_tokens: int, limit: int, option: str | None = None) -> None:
-        where = f"the limit is {limit:,} prompt tokens ({option})" if option else \
-            f"the model's context window is {limit:,} tokens"
-        super().__init__(f"the conversation is {num_tokens:,} tokens, but {where}: start a new chat or shorten "
-                         "the message")
         self.num_tokens, self.limit, self.option = num_tokens, limit, option
+        super().__init__(f"the conversation is {num_tokens:,} tokens, but {self.which_limit}: start a new chat or "
+                         "shorten the message")
+
+    @property
+    def which_limit(self) -> str:
+        """The limit, in words: "the limit is N prompt tokens (option)" or the model's context window."""
+        if self.option:
+            return f"the limit is {self.limit:,} prompt tokens ({self.option})"
+        return f"the model's context window is {self.limit:,} tokens"
 
 
 def check_messages(messages: list[dict], max_chars: int | None = None) -> None:

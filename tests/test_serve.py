@@ -296,7 +296,7 @@ def test_a_prompt_longer_than_the_context_window_is_said_as_openai_says_it(serve
     code, answer = post(f"{server}/v1/{path}", body)
     error = answer["error"]
     assert (code, error["code"], error["param"]) == (400, "context_length_exceeded", param)
-    assert re.fullmatch(r"the prompt is [\d,]+ tokens, but this model's context window is 8,192 tokens: shorten it",
+    assert re.fullmatch(r"the prompt is [\d,]+ tokens, but the model's context window is 8,192 tokens: shorten it",
                         error["message"])
 
 

@@ -89,9 +89,7 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
             jobs = [new_request(sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i))
                     for new_request in new_requests for i in range(body.n)]
         except PromptTooLong as exc:  # in an API's words: no chat to start anew
-            limit = (f"the limit is {exc.limit:,} prompt tokens ({exc.option})" if exc.option
-                     else f"this model's context window is {exc.limit:,} tokens")
-            raise APIError(400, f"the prompt is {exc.num_tokens:,} tokens, but {limit}: shorten it",
+            raise APIError(400, f"the prompt is {exc.num_tokens:,} tokens, but {exc.which_limit}: shorten it",
                            param="messages" if hasattr(body, "messages") else "prompt",
                            code="context_length_exceeded") from None
         except (KVPoolTooSmall, ValueError) as exc:
