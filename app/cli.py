@@ -103,7 +103,7 @@ def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int, 
     from engine.model_defaults import CHAT_SAMPLING, PLAIN_SAMPLING
 
     start = CHAT_SAMPLING if chat else PLAIN_SAMPLING
-    given = "; default: the model's generation_config.json, else {:g}"
+    given = "; default: the model's own (generation_config.json, GGUF metadata), else {:g}"
     parser.set_defaults(chat_sampling=chat)
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
@@ -274,8 +274,8 @@ def _engine(args: argparse.Namespace):
 
 
 def _sampling(args: argparse.Namespace):
-    """The options' sampling; what they leave unset from the model's generation_config.json, else the
-    command's defaults (a chat's for `chat`)."""
+    """The options' sampling; what they leave unset from the model's own (generation_config.json, GGUF
+    metadata), else the command's defaults (a chat's for `chat`)."""
     from engine import SamplingParams, sampling_defaults
 
     start = sampling_defaults(args.model, chat=args.chat_sampling)
@@ -285,13 +285,13 @@ def _sampling(args: argparse.Namespace):
 
 
 def _print_model_sampling(args: argparse.Namespace) -> None:
-    """Say which settings came from the model's generation_config.json (the options leave them unset)."""
-    from engine import model_sampling
+    """Say which settings came from the model's own (those the options leave unset)."""
+    from engine import model_sampling, sampling_origin
 
     taken = {key: value for key, value in model_sampling(args.model).items() if getattr(args, key) is None}
     if taken:
-        print("from the model's generation_config.json: " + ", ".join(f"{k}={v:g}" for k, v in taken.items()),
-              file=sys.stderr)
+        origin = {"json": "generation_config.json", "gguf": "GGUF metadata"}[sampling_origin(args.model)]
+        print(f"from the model's {origin}: " + ", ".join(f"{k}={v:g}" for k, v in taken.items()), file=sys.stderr)
 
 
 def _conversation(system: str | None) -> list[dict]:

@@ -24,7 +24,7 @@ from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Ho
                      Speculation, Started, TopToken)
 from .info import ModelInfo, PoolUsage
 from .metrics import RequestMetrics, percentiles, session_summary
-from .model_defaults import model_sampling, sampling_defaults
+from .model_defaults import model_sampling, sampling_defaults, sampling_origin
 from .prompt import PromptTooLong, check_messages, render_prompt, reply_message, valid_text
 from .request import Request, Status
 from .text import IncrementalDetokenizer
@@ -49,5 +49,5 @@ __all__ = [
     "PoolUsage", "PrefillChunk", "PromptToken", "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SWITCHES", "SamplingParams", "Started", "Status", "TopToken", "check_messages",
     "default_model_path", "kv_bytes_formula", "load_model", "model_sampling", "percentiles", "render_prompt",
-    "reply_message", "sampling_defaults", "session_summary", "token_bytes", "valid_text",
+    "reply_message", "sampling_defaults", "sampling_origin", "session_summary", "token_bytes", "valid_text",
 ]

@@ -111,6 +111,11 @@ def _gguf_value(header, kind: int, at: int) -> tuple[object, int]:
     raise ValueError(f"unknown GGUF value type {kind}")
 
 
+def sampling_origin(source: str | None) -> str:
+    """Where model_sampling reads a model's settings: "gguf" (its metadata) or "json" (generation_config.json)."""
+    return "gguf" if source is not None and Path(source).suffix.lower() == ".gguf" else "json"
+
+
 def sampling_defaults(source: str | None, chat: bool = False) -> dict[str, float | int]:
     """Temperature, top-p, top-k and repetition penalty to start from: the model's where it sets them,
     else a chat's (chat=True) or the plain ones."""

@@ -127,3 +127,12 @@ def test_generate_and_chat_start_from_the_models_settings(model_folder, capsys, 
     assert 0 == main(["generate", "--model", str(model_folder), "--prompt", "Hi", "--max-new-tokens", "1",
                       "--temperature", "0.5"])
     assert "generation_config.json: top_k=20\n" in capsys.readouterr().err  # what the options set is theirs
+
+
+def test_the_pages_note_says_where_the_settings_come_from_in_either_language():
+    from app.ui.chat_tab import _model_sampling_note
+
+    note = _model_sampling_note("en", {"temperature": 0.6, "top_k": 20}, "gguf")
+    assert note.startswith("This model's GGUF metadata (`general.sampling.*`) sets `temperature=0.6`, `top_k=20`:")
+    assert "`generation_config.json` 设定了 `top_p=0.8`" in _model_sampling_note("zh", {"top_p": 0.8}, "json")
+    assert "" == _model_sampling_note("en", {}, "json")  # the bundled model: no note

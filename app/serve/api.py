@@ -39,7 +39,7 @@ MAX_CHOICES = 16  # choices in one answer: n, times the prompts of a completion
 def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
     """The API for an engine that serves (its scheduler loop runs on its own thread)."""
     model = engine.info.name
-    model_defaults = model_sampling(engine.config.model)  # generation_config.json's, for what a request leaves out
+    model_defaults = model_sampling(engine.config.model)  # the model's own, for what a request leaves out
     metrics = metrics or ServerMetrics(engine, model)
     replies = RecentReplies()
     api = FastAPI(title="PhaseScope", summary="An OpenAI-compatible API that measures prefill and decode.")

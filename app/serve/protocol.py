@@ -71,7 +71,7 @@ class _Common(BaseModel):
 
     def sampling(self, max_tokens: int | None, limit: int, defaults: dict | None = None) -> SamplingParams:
         """The engine's sampling parameters; no max_tokens: up to the limit (the context caps it too).
-        defaults: the model's own (generation_config.json) for what the request does not set, as vLLM."""
+        defaults: the model's own (engine.model_sampling) for what the request does not set, as vLLM."""
         chosen = {key: getattr(self, key) for key in ("temperature", "top_p", "top_k", "repetition_penalty")}
         chosen.update({key: value for key, value in (defaults or {}).items() if key not in self.model_fields_set})
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import EngineBusy, Event, Request, SamplingParams, Status, model_sampling, sampling_defaults
+from engine import (EngineBusy, Event, Request, SamplingParams, Status, model_sampling, sampling_defaults,
+                    sampling_origin)
 
 from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
@@ -309,10 +310,11 @@ def new_chat(engine: Engine, leave: Callable[[ChatSession | None], None]):
     return handler
 
 
-def _model_sampling_note(lang: str, given: dict) -> str:
-    """Which settings start from the model's generation_config.json, in its own names."""
+def _model_sampling_note(lang: str, given: dict, origin: str) -> str:
+    """Which settings start from the model's own (generation_config.json or GGUF metadata), in its names."""
     settings = ", ".join(f"`{key}={value:g}`" for key, value in given.items())
-    return t(lang, "chat.model_sampling", settings=settings) if given else ""
+    return t(lang, "chat.model_sampling", settings=settings, origin=t(lang, f"chat.model_sampling_{origin}")) \
+        if given else ""
 
 
 def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, streams: live.Streams,
@@ -335,8 +337,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                 system = texts(gr.Textbox, label=K("chat.system"), placeholder=K("chat.system_default"), lines=2)
                 max_new_tokens = texts(gr.Slider, 1, 2048, value=256, step=1, label=K("chat.max_new"),
                                        elem_id="ps-max-new")
-                # the model's own (generation_config.json) where it sets them, else a chat's: top-p 0.9 and a
-                # repetition penalty of 1.1, as Ollama's defaults (engine/config.py: small models fall into loops)
+                # the model's own (generation_config.json, GGUF metadata) where it sets them, else a chat's: top-p
+                # 0.9 and a repetition penalty of 1.1, as Ollama's (engine/config.py: small models fall into loops)
                 start = sampling_defaults(engine.config.model, chat=True)
                 temperature = texts(gr.Slider, 0, max(2, start["temperature"]), value=start["temperature"],
                                     step=0.05, label=K("chat.temperature"), elem_id="ps-temperature")
@@ -347,10 +349,11 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                 repetition_penalty = texts(gr.Slider, 1.0, max(2, start["repetition_penalty"]),
                                            value=start["repetition_penalty"], step=0.05,
                                            label=K("chat.repetition_penalty"), elem_id="ps-repetition-penalty")
-                given = model_sampling(engine.config.model)
-                model_note = gr.Markdown(_model_sampling_note(DEFAULT, given), visible=bool(given),
+                given, origin = model_sampling(engine.config.model), sampling_origin(engine.config.model)
+                model_note = gr.Markdown(_model_sampling_note(DEFAULT, given, origin), visible=bool(given),
                                          elem_id="ps-model-sampling")
-                texts.on_switch(lambda lang_choice: _model_sampling_note(lang_choice, given), [], [model_note])
+                texts.on_switch(lambda lang_choice: _model_sampling_note(lang_choice, given, origin), [],
+                                [model_note])
                 seed = texts(gr.Number, label=K("chat.seed"), value=-1, precision=0, minimum=-1, elem_id="ps-seed")
                 prefill_chunk = texts(gr.Slider, 0, 1024, value=0, step=16, label=K("chat.prefill_chunk"),
                                       elem_id="ps-prefill-chunk")
