@@ -313,8 +313,8 @@ def new_chat(engine: Engine, leave: Callable[[ChatSession | None], None]):
 def _model_sampling_note(lang: str, given: dict, origin: str) -> str:
     """Which settings start from the model's own (generation_config.json or GGUF metadata), in its names."""
     settings = ", ".join(f"`{key}={value:g}`" for key, value in given.items())
-    return t(lang, "chat.model_sampling", settings=settings, origin=t(lang, f"chat.model_sampling_{origin}")) \
-        if given else ""
+    origin = t(lang, {"json": "chat.model_sampling_json", "gguf": "chat.model_sampling_gguf"}[origin])
+    return t(lang, "chat.model_sampling", settings=settings, origin=origin) if given else ""
 
 
 def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, streams: live.Streams,
