@@ -89,8 +89,8 @@ def gguf_metadata(path: Path, wanted) -> dict:
                     found[key] = value
                     if len(found) == len(wanted):
                         break
-    except (OSError, ValueError, struct.error):  # not there, empty (mmap), cut short or not GGUF
-        return {}
+    except (OSError, ValueError, struct.error, RecursionError):  # not there, empty (mmap), cut short, not
+        return {}  # GGUF, or arrays nested past Python's stack
     return found
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 
@@ -76,6 +77,10 @@ def test_a_gguf_files_sampling_metadata_is_read_from_its_header(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:60])  # a file cut short: nothing, no error
     (tmp_path / "empty.gguf").write_bytes(b"")
     assert {} == model_sampling(str(tmp_path / "cut.gguf")) == model_sampling(str(tmp_path / "empty.gguf"))
+    nested = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9) \
+        + struct.pack("<IQ", 9, 1) * 100_000  # an array of an array of ... (a crafted file)
+    (tmp_path / "nested.gguf").write_bytes(nested)
+    assert {} == model_sampling(str(tmp_path / "nested.gguf"))
 
 
 def test_the_api_takes_the_models_settings_for_what_a_request_leaves_out():
