@@ -1,6 +1,7 @@
 """A model's own sampling settings (its generation_config.json): read, and taken where nothing else sets them."""
 from __future__ import annotations
 
+import io
 import json
 import struct
 
@@ -118,7 +119,7 @@ def test_a_folder_model_ends_where_its_generation_config_says(model_folder):
     assert set(ends) <= engine.eos_ids
 
 
-def test_generate_and_chat_start_from_the_models_settings(model_folder, capsys, tmp_path):
+def test_generate_and_chat_start_from_the_models_settings(model_folder, capsys, tmp_path, monkeypatch):
     from app.cli import main
 
     (model_folder / "generation_config.json").write_text(json.dumps({"temperature": 0, "top_k": 20}))
@@ -132,6 +133,15 @@ def test_generate_and_chat_start_from_the_models_settings(model_folder, capsys, 
     assert 0 == main(["generate", "--model", str(model_folder), "--prompt", "Hi", "--max-new-tokens", "1",
                       "--temperature", "0.5"])
     assert "generation_config.json: top_k=20\n" in capsys.readouterr().err  # what the options set is theirs
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n/bye\n"))
+    assert 0 == main(["chat", "--model", str(model_folder), "--db", str(tmp_path / "h.db"), "--max-new-tokens", "4"])
+    assert "from the model's generation_config.json: temperature=0, top_k=20" in capsys.readouterr().err
+    from app.history.store import Store
+
+    store = Store.open(tmp_path / "h.db")
+    settings = json.loads(store.sessions()[0]["settings"])
+    assert (0, 20, 0.9, 1.1) == (settings["temperature"], settings["top_k"], settings["top_p"],
+                                 settings["repetition_penalty"])  # the rest a chat's
 
 
 def test_the_pages_note_says_where_the_settings_come_from_in_either_language():
