@@ -151,3 +151,27 @@ def test_the_pages_note_says_where_the_settings_come_from_in_either_language():
     assert note.startswith("This model's GGUF metadata (`general.sampling.*`) sets `temperature=0.6`, `top_k=20`:")
     assert "`generation_config.json` 设定了 `top_p=0.8`" in _model_sampling_note("zh", {"top_p": 0.8}, "json")
     assert "" == _model_sampling_note("en", {}, "json")  # the bundled model: no note
+
+
+def test_the_api_of_a_model_with_settings_takes_them_for_what_a_request_leaves_out(model_folder):
+    from starlette.testclient import TestClient
+
+    from app.serve.api import create_api
+    from app.ui.session import EngineThread
+    from engine import Engine, EngineConfig
+
+    (model_folder / "generation_config.json").write_text(json.dumps({"temperature": 0}))
+    thread = EngineThread().start()
+    try:
+        engine = thread.call(lambda: Engine.from_config(EngineConfig(model=str(model_folder), precision="fp32")))
+        thread.serve(engine)
+        with TestClient(create_api(engine)) as client:
+            def reply(**fields) -> str:
+                body = {"prompt": "Hi", "max_tokens": 12, "ignore_eos": True, **fields}
+                return client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+            greedy = reply()  # the model's temperature 0: the same tokens every time
+            assert greedy == reply() == reply(seed=7)
+            assert greedy != reply(temperature=1.0, seed=7)  # a random model's sampled tokens: near uniform
+    finally:
+        thread.stop()
