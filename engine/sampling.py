@@ -155,11 +155,9 @@ def _tempered(scores: torch.Tensor, params: SamplingParams, generator: torch.Gen
     def chance(token_id: int) -> float:
         return found[token_id] if token_id in found else math.exp(float(scaled[token_id]) - lse)
 
-    point, cumulative = float(torch.rand((), generator=generator, dtype=torch.float64)), 0.0
-    for token_id, p in zip(ids, probs):
-        cumulative += p
-        if cumulative > point:
-            return token_id, chance
+    index = _first_past(probs, float(torch.rand((), generator=generator, dtype=torch.float64)))
+    if index is not None:
+        return ids[index], chance
     rest = (scaled.double() - lse).exp()
     rest[[i for i in ids if i >= 0]] = 0.0
     drawn = _draw(rest, generator)
@@ -183,16 +181,23 @@ def _draw(weights: torch.Tensor, generator: torch.Generator) -> tuple[int, float
     return index, total
 
 
-def _draw_listed(weights: list[float], generator: torch.Generator) -> tuple[int, float]:
-    """_draw over a few weights (> 0 first) as a Python list: the same rule, without tensors."""
-    total = sum(weights)
-    point = float(torch.rand((), generator=generator, dtype=torch.float64)) * total
+def _first_past(weights: list[float], point: float) -> int | None:
+    """The first index where the weights' running sum passes point; None where their sum does not."""
     cumulative = 0.0
     for index, weight in enumerate(weights):
         cumulative += weight
         if cumulative > point:
-            return index, total
-    return max(i for i, weight in enumerate(weights) if weight > 0), total  # point rounded up to the total
+            return index
+    return None
+
+
+def _draw_listed(weights: list[float], generator: torch.Generator) -> tuple[int, float]:
+    """_draw over a few weights (> 0 first) as a Python list: the same rule, without tensors."""
+    total = sum(weights)
+    index = _first_past(weights, float(torch.rand((), generator=generator, dtype=torch.float64)) * total)
+    if index is None:  # point rounded up to the total
+        index = max(i for i, weight in enumerate(weights) if weight > 0)
+    return index, total
 
 
 def top_logits(logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
