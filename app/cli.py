@@ -274,23 +274,24 @@ def _engine(args: argparse.Namespace):
 
 
 def _sampling(args: argparse.Namespace):
-    """The options' sampling; what they leave unset from the model's own (generation_config.json, GGUF
-    metadata), else the command's defaults (a chat's for `chat`)."""
-    from engine import SamplingParams, sampling_defaults
+    """The options' sampling, what they leave unset from the model's own (generation_config.json, GGUF
+    metadata), else the command's defaults (a chat's for `chat`); and the model's settings so taken."""
+    from engine import SamplingParams, model_sampling, sampling_defaults
 
-    start = sampling_defaults(args.model, chat=args.chat_sampling)
+    given = model_sampling(args.model)
+    start = sampling_defaults(args.model, chat=args.chat_sampling, given=given)
     chosen = {key: start[key] if getattr(args, key) is None else getattr(args, key) for key in start}
+    taken = {key: value for key, value in given.items() if getattr(args, key) is None}
     return SamplingParams(max_new_tokens=args.max_new_tokens, **chosen, frequency_penalty=args.frequency_penalty,
-                          presence_penalty=args.presence_penalty, seed=args.seed, stop=tuple(args.stop))
+                          presence_penalty=args.presence_penalty, seed=args.seed, stop=tuple(args.stop)), taken
 
 
-def _print_model_sampling(args: argparse.Namespace) -> None:
-    """Say which settings came from the model's own (those the options leave unset)."""
-    from engine import model_sampling, sampling_origin
+def _print_model_sampling(source: str | None, taken: dict) -> None:
+    """Say which settings came from the model's own (those the options left unset: _sampling)."""
+    from engine import sampling_origin
 
-    taken = {key: value for key, value in model_sampling(args.model).items() if getattr(args, key) is None}
     if taken:
-        origin = {"json": "generation_config.json", "gguf": "GGUF metadata"}[sampling_origin(args.model)]
+        origin = {"json": "generation_config.json", "gguf": "GGUF metadata"}[sampling_origin(source)]
         print(f"from the model's {origin}: " + ", ".join(f"{k}={v:g}" for k, v in taken.items()), file=sys.stderr)
 
 
@@ -345,12 +346,12 @@ def print_reply(events) -> object:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    sampling = _sampling(args)
+    sampling, taken = _sampling(args)
     messages = _conversation(args.system) + [{"role": "user", "content": _prompt(args)}]
     from engine import check_messages
 
     check_messages(messages)  # before the model loads: an empty prompt is refused at once
-    _print_model_sampling(args)
+    _print_model_sampling(args.model, taken)
     engine = _engine(args)
     seen: list = []
     events = _recorded(engine.stream(messages, sampling), seen)
@@ -396,7 +397,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from app.ui.session import ChatSession
     from app.ui.trace import ReplyTrace
 
-    sampling = _sampling(args)
+    sampling, taken = _sampling(args)
     # first: a bad --db or --session fails before the model loads (and a chat to continue needs its database)
     store = Store.open(args.db, create=args.session is None)
     if args.session is not None and not store.has_session(args.session):
@@ -409,7 +410,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         about = lambda: engine.info  # noqa: E731  (a session is about the model running when it starts)
         what = engine_line(engine)
     print(f"{what}; history: {store.path}. {CHAT_COMMANDS}.")
-    _print_model_sampling(args)
+    _print_model_sampling(args.model, taken)
     record = make_recorder(store, about)
     session = ChatSession() if args.session is None else load_chat(store, args.session)
     for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far

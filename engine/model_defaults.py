@@ -32,8 +32,7 @@ def model_sampling(source: str | None) -> dict[str, float | int]:
         return {}
     path = Path(source).expanduser()
     if path.suffix.lower() == ".gguf":
-        raw = {name: value for key, value in gguf_metadata(path, GGUF_SAMPLING).items()
-               for name in [GGUF_SAMPLING[key]]}
+        raw = {GGUF_SAMPLING[key]: value for key, value in gguf_metadata(path, GGUF_SAMPLING).items()}
     else:
         try:
             raw = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
@@ -116,7 +115,8 @@ def sampling_origin(source: str | None) -> str:
     return "gguf" if source is not None and Path(source).suffix.lower() == ".gguf" else "json"
 
 
-def sampling_defaults(source: str | None, chat: bool = False) -> dict[str, float | int]:
+def sampling_defaults(source: str | None, chat: bool = False, given: dict | None = None) -> dict[str, float | int]:
     """Temperature, top-p, top-k and repetition penalty to start from: the model's where it sets them,
-    else a chat's (chat=True) or the plain ones."""
-    return {**(CHAT_SAMPLING if chat else PLAIN_SAMPLING), **model_sampling(source)}
+    else a chat's (chat=True) or the plain ones. given: model_sampling(source), where the caller has read
+    it already (a GGUF file's header is not walked twice)."""
+    return {**(CHAT_SAMPLING if chat else PLAIN_SAMPLING), **(model_sampling(source) if given is None else given)}

@@ -339,7 +339,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                                        elem_id="ps-max-new")
                 # the model's own (generation_config.json, GGUF metadata) where it sets them, else a chat's: top-p
                 # 0.9 and a repetition penalty of 1.1, as Ollama's (engine/config.py: small models fall into loops)
-                start = sampling_defaults(engine.config.model, chat=True)
+                given, origin = model_sampling(engine.config.model), sampling_origin(engine.config.model)
+                start = sampling_defaults(engine.config.model, chat=True, given=given)
                 temperature = texts(gr.Slider, 0, max(2, start["temperature"]), value=start["temperature"],
                                     step=0.05, label=K("chat.temperature"), elem_id="ps-temperature")
                 top_p = texts(gr.Slider, 0.05, 1, value=start["top_p"], step=0.05, label=K("chat.top_p"),
@@ -349,7 +350,6 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                 repetition_penalty = texts(gr.Slider, 1.0, max(2, start["repetition_penalty"]),
                                            value=start["repetition_penalty"], step=0.05,
                                            label=K("chat.repetition_penalty"), elem_id="ps-repetition-penalty")
-                given, origin = model_sampling(engine.config.model), sampling_origin(engine.config.model)
                 model_note = gr.Markdown(_model_sampling_note(DEFAULT, given, origin), visible=bool(given),
                                          elem_id="ps-model-sampling")
                 texts.on_switch(lambda lang_choice: _model_sampling_note(lang_choice, given, origin), [],
