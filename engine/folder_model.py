@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from .llama import SUPPORTED_MODEL_TYPES
+from .model_defaults import generation_config
 
 
 
@@ -96,12 +97,7 @@ def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) ->
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
         intermediate_size=raw["intermediate_size"],
         rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"))
-    try:
-        generation = json.loads((folder / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        generation = {}
-    config.generation_eos_token_id = (generation.get("eos_token_id") if isinstance(generation, dict) else None
-                                      ) or config.eos_token_id
+    config.generation_eos_token_id = generation_config(folder).get("eos_token_id") or config.eos_token_id
     weights = folder / "model.safetensors"
     with safe_open(str(weights), framework="pt", device=str(device)) as f:
         tensors = {name: f.get_tensor(name).to(dtype) for name in f.keys()}

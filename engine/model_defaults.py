@@ -17,8 +17,8 @@ from pathlib import Path
 from .config import CHAT_REPETITION_PENALTY, CHAT_TOP_P, SamplingParams
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
-# what `generate` and the API use where neither the request nor the model says (vLLM's, transformers')
-PLAIN_SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+# what `generate` uses where neither its options nor the model say: SamplingParams' own (the API keeps OpenAI's)
+PLAIN_SAMPLING = {key: getattr(SamplingParams(), key) for key in SAMPLING_KEYS}
 # what a chat (the page, `phasescope chat`) starts with where the model says nothing: see engine/config.py
 CHAT_SAMPLING = {**PLAIN_SAMPLING, "top_p": CHAT_TOP_P, "repetition_penalty": CHAT_REPETITION_PENALTY}
 
@@ -34,11 +34,18 @@ def model_sampling(source: str | None) -> dict[str, float | int]:
     if path.suffix.lower() == ".gguf":
         raw = {GGUF_SAMPLING[key]: value for key, value in gguf_metadata(path, GGUF_SAMPLING).items()}
     else:
-        try:
-            raw = json.loads((path / "generation_config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # no such folder or file, or not JSON: the loader says what is wrong
-            return {}
-    return _usable(raw) if isinstance(raw, dict) else {}
+        raw = generation_config(path)
+    return _usable(raw)
+
+
+def generation_config(folder: Path) -> dict:
+    """A model folder's generation_config.json; {} where there is none, or it is not a JSON object (the
+    loader says what else is wrong with the folder)."""
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _usable(raw: dict) -> dict[str, float | int]:
