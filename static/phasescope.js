@@ -142,13 +142,15 @@
     div.layout.xaxis = {...div.layout.xaxis, autorange: false, range: [lo, hi + Math.max(16, hi - lo)]};
   }
 
-  // the reply's text so far on its live span, as Markdown (static/markdown.js: its markup escaped, shown
-  // as text), kept scrolled to its end if the reader was there; not while the reader has text of it
-  // selected (drawn again, the selection would go): the text catches up at the first update after
+  // the reply's text so far on its own live span, as Markdown (static/markdown.js: its markup escaped,
+  // shown as text), kept scrolled to its end if the reader was there; not while the reader has text of it
+  // selected (drawn again, the selection would go): the text catches up at the first update after. Only
+  // its own: the next reply's span, drawn before that reply's first message, stays empty meanwhile.
   const drawn = new WeakMap();  // live span -> the text drawn on it
 
   function showText() {
-    const spans = document.querySelectorAll("#ps-chatbot .ps-live");
+    if (!reply.id) return;
+    const spans = document.querySelectorAll(`#ps-chatbot .ps-reply-${CSS.escape(reply.id)}`);
     const span = spans[spans.length - 1];
     if (!span || drawn.get(span) === reply.text || selectedIn(span)) return;
     const before = scroller(span);  // none yet: the reply fitted, so the reader is at its end

@@ -143,9 +143,18 @@ def test_second_turn_reuses_the_first_turns_kv(page):
     set_setting(page, "ps-max-new", 8)
     send(page, "Name a fruit.")
     wait_phase(page, "done")
+    page.wait_for_selector("#ps-chatbot [data-testid=bot] .ps-stats")
+    first_text = page.locator("#ps-chatbot [data-testid=bot]").first.inner_text().split("\n\n")[0]
+    # what the second reply's live span shows before its first text comes: nothing (it once showed the
+    # first reply's text until then, for as long as the reply was queued or prefilling)
+    page.evaluate("""() => { window.psLiveSeen = []; new MutationObserver(() => {
+        for (const span of document.querySelectorAll('#ps-chatbot .ps-live'))
+            if (span.innerText) window.psLiveSeen.push(span.innerText); })
+        .observe(document.querySelector('#ps-chatbot'), {childList: true, subtree: true}); }""")
     send(page, "Name another one.")
     page.wait_for_selector("#ps-chatbot [data-testid=user] >> nth=1")
     wait_phase(page, "done")
+    assert first_text not in page.evaluate("() => window.psLiveSeen")
     page.wait_for_timeout(500)
     traces = plot_traces(page, "ps-kv")
     assert {"turn 1", "turn 2", "kept from cache"} <= set(traces)
