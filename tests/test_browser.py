@@ -325,6 +325,27 @@ def test_stop_keeps_the_partial_reply(page):
     assert len(reply.split("\n")[0]) > 0
 
 
+def test_a_message_sent_while_a_reply_streams_stays_in_the_box(page, app_db):
+    """Enter while the chat's reply streams: the chat answers one message at a time, so the message stays in
+    the box, and the running reply's message is not sent again (the turned-down send's queued step once
+    ran it a second time beside the first: two replies saved, one shown)."""
+    from app.history.store import Store
+
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", 200)
+    send(page, "Tell me a long story about a dragon.")
+    wait_phase(page, "decode")
+    page.fill("#ps-message textarea", "A second question?")
+    page.press("#ps-message textarea", "Enter")
+    wait_phase(page, "done")
+    page.wait_for_timeout(1500)
+    assert "done" == page.get_attribute("#ps-phase [data-phase]", "data-phase")
+    assert 1 == page.locator("#ps-chatbot [data-testid=bot]").count()
+    assert "A second question?" == page.input_value("#ps-message textarea")
+    store = Store.open(app_db)
+    assert ["user", "assistant"] == [m["role"] for m in store.messages(store.sessions()[0]["id"])]
+
+
 def test_markup_is_shown_as_text_and_never_run(page):
     set_setting(page, "ps-max-new", 4)
     code = 'if a < b && c > d:\n    s = "&amp;<img src=y onerror=window.__pwned=3>"'

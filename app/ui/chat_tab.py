@@ -186,7 +186,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
     and its one input is the chat's state: a component an event waits on shows a "pending" status,
     whose timer Gradio redraws every frame (60 a second, taken from decode on a 2-core machine)."""
     def respond(session):
-        text = session.pending if session else ""
+        text = session.take() if session else ""
         if not text:
             return
         try:

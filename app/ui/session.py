@@ -37,6 +37,7 @@ class ChatSession:
     store_id: int | None = None  # the history database's session id, once saved
     saved_reply: int | None = None  # the id of store_id's latest reply as this chat knows it (Store.add_reply)
     pending: str = ""  # a message accepted and waiting for the engine
+    taken: str = ""  # the reply id whose message a respond took (take)
     warnings: list[str] = field(default_factory=list)  # e.g. the history could not be saved
     lang: str = DEFAULT  # the page's language when the chat last sent or switched (app/i18n)
     endpoint: object | None = None  # an app.remote.Endpoint when this chat talks to a remote server
@@ -57,6 +58,15 @@ class ChatSession:
         self.reply_id = f"{self.id}-{self.sent}"
         self.display += [{"role": "user", "content": as_text(user_text)},
                          {"role": "assistant", "content": live_span(self.reply_id)}]
+
+    def take(self) -> str:
+        """The accepted message, for the one respond that runs it; "" for any other. Every send queues a
+        respond, also one that accept turned down because a reply was running: that one must not run the
+        running reply's message a second time."""
+        if not self.pending or self.taken == self.reply_id:
+            return ""
+        self.taken = self.reply_id
+        return self.pending
 
     def prompt(self, system: str | None, text: str) -> list[dict]:
         """The conversation sent to the model with a new message: the system prompt, the chat from its
