@@ -234,6 +234,12 @@
     }
   }
 
+  // while the chat has a reply running (its live span is there), Send shows as unavailable (a message sent
+  // then stays in the box: a chat answers one at a time), and Stop while none runs (app.css)
+  function showReplying() {
+    document.body.classList.toggle("ps-replying", Boolean(document.querySelector("#ps-chatbot .ps-live")));
+  }
+
   function followLive() {
     for (const span of document.querySelectorAll("#ps-chatbot .ps-live")) {
       const named = span.className.match(/\bps-reply-([\w-]+)/);  // app/ui/session.py's live_span
@@ -304,6 +310,7 @@
     // a new reply's live span: follow its stream; a live span drawn after its text arrived (the chatbot
     // renders asynchronously): fill it
     new MutationObserver(() => {
+      showReplying();
       followLive();
       if (reply.text) showText();
       textInEditBoxes();

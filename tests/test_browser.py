@@ -326,8 +326,8 @@ def test_stop_keeps_the_partial_reply(page):
 
 
 def test_a_message_sent_while_a_reply_streams_stays_in_the_box(page, app_db):
-    """Enter while the chat's reply streams: the chat answers one message at a time, so the message stays in
-    the box, and the running reply's message is not sent again (the turned-down send's queued step once
+    """Enter while the chat's reply streams: the chat answers one message at a time (Send shows so), so the
+    message stays in the box, and the running reply's message is not sent again (the turned-down send's queued step once
     ran it a second time beside the first: two replies saved, one shown)."""
     from app.history.store import Store
 
@@ -335,11 +335,14 @@ def test_a_message_sent_while_a_reply_streams_stays_in_the_box(page, app_db):
     set_setting(page, "ps-max-new", 200)
     send(page, "Tell me a long story about a dragon.")
     wait_phase(page, "decode")
+    replying = "() => ['#ps-send', '#ps-stop'].map(s => getComputedStyle(document.querySelector(s)).opacity)"
+    assert ["0.5", "1"] == page.evaluate(replying)  # Send shown as unavailable while the reply runs, Stop not
     page.fill("#ps-message textarea", "A second question?")
     page.press("#ps-message textarea", "Enter")
     wait_phase(page, "done")
     page.wait_for_timeout(1500)
     assert "done" == page.get_attribute("#ps-phase [data-phase]", "data-phase")
+    assert ["1", "0.5"] == page.evaluate(replying)
     assert 1 == page.locator("#ps-chatbot [data-testid=bot]").count()
     assert "A second question?" == page.input_value("#ps-message textarea")
     store = Store.open(app_db)
