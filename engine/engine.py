@@ -35,7 +35,7 @@ from .kv_pool import blocks_for, kv_bytes_formula
 from .loader import LoadedModel, load_model
 from .prompt import PromptTooLong, check_messages, fit_conversation, render_prompt
 from .request import Request, Status
-from .sampling import make_generator, sample, top_logits
+from .sampling import SeenTokens, make_generator, sample, top_logits, top_tempered
 from .scheduler import Scheduler
 from .speculative import DraftLength, DraftModel, prompt_lookup
 from .text import TextStream
@@ -677,11 +677,15 @@ class Engine:
         draft: the token comes from a draft's row; guess: the draft's token for this row, counted as
         accepted when it is the one sampled."""
         sample_start_ns = self._now_ns()
-        penalize = r.sampling.repetition_penalty != 1.0  # the prompt and reply joined: a copy, made only then
-        rank_fn = getattr(self.runner, "top_logits", top_logits)  # a runner may bring a native one
-        top_fn = rank_fn if top is None else lambda *_: top
-        picked = sample(logits, r.sampling, r.generator, r.prompt_ids + r.generated_ids if penalize else (),
-                        top_fn=top_fn, generated_ids=r.generated_ids, rank_fn=rank_fn)
+        seen = ()
+        if r.sampling.repetition_penalty != 1.0:  # the prompt's and reply's distinct ids, kept as the reply grows
+            if r.seen_tokens is None:
+                r.seen_tokens = SeenTokens(r.prompt_ids)
+            seen = r.seen_tokens.ids(r.generated_ids)
+        rank_fn = getattr(self.runner, "top_tempered", top_tempered)  # a runner may bring native ones
+        top_fn = getattr(self.runner, "top_logits", top_logits) if top is None else lambda *_: top
+        picked = sample(logits, r.sampling, r.generator, seen, top_fn=top_fn, generated_ids=r.generated_ids,
+                        rank_fn=rank_fn)
         now_ns = self._now_ns()
         stage_ms = None
         if r.reports_stages:  # the forward's stages (none for token 1: the prefill's were reported), and sampling

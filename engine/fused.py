@@ -99,6 +99,10 @@ class FusedDecode:
         self._top = native.ps_top_logits
         self._top.restype = ctypes.c_float
         self._top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        self._top_tempered = native.ps_top_tempered
+        self._top_tempered.restype = ctypes.c_float
+        self._top_tempered.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                                       ctypes.c_void_p]
         self._top_batch = native.ps_top_logits_batch
         self._top_batch.restype = None
         self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -204,6 +208,14 @@ class FusedDecode:
         lse = self._top(logits.data_ptr(), logits.shape[-1], k, ids, values)
         if ids[0] < 0:
             raise ValueError("the model produced no finite logits")
+        return list(ids), list(values), lse
+
+    def top_tempered(self, scores: torch.Tensor, k: int, scale: float) -> tuple[list[int], list[float], float]:
+        """sampling.top_tempered, natively: no scores / temperature made over the vocabulary first."""
+        scores = scores.float().contiguous()
+        k = min(k, scores.shape[-1])
+        ids, values = (ctypes.c_int64 * k)(), (ctypes.c_float * k)()
+        lse = self._top_tempered(scores.data_ptr(), scores.shape[-1], k, scale, ids, values)
         return list(ids), list(values), lse
 
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:

@@ -23,7 +23,7 @@ from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for
 from .loader import cache_root
 from .quantize import Int8Cache, Int8Linear, linear_factory
-from .sampling import top_logits, top_logits_batch
+from .sampling import top_logits, top_logits_batch, top_tempered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INT8_FORMAT = 1  # the layout of the cached int8 weights: raise it when LeanLlama's fusing or quantizing changes
@@ -214,6 +214,10 @@ class LeanLlama:
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
         """sampling.top_logits, from the native library when decode uses it."""
         return (self.fused.top_logits if self.fused is not None else top_logits)(logits, k)
+
+    def top_tempered(self, scores: torch.Tensor, k: int, scale: float) -> tuple[list[int], list[float], float]:
+        """sampling.top_tempered, from the native library when decode uses it."""
+        return (self.fused.top_tempered if self.fused is not None else top_tempered)(scores, k, scale)
 
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab]."""

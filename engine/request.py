@@ -43,6 +43,7 @@ class Request:
     hook_error: Exception | None = None  # the first exception a hook raised (it cancels the request)
     text_stream: object | None = field(default=None, repr=False)  # TextStream while decoding
     generator: object | None = field(default=None, repr=False)  # torch.Generator for sampling
+    seen_tokens: object | None = field(default=None, repr=False)  # sampling.SeenTokens, for a repetition penalty
     # decode steps it may still take (step by step, explain mode); None: as many as it needs
     decode_allowance: int | None = None
     # explain mode: its decode steps report their attention weights, its forwards their time per stage

@@ -16,7 +16,7 @@ from engine.fused import KernelUnavailable, build_library
 from engine.hf_runner import make_runner
 from engine.kv_pool import SequenceKV
 from engine.llama import LeanLlama
-from engine.sampling import top_logits
+from engine.sampling import top_logits, top_tempered
 
 PROMPT = "Prefill reads the prompt; decode writes the reply."
 
@@ -181,7 +181,7 @@ def test_top_p_from_the_most_likely_alone_keeps_what_the_full_search_keeps(token
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
             probs = (scores.double() / temperature).softmax(-1)
             expected_ids, expected_probs = _kept(probs, top_k, top_p)
-            for rank_fn in (runner.top_logits, top_logits):
+            for rank_fn in (runner.top_tempered, top_tempered):
                 found = _nucleus(scores, params, rank_fn)
                 if found is None:
                     assert not top_k and float(probs.topk(NUCLEUS_FIRST).values.sum()) < top_p
@@ -191,6 +191,22 @@ def test_top_p_from_the_most_likely_alone_keeps_what_the_full_search_keeps(token
                 assert ids == expected_ids.tolist()
                 assert kept_probs == pytest.approx(expected_probs.tolist(), rel=1e-4)
     assert looked_further < 24  # the peaked ones are found from the first NUCLEUS_FIRST
+
+
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.7, 5.0, 1e30])
+def test_top_tempered_natively_and_with_torch(tokenizer, scale):
+    """The k largest as they are, and the log-normalizer of the scores shifted below the largest and
+    scaled (1 / temperature): from one pass, with no scaled copy of the vocabulary."""
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    scores = torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 4
+    ids, values, lse = runner.top_tempered(scores, 64, scale)
+    expected_ids, expected_values, expected_lse = top_tempered(scores, 64, scale)
+    assert ids == expected_ids and values == pytest.approx(expected_values)
+    assert lse == pytest.approx(float(((scores.double() - scores.max()) * scale).logsumexp(-1)), rel=1e-5, abs=1e-6)
+    assert lse == pytest.approx(expected_lse, rel=1e-5, abs=1e-6)
+    nan = scores.clone()
+    nan[7] = float("nan")
+    assert math.isnan(runner.top_tempered(nan, 5, scale)[2])  # sample's _ranked then looks no further
 
 
 def test_top_logits_of_a_batch_equal_each_rows(tokenizer):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from engine.sampling import (_draw, _kept, apply_logit_bias, apply_reply_penalties, apply_repetition_penalty,
-                             make_generator, sample)
+from engine.sampling import (SeenTokens, _draw, _kept, apply_logit_bias, apply_reply_penalties,
+                             apply_repetition_penalty, make_generator, sample)
 from engine.text import IncrementalDetokenizer, TextStream
 
 
@@ -130,6 +130,19 @@ def test_a_temperature_alone_draws_from_the_whole_softmax_in_and_past_the_most_l
 def test_repetition_penalty_discourages_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0])
     assert [1.0, -4.0, 1.0] == apply_repetition_penalty(logits, [0, 1], 2.0).tolist()
+
+
+def test_seen_tokens_kept_as_the_reply_grows_penalize_as_the_whole_list_does():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    prompt, reply = [3, 7, 3, 9], []
+    seen = SeenTokens(prompt)
+    for token in [7, 11, 11, 2, 3, 40]:  # seen in the prompt, new, repeated
+        reply.append(token)
+        ids = seen.ids(reply)
+        assert sorted(ids.tolist()) == sorted(set(prompt + reply))
+        whole = apply_repetition_penalty(logits, prompt + reply, 1.3)
+        assert torch.equal(apply_repetition_penalty(logits, ids, 1.3), whole)
+    assert apply_repetition_penalty(logits, SeenTokens([]).ids([]), 1.3) is logits  # nothing seen: untouched
 
 
 def test_frequency_and_presence_penalties_count_the_reply():
