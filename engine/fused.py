@@ -103,6 +103,11 @@ class FusedDecode:
         self._top_tempered.restype = ctypes.c_float
         self._top_tempered.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
                                        ctypes.c_void_p]
+        self._nucleus = native.ps_nucleus
+        self._nucleus.restype = ctypes.c_int64
+        self._nucleus.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_void_p]
+        self._nucleus_out = (ctypes.c_int64 * self.NUCLEUS_CAP)(), (ctypes.c_float * self.NUCLEUS_CAP)()
         self._top_batch = native.ps_top_logits_batch
         self._top_batch.restype = None
         self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -217,6 +222,16 @@ class FusedDecode:
         ids, values = (ctypes.c_int64 * k)(), (ctypes.c_float * k)()
         lse = self._top_tempered(scores.data_ptr(), scores.shape[-1], k, scale, ids, values)
         return list(ids), list(values), lse
+
+    NUCLEUS_CAP = 8192  # tokens a nucleus may hold (the bundled model's at temperature 1.0, top-p 0.9: 8,475 at most)
+
+    def nucleus(self, scores: torch.Tensor, scale: float, top_p: float) -> tuple[list[int], list[float]] | None:
+        """The tokens top-p keeps under temperature 1 / scale, most likely first, and their probabilities,
+        from the whole vocabulary without sorting it; None where it cannot say (sampling's _kept then does)."""
+        scores = scores.float().contiguous()
+        ids, probs = self._nucleus_out  # one engine thread samples: the same two arrays every time
+        count = self._nucleus(scores.data_ptr(), scores.shape[-1], scale, top_p, self.NUCLEUS_CAP, ids, probs)
+        return (ids[:count], probs[:count]) if count > 0 else None
 
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab], the rows spread over the threads."""

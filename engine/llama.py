@@ -219,6 +219,11 @@ class LeanLlama:
         """sampling.top_tempered, from the native library when decode uses it."""
         return (self.fused.top_tempered if self.fused is not None else top_tempered)(scores, k, scale)
 
+    @property
+    def nucleus(self):
+        """FusedDecode.nucleus where decode is native (else None: sampling's _kept finds the nucleus)."""
+        return self.fused.nucleus if self.fused is not None else None
+
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab]."""
         return (self.fused.top_logits_batch if self.fused is not None else top_logits_batch)(logits, k)

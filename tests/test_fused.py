@@ -193,6 +193,37 @@ def test_top_p_from_the_most_likely_alone_keeps_what_the_full_search_keeps(token
     assert looked_further < 24  # the peaked ones are found from the first NUCLEUS_FIRST
 
 
+def test_native_nucleus_keeps_what_the_full_search_keeps(tokenizer):
+    """FusedDecode.nucleus (a histogram of the probabilities, then the tokens up to where top-p ends) against
+    _kept's float64 softmax and topk over the whole vocabulary, flat distributions included: the same tokens
+    in the same order, the same probabilities; None only past its cap."""
+    from engine.sampling import _kept
+
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    generator = torch.Generator().manual_seed(5)
+    sizes = []
+    for spread in (0.3, 1.0, 3.0, 8.0):
+        for temperature in (0.2, 0.7, 1.5):
+            for top_p in (0.5, 0.9, 0.99):
+                scores = torch.randn(49152, generator=generator) * spread
+                expected_ids, expected_probs = _kept((scores.double() / temperature).softmax(-1), 0, top_p)
+                found = runner.nucleus(scores, 1 / temperature, top_p)
+                if found is None:
+                    assert len(expected_ids) > runner.fused.NUCLEUS_CAP
+                    continue
+                ids, probs = found
+                assert ids == expected_ids.tolist()
+                assert probs == pytest.approx(expected_probs.tolist(), rel=1e-4)
+                sizes.append(len(ids))
+    assert min(sizes) < 64 < 1000 < max(sizes)  # peaked and flat ones both found
+    tied = torch.zeros(300)
+    tied[[40, 7, 99]] = 5.0  # the three most likely alike: the lower id first, as argmax does
+    assert [7, 40, 99] == runner.nucleus(tied, 1.0, 0.5)[0]
+    nan = torch.randn(1000)
+    nan[5] = float("nan")
+    assert runner.nucleus(nan, 1.0, 0.9) is None
+
+
 @pytest.mark.parametrize("scale", [1.0, 1 / 0.7, 5.0, 1e30])
 def test_top_tempered_natively_and_with_torch(tokenizer, scale):
     """The k largest as they are, and the log-normalizer of the scores shifted below the largest and
