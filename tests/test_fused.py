@@ -139,6 +139,10 @@ def test_every_instruction_set_path_gives_the_same_logits(tokenizer, tmp_path, m
         runner.forward(ids, 0, cache)
         other = torch.stack([runner.forward(torch.tensor([7 + step]), len(ids) + step, cache) for step in range(6)])
         torch.testing.assert_close(other, native, atol=1e-4 * native.abs().max().item(), rtol=1e-4)
+    from engine.sampling import _kept  # and sampling's top-p over the vocabulary, packed with or without AVX-512
+
+    scores = torch.randn(49152, generator=torch.Generator().manual_seed(2)) * 3
+    assert runner.nucleus(scores, 1 / 0.7, 0.9)[0] == _kept((scores.double() / 0.7).softmax(-1), 0, 0.9)[0].tolist()
 
 
 @pytest.mark.model
