@@ -180,6 +180,16 @@ def test_pieces_are_complete_utf8_and_add_up(tokenizer, text):
     assert all("\ufffd" not in piece for piece in pieces)
 
 
+def test_pieces_from_the_rust_tokenizer_are_the_wrappers(tokenizer):
+    """The detokenizer decodes with the Rust tokenizer under transformers' where the wrapper adds nothing:
+    the same pieces as through the wrapper, special tokens skipped."""
+    ids = [i for text in TEXTS for i in tokenizer(text + "<|im_end|> ", add_special_tokens=False)["input_ids"]]
+    fast, wrapped = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(tokenizer)
+    wrapped._backend = None
+    assert fast._backend is not None
+    assert [fast.push(i) for i in ids] == [wrapped.push(i) for i in ids]
+
+
 def test_multibyte_character_waits_for_its_last_token(tokenizer):
     ids = tokenizer("🚀", add_special_tokens=False)["input_ids"]
     assert len(ids) > 1  # the emoji spans several byte-level tokens
