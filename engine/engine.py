@@ -100,6 +100,7 @@ class Engine:
         self.runner = runner or make_runner(loaded.model, self.config.precision, cache_dir=self.config.cache_dir,
                                             tensor_parallel=self.config.tensor_parallel)
         self.eos_ids = _eos_ids(loaded)
+        self._token_strings: dict[int, str] = {}  # token_string's, as tokens come
         mb = self.config.kv_cache_mb
         self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
         self.pool = _new_pool(self.runner, self.config, self.pool_budget)
@@ -454,8 +455,7 @@ class Engine:
         logprobs = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
         chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets, device=logprobs.device)].exp().tolist()
         top_values, top_ids = logprobs.topk(NUM_TOP, dim=-1)
-        decode = self.tokenizer.convert_ids_to_tokens
-        tops = [tuple(TopToken(i, decode(i), p) for i, p in zip(ids, probs))
+        tops = [tuple(TopToken(i, self.token_string(i), p) for i, p in zip(ids, probs))
                 for ids, probs in zip(top_ids.tolist(), top_values.exp().tolist())]
         return tuple(PromptToken(start + 1 + row, token_id, prob, top)
                      for row, (token_id, prob, top) in enumerate(zip(targets, chosen, tops)))
@@ -735,12 +735,19 @@ class Engine:
                           prefill_ms=r.prefill_ns / 1e6,
                           first_sample_ms=(now_ns - r.prefill_end_ns) / 1e6)
 
+    def token_string(self, token_id: int) -> str:
+        """The tokenizer's string for a token id (byte-level BPE's: "Ġthe"), remembered: each decode step
+        names its five most likely tokens, and transformers' convert_ids_to_tokens took 30 us for them."""
+        string = self._token_strings.get(token_id)
+        if string is None:
+            string = self._token_strings[token_id] = self.tokenizer.convert_ids_to_tokens(token_id)
+        return string
+
     def _decode_event(self, r: Request, step: int, picked, piece: str, now_ns: int, previous_ns: int,
                       batch_size: int, forward_ms: float = 0.0, attention: torch.Tensor | None = None,
                       stage_ms: dict | None = None, flops: int = 0, draft: bool = False,
                       comm_ms: float = 0.0) -> DecodeStep:
-        decode = self.tokenizer.convert_ids_to_tokens
-        top = tuple(TopToken(i, decode(i), p, q)
+        top = tuple(TopToken(i, self.token_string(i), p, q)
                     for i, p, q in zip(picked.top_ids, picked.top_probs, picked.top_sample_probs))
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,

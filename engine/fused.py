@@ -108,6 +108,7 @@ class FusedDecode:
         self._nucleus.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p]
         self._nucleus_out = (ctypes.c_int64 * self.NUCLEUS_CAP)(), (ctypes.c_float * self.NUCLEUS_CAP)()
+        self._top_out: dict[tuple[int, int], tuple] = {}  # top_logits_batch's, by rows and k
         self._top_batch = native.ps_top_logits_batch
         self._top_batch.restype = None
         self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -235,13 +236,18 @@ class FusedDecode:
 
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab], the rows spread over the threads."""
-        logits = logits.float().contiguous()
+        if logits.dtype != torch.float32 or not logits.is_contiguous():
+            logits = logits.float().contiguous()
         rows, vocab = logits.shape
         k = min(k, vocab)
-        # ctypes arrays, not torch tensors: each torch op pays microseconds of dispatch, and this runs every step
-        ids, values, lse = (ctypes.c_int64 * (rows * k))(), (ctypes.c_float * (rows * k))(), (ctypes.c_float * rows)()
+        # ctypes arrays, not torch tensors: each torch op pays microseconds of dispatch, and this runs every
+        # step; made once for each size (one engine thread decodes)
+        if (rows, k) not in self._top_out:
+            self._top_out[rows, k] = ((ctypes.c_int64 * (rows * k))(), (ctypes.c_float * (rows * k))(),
+                                      (ctypes.c_float * rows)())
+        ids, values, lse = self._top_out[rows, k]
         self._top_batch(logits.data_ptr(), rows, vocab, k, torch.get_num_threads(), ids, values, lse)
-        ids, values = list(ids), list(values)
+        ids, values, lse = ids[:], values[:], lse[:]
         if any(ids[b * k] < 0 for b in range(rows)):
             raise ValueError("the model produced no finite logits")
         return [(ids[b * k:(b + 1) * k], values[b * k:(b + 1) * k], lse[b]) for b in range(rows)]
