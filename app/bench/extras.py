@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from engine import Engine, SamplingParams
+from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P, Engine, SamplingParams
 
 from .browser import ROOT, start_app
 
@@ -148,16 +148,20 @@ def native_vs_ops(engine: Engine, prompt: list[int], num_gen: int, repetitions: 
             "speedup": round(medians["native"] / medians["ops"], 2)}
 
 
-SAMPLING_RULES = {"greedy": (0.0, 1.0), "temperature 0.7": (0.7, 1.0), "temperature 0.7, top-p 0.9": (0.7, 0.9)}
+# name: (temperature, top-p, repetition penalty)
+SAMPLING_RULES = {"greedy": (0.0, 1.0, 1.0), "temperature 0.7": (0.7, 1.0, 1.0),
+                  "temperature 0.7, top-p 0.9": (0.7, 0.9, 1.0),
+                  f"the chat's: temperature 0.7, top-p {CHAT_TOP_P:g}, repetition penalty {CHAT_REPETITION_PENALTY:g}":
+                  (0.7, CHAT_TOP_P, CHAT_REPETITION_PENALTY)}
 
 
 def sampling_cost(engine: Engine, prompt: list[int], num_gen: int, repetitions: int) -> dict:
-    """TPOT under the chat's sampling rules (the page's default is temperature 0.7, top-p 0.9) and under greedy,
-    same engine and prompt, interleaved: what choosing the token costs beside the forward, as each
-    rule's ms per token over greedy's."""
-    def tpot_ms(temperature: float, top_p: float) -> float:
+    """TPOT under the chat's sampling rules (the page's default is temperature 0.7, top-p 0.9, repetition
+    penalty 1.1) and its parts, and under greedy, same engine and prompt, interleaved: what choosing the
+    token costs beside the forward, as each rule's ms per token over greedy's."""
+    def tpot_ms(temperature: float, top_p: float, penalty: float) -> float:
         sampling = SamplingParams(max_new_tokens=num_gen, temperature=temperature, top_p=top_p, seed=1,
-                                  ignore_eos=True)
+                                  repetition_penalty=penalty, ignore_eos=True)
         *_, finished = engine.run(engine.new_request_from_ids(prompt, sampling))
         return finished.metrics.tpot_ms
 
