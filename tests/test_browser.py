@@ -826,7 +826,15 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
                             timeout=60_000)
     assert page.locator("#ps-explain-steps [data-explain=running]").count() == 1
     other.click("#ps-explain-stop")
+    page.click("#ps-explain-pause")
+    # each says so after the Run has ended (a Run's last frame, drawn again as it ended, said "running")
+    for tab, state in ((other, "done"), (page, "held")):
+        tab.wait_for_selector(f"#ps-explain-steps [data-explain={state}]", timeout=30_000)
+    page.wait_for_timeout(1500)
+    assert 1 == other.locator("#ps-explain-steps [data-explain=done]").count()
+    assert 1 == page.locator("#ps-explain-steps [data-explain=held]").count()
     other.close()
+    page.click("#ps-explain-run")
     _wait_run_done(page)
     set_setting(page, "ps-explain-temperature", 0.8)  # sampled: the chances after the cut-offs beside the model's
     set_setting(page, "ps-explain-top-k", 2)

@@ -127,7 +127,9 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     def run_on(walk, layer_choice, head_choice, lang_choice):
         """One step after another, each drawn, until the reply ends or Pause holds it. It draws the views
         only, never the state, and nothing once the walk was stopped or replaced: a Start or Stop during
-        its last step must not be drawn over by this walk."""
+        its last step must not be drawn over by this walk. Its last frame changes nothing: when a
+        generator ends, the page draws its last frame again, which after a Pause, Stop or Start (each
+        drawing the walk as it then is) said "running"."""
         if walk is None or walk.trace.finished:
             return
         walk.running = this_run = object()  # a second Run of the same walk takes over from this one
@@ -136,11 +138,15 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
             engine.allow(walk.request, 1)
             _wait(lambda: len(walk.trace.steps) > count or walk.trace.finished)
             if walk.request.is_cancelled:
-                return
-            yield render(walk, layer_choice, head_choice, lang_choice)[1:]  # shows "done" at the end
+                break
+            views_now = render(walk, layer_choice, head_choice, lang_choice)[1:]  # shows "done" at the end
+            if walk.request.is_cancelled or walk.running is not this_run:  # stopped, replaced or paused meanwhile
+                break
+            yield views_now
             time.sleep(max(0.0, RUN_STEP_S - (time.monotonic() - began)))
         if walk.running is this_run:
             walk.running = None
+        yield (gr.skip(),) * (len(outputs) - 1)
 
     def hold(walk, layer_choice, head_choice, lang_choice):
         if walk is not None:
