@@ -108,6 +108,27 @@ def test_a_failed_reply_is_stored_as_error(tiny, store, monkeypatch):
     assert ("error", "RuntimeError: boom") == (message["status"], message["error"])
 
 
+def test_a_reply_that_fails_part_way_shows_its_text_then_why(tiny, store, monkeypatch):
+    """A reply that ends in an error after some text (a remote server gone mid-stream, a failed step): the chat
+    shows that text with the error under it, as the history keeps it, and again when reopened."""
+    engine = Engine(tiny)
+    decode, steps = engine.decode_step, []
+
+    def fails_at_the_fourth(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 4:
+            raise RuntimeError("boom")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "decode_step", fails_at_the_fourth)
+    session, events, _ = record(engine, store)
+    assert "error" == events[-1].reason and events[-1].text.strip()
+    shown = session.display[-1]["content"]
+    assert shown.endswith("\n\n⚠️ RuntimeError: boom") and len(shown) > len("\n\n⚠️ RuntimeError: boom")
+    assert events[-1].text == store.messages(session.store_id)[-1]["content"]
+    assert shown == load_chat(store, session.store_id).display[-1]["content"]
+
+
 def test_a_broken_database_does_not_stop_the_reply(tiny, store):
     engine = Engine(tiny)
     session, events, hook = record(engine, store)

@@ -84,8 +84,9 @@ class ChatSession:
 
     def show_reply(self, trace: ReplyTrace) -> None:
         content = closed(trace.text)  # a reply cut short in a block of code: its stats line after the block
-        if trace.finished and trace.finished.reason == "error":
-            content = f"⚠️ {as_text(trace.finished.error or 'error')}"
+        if trace.finished and trace.finished.reason == "error":  # after what came before it (as saved)
+            error = f"⚠️ {as_text(trace.finished.error or 'error')}"
+            content = f"{content}\n\n{error}" if content else error
         elif trace.finished:
             stats = stats_line(trace.finished.metrics, trace.finished.reason, self.lang)
             content += f'\n\n<span class="ps-stats">{stats}</span>'
