@@ -1504,16 +1504,9 @@ extern "C" int64_t ps_nucleus(const float *scores, int64_t n, float scale, float
     constexpr int kBuckets = 2048;
     constexpr float kReach = 16.0f;  // in nats below the most likely token (the bundled model's nuclei end within 10)
     constexpr float kPerNat = kBuckets / kReach;
-    Vec most = -INFINITY - Vec{};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const Vec x = *reinterpret_cast<const Vec *>(scores + i);
-        most = x > most ? x : most;  // a NaN the sum below finds
-    }
-    float top = -INFINITY;
-    for (int j = 0; j < 8; j++) top = std::max(top, most[j]);
-    for (; i < n; i++) top = std::max(top, scores[i]);
-    if (!std::isfinite(top) || n > (1 << 17)) return -1;
+    if (n < 1 || n > (1 << 17)) return -1;  // ids and buckets share an int32 below
+    const float top = max_of(scores, n);  // the attention's (NaN where the first is; any other, the sum finds)
+    if (!std::isfinite(top)) return -1;
     // kept from call to call, as a decode step's buffers are (a fresh 196 KB was mapped and faulted in a call)
     static thread_local std::vector<float> e;  // exp((score - top) * scale)
     static thread_local std::vector<int32_t> near;  // the tokens within kReach of the most likely
