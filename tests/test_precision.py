@@ -106,7 +106,10 @@ def test_bench_quick_produces_a_well_formed_table(tmp_path):
     assert {"lean-llama fp32": "fused C++", "lean-llama fp16": "PyTorch ops",
             "lean-llama int8": "fused C++"} == summary["decode_paths"]
     assert summary["native_decode_vs_pytorch_ops"]["lean-llama int8"]["speedup"] > 0
-    assert list(summary["sampling"]) == ["greedy", "temperature 0.7", "temperature 0.7, top-p 0.9"]
+    assert list(summary["sampling"])[:3] == ["greedy", "temperature 0.7", "temperature 0.7, top-p 0.9"]
+    chats = list(summary["sampling"])[3:]  # the chat's whole rule, named with its settings
+    assert len(chats) == 1 and chats[0].startswith("the chat's: ") and "repetition penalty" in chats[0]
+    assert summary["sampling"][chats[0]]["tpot_ms"] > 0
     assert summary["sampling"]["greedy"]["over_greedy_ms"] == 0 < summary["sampling"]["temperature 0.7"]["tpot_ms"]
     assert summary["cold_start_s"]["to_first_token_s"] > 0
     assert 0 < summary["app_ready_s"]["page_s"] <= summary["app_ready_s"]["model_s"]
