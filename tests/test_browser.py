@@ -877,6 +877,9 @@ def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, a
     page.fill("#ps-explain-prompt textarea", "   ")
     page.click("#ps-explain-start")
     page.wait_for_selector(".toast-body:has-text('消息为空')", timeout=30_000)  # the error, in Chinese
+    assert "zh-CN" == page.evaluate("() => document.documentElement.lang")  # the page says its language
+    heading = page.evaluate("() => getComputedStyle(document.querySelector('.toast-title.error'), '::before').content")
+    assert '"出错了"' == heading  # the toast's heading too (Gradio writes "Error")
     page.fill("#ps-explain-prompt textarea", "我是小")
     page.click("#ps-explain-start")
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)

@@ -17,6 +17,10 @@ from ..i18n import DEFAULT, LANGUAGES, K, t
 
 # the page's first language when none was chosen before: Chinese for any zh-* browser, else English
 BROWSER_LANGUAGE_JS = "(stored) => [stored, (navigator.language || '').toLowerCase().startsWith('zh') ? 'zh' : 'en']"
+# the page's language on its <html> element, as a page in that language has it: the browser then picks the
+# Chinese forms of CJK characters (a font's Japanese ones otherwise), a screen reader its voice, and
+# static/app.css the headings of Gradio's toasts
+PAGE_LANGUAGE_JS = "(lang) => { document.documentElement.lang = lang === 'zh' ? 'zh-CN' : 'en'; }"
 EMPTY_MESSAGES = ("the message is empty", "the prompt is empty", "the conversation is empty")
 
 
@@ -50,6 +54,7 @@ class Texts:
         for redraw, inputs, outputs in self.redraws:
             loaded.then(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
         choice.change(lambda lang: lang, [choice], [remembered], queue=False)
+        choice.change(None, [choice], None, js=PAGE_LANGUAGE_JS)
         choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
         for redraw, inputs, outputs in self.redraws:
             choice.change(redraw, [choice, *inputs], outputs, queue=False)
