@@ -685,7 +685,8 @@ class Engine:
         rank_fn = getattr(self.runner, "top_tempered", top_tempered)  # a runner may bring native ones
         top_fn = getattr(self.runner, "top_logits", top_logits) if top is None else lambda *_: top
         picked = sample(logits, r.sampling, r.generator, seen, top_fn=top_fn, generated_ids=r.generated_ids,
-                        rank_fn=rank_fn, nucleus_fn=getattr(self.runner, "nucleus", None))
+                        rank_fn=rank_fn, nucleus_fn=getattr(self.runner, "nucleus", None),
+                        penalty_fn=getattr(self.runner, "penalized", None))
         now_ns = self._now_ns()
         stage_ms = None
         if r.reports_stages:  # the forward's stages (none for token 1: the prefill's were reported), and sampling

@@ -108,6 +108,11 @@ class FusedDecode:
         self._nucleus.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p]
         self._nucleus_out = (ctypes.c_int64 * self.NUCLEUS_CAP)(), (ctypes.c_float * self.NUCLEUS_CAP)()
+        self._penalized = native.ps_penalized
+        self._penalized.restype = None
+        self._penalized.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                    ctypes.c_void_p]
+        self._penalized_out = torch.empty(0)
         self._top_out: dict[tuple[int, int], tuple] = {}  # top_logits_batch's, by rows and k
         self._top_batch = native.ps_top_logits_batch
         self._top_batch.restype = None
@@ -233,6 +238,18 @@ class FusedDecode:
         ids, probs = self._nucleus_out  # one engine thread samples: the same two arrays every time
         count = self._nucleus(scores.data_ptr(), scores.shape[-1], scale, top_p, self.NUCLEUS_CAP, ids, probs)
         return (ids[:count], probs[:count]) if count > 0 else None
+
+    def penalized(self, logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+        """sampling.apply_repetition_penalty with seen_ids a tensor of distinct ids (SeenTokens'), natively,
+        into a buffer of its own: the result holds until the next call (one engine thread samples, a row at
+        a time)."""
+        logits = logits.float().contiguous()
+        ids = seen_ids.contiguous()
+        if self._penalized_out.shape != logits.shape:
+            self._penalized_out = torch.empty_like(logits)
+        out = self._penalized_out
+        self._penalized(logits.data_ptr(), logits.shape[-1], ids.data_ptr(), ids.shape[0], penalty, out.data_ptr())
+        return out
 
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab], the rows spread over the threads."""

@@ -224,6 +224,11 @@ class LeanLlama:
         """FusedDecode.nucleus where decode is native (else None: sampling's _kept finds the nucleus)."""
         return self.fused.nucleus if self.fused is not None else None
 
+    @property
+    def penalized(self):
+        """FusedDecode.penalized where decode is native (else None: sampling's apply_repetition_penalty)."""
+        return self.fused.penalized if self.fused is not None else None
+
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab]."""
         return (self.fused.top_logits_batch if self.fused is not None else top_logits_batch)(logits, k)

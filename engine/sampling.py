@@ -89,6 +89,7 @@ def apply_logit_bias(logits: torch.Tensor, bias: Sequence[tuple[int, float]]) ->
 TopLogits = Callable[[torch.Tensor, int], tuple[list[int], list[float], float]]
 TopTempered = Callable[[torch.Tensor, int, float], tuple[list[int], list[float], float]]
 NucleusFn = Callable[[torch.Tensor, float, float], tuple[list[int], list[float]] | None]  # scores, scale, top_p
+PenaltyFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # logits, SeenTokens' ids, penalty
 
 
 NUCLEUS_FIRST = 64  # top-p looks for its tokens among this many of the most likely first (_nucleus), then more
@@ -259,12 +260,13 @@ def top_logits_batch(logits: torch.Tensor, k: int) -> list[tuple[list[int], list
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
            seen_ids: Sequence[int] | torch.Tensor = (), num_top: int = 5, top_fn: TopLogits = top_logits,
            generated_ids: Sequence[int] = (), rank_fn: TopTempered = top_tempered,
-           nucleus_fn: NucleusFn | None = None) -> Sample:
+           nucleus_fn: NucleusFn | None = None, penalty_fn: PenaltyFn | None = None) -> Sample:
     """logits: [vocab] for one position; seen_ids: prompt and generated ids (or SeenTokens' tensor of them),
     for the repetition penalty; generated_ids: the reply's, for the frequency and presence penalties.
     top_fn: the logits' num_top most likely tokens (the batch's, when already found); rank_fn:
     top_tempered of any scores (a runner's native one), for the temperature, top-k and top-p; nucleus_fn:
-    a runner's top-p over the whole vocabulary, for flat distributions (_nucleus)."""
+    a runner's top-p over the whole vocabulary, for flat distributions (_nucleus); penalty_fn: a runner's
+    apply_repetition_penalty for a tensor of distinct ids (SeenTokens'), its result held until its next call."""
     logits = logits.float()
     top_ids, top_values, lse = top_fn(logits, num_top)
     top_probs = [math.exp(v - lse) for v in top_values]
@@ -274,7 +276,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # the most likely token, read from the top alone: logits on a GPU are not copied over, row by row
         return Sample(top_ids[0], top_probs[0], top_ids, top_probs, [1.0 if i == top_ids[0] else 0.0 for i in top_ids])
     logits = logits.cpu()
-    scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    if penalty_fn is not None and isinstance(seen_ids, torch.Tensor) and params.repetition_penalty != 1.0 \
+            and len(seen_ids):
+        scores = penalty_fn(logits, seen_ids, params.repetition_penalty)
+    else:
+        scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     scores = apply_reply_penalties(scores, generated_ids, params.frequency_penalty, params.presence_penalty)
     scores = apply_logit_bias(scores, params.logit_bias)
     cuts = params.top_p < 1.0 or 0 < params.top_k < scores.shape[0]  # top-k or top-p leave tokens out

@@ -16,7 +16,7 @@ from engine.fused import KernelUnavailable, build_library
 from engine.hf_runner import make_runner
 from engine.kv_pool import SequenceKV
 from engine.llama import LeanLlama
-from engine.sampling import top_logits, top_tempered
+from engine.sampling import SeenTokens, apply_repetition_penalty, make_generator, sample, top_logits, top_tempered
 
 PROMPT = "Prefill reads the prompt; decode writes the reply."
 
@@ -242,6 +242,31 @@ def test_top_tempered_natively_and_with_torch(tokenizer, scale):
     nan = scores.clone()
     nan[7] = float("nan")
     assert math.isnan(runner.top_tempered(nan, 5, scale)[2])  # sample's _ranked then looks no further
+
+
+def test_native_repetition_penalty_equals_torchs_and_samples_the_same_tokens(tokenizer):
+    """The runner's penalty (one native call) gives PyTorch's scores bit for bit, NaN and infinities
+    included, passes over ids outside the vocabulary, and leaves the logits as they were; sampling with it
+    draws the same tokens from the same seeds."""
+    runner = make_runner(tiny_model(tokenizer).model, "fp32")
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 4
+    logits[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
+    before = logits.clone()
+    seen = SeenTokens([0, 1, 2, 3, 4, 5, 17, 4999, 17, 300]).ids([12, 300, 77])
+    def same(a, b):  # equal, NaN where NaN
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+    for penalty in (1.1, 1.3, 0.8):
+        assert same(runner.penalized(logits, seen, penalty), apply_repetition_penalty(logits, seen, penalty))
+    assert same(before, logits)
+    outside = runner.penalized(logits, torch.tensor([5000, -1, 10], dtype=torch.long), 2.0)
+    assert same(outside, apply_repetition_penalty(logits, torch.tensor([10]), 2.0))
+    finite = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 3
+    for seed in range(20):
+        params = SamplingParams(temperature=0.7, top_p=0.9 if seed % 2 else 1.0, repetition_penalty=1.1)
+        picks = [sample(finite, params, make_generator(seed), seen, penalty_fn=fn).token_id
+                 for fn in (runner.penalized, None)]
+        assert picks[0] == picks[1]
 
 
 def test_top_logits_of_a_batch_equal_each_rows(tokenizer):

@@ -1492,6 +1492,21 @@ extern "C" float ps_top_tempered(const float *logits, int64_t n, int64_t k, floa
     return log_sum_exp_below(logits, n, values[0], scale);
 }
 
+// The repetition penalty (CTRL's, sampling.apply_repetition_penalty) into out: the logits [n] copied, then
+// each of the ids' logits divided by the penalty where positive, else multiplied (NaN stays NaN); ids
+// outside [0, n) are passed over. One call where PyTorch took seven ops (a copy, index_select, where,
+// index_copy_, ...): 120-240 µs of a 5-ms int8 decode step in the engine, its code cold after the forward.
+extern "C" void ps_penalized(const float *logits, int64_t n, const int64_t *ids, int64_t count, float penalty,
+                             float *out) {
+    std::memcpy(out, logits, sizeof(float) * n);
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t id = ids[i];
+        if (id < 0 || id >= n) continue;
+        const float value = logits[id];
+        out[id] = value > 0.0f ? value / penalty : value * penalty;
+    }
+}
+
 // Top-p over the whole vocabulary, for the draws where the 64 most likely tokens hold less than top_p (a
 // third of the bundled model's at temperature 0.7 in a long chat): the tokens, most likely first (ties:
 // the lower id), that top-p keeps under temperature 1 / scale (each kept while the tokens above it hold
