@@ -253,6 +253,7 @@ def test_native_repetition_penalty_equals_torchs_and_samples_the_same_tokens(tok
     logits[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30])
     before = logits.clone()
     seen = SeenTokens([0, 1, 2, 3, 4, 5, 17, 4999, 17, 300]).ids([12, 300, 77])
+
     def same(a, b):  # equal, NaN where NaN
         return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
 

@@ -1494,8 +1494,8 @@ extern "C" float ps_top_tempered(const float *logits, int64_t n, int64_t k, floa
 
 // The repetition penalty (CTRL's, sampling.apply_repetition_penalty) into out: the logits [n] copied, then
 // each of the ids' logits divided by the penalty where positive, else multiplied (NaN stays NaN); ids
-// outside [0, n) are passed over. One call where PyTorch took seven ops (a copy, index_select, where,
-// index_copy_, ...): 120-240 µs of a 5-ms int8 decode step in the engine, its code cold after the forward.
+// outside [0, n) are passed over. One call where PyTorch made a copy and six ops on the ids, each slow in
+// the engine with its code cold after the forward: 40-60 µs less of each sampled token there (int8).
 extern "C" void ps_penalized(const float *logits, int64_t n, const int64_t *ids, int64_t count, float penalty,
                              float *out) {
     std::memcpy(out, logits, sizeof(float) * n);
