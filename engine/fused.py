@@ -242,7 +242,9 @@ class FusedDecode:
     def penalized(self, logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
         """sampling.apply_repetition_penalty with seen_ids a tensor of distinct ids (SeenTokens'), natively,
         into a buffer of its own: the result holds until the next call (one engine thread samples, a row at
-        a time)."""
+        a time). As there, logits themselves where nothing is penalized."""
+        if penalty == 1.0 or len(seen_ids) == 0:
+            return logits
         logits = logits.float().contiguous()
         ids = seen_ids.contiguous()
         if self._penalized_out.shape != logits.shape:

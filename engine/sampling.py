@@ -276,11 +276,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # the most likely token, read from the top alone: logits on a GPU are not copied over, row by row
         return Sample(top_ids[0], top_probs[0], top_ids, top_probs, [1.0 if i == top_ids[0] else 0.0 for i in top_ids])
     logits = logits.cpu()
-    if penalty_fn is not None and isinstance(seen_ids, torch.Tensor) and params.repetition_penalty != 1.0 \
-            and len(seen_ids):
-        scores = penalty_fn(logits, seen_ids, params.repetition_penalty)
-    else:
-        scores = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    penalize = penalty_fn if penalty_fn is not None and isinstance(seen_ids, torch.Tensor) else apply_repetition_penalty
+    scores = penalize(logits, seen_ids, params.repetition_penalty)
     scores = apply_reply_penalties(scores, generated_ids, params.frequency_penalty, params.presence_penalty)
     scores = apply_logit_bias(scores, params.logit_bias)
     cuts = params.top_p < 1.0 or 0 < params.top_k < scores.shape[0]  # top-k or top-p leave tokens out

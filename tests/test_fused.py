@@ -260,6 +260,7 @@ def test_native_repetition_penalty_equals_torchs_and_samples_the_same_tokens(tok
     for penalty in (1.1, 1.3, 0.8):
         assert same(runner.penalized(logits, seen, penalty), apply_repetition_penalty(logits, seen, penalty))
     assert same(before, logits)
+    assert runner.penalized(logits, seen, 1.0) is logits and runner.penalized(logits, seen[:0], 1.1) is logits
     outside = runner.penalized(logits, torch.tensor([5000, -1, 10], dtype=torch.long), 2.0)
     assert same(outside, apply_repetition_penalty(logits, torch.tensor([10]), 2.0))
     finite = torch.randn(5000, generator=torch.Generator().manual_seed(5)) * 3
