@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=os.environ.get("PHASESCOPE_MODEL"))
     bench.add_argument("--device", default="auto")
     bench.add_argument("--modes", default="fp32,fp16,int8", help="comma-separated precisions: fp32, fp16, bf16, int8")
-    bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default 512)")
+    bench.add_argument("-p", "--n-prompt", help="prompt tokens for pp (default 512), or several, comma-separated, as "
+                       "llama-bench's -p: the first is every other measurement's prompt, the rest measure prefill "
+                       "only (with -d also at each depth, fp32 cache; and llama.cpp's), e.g. 512,2048")
     bench.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (default 128)")
     bench.add_argument("-r", "--repetitions", type=int, default=3)
     bench.add_argument("--no-baseline", action="store_true", help="skip transformers' generate")
@@ -179,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-d", "--depth", default="",
                        help="also decode after this many tokens in the cache, comma-separated (llama-bench's -d), "
                             "with the KV cache in fp32, fp16 and int8, e.g. 0,1024,4096")
-    bench.add_argument("--quick", action="store_true", help="a smoke run: pp32, tg8, one repetition, concurrency 1,2")
+    bench.add_argument("--quick", action="store_true", help="a smoke run: pp32 (unless -p is given), tg8, one "
+                       "repetition, concurrency 1,2")
     bench.add_argument("--tensor-parallel", type=int, default=2, metavar="N",
                        help="also prefill and decode with the model split over N processes (one thread each) vs one "
                             "rank with one thread and with N threads (default 2; 0 or 1: skip)")
@@ -636,29 +639,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.endpoint:
         return _load_sweep(args)
     if args.quick:
-        args.n_prompt, args.n_gen, args.repetitions, args.concurrency = 32, 8, 1, "1,2"
-    if min(args.n_prompt, args.n_gen, args.repetitions) < 1:
-        raise ValueError("-p, -n and -r must be at least 1")
+        args.n_gen, args.repetitions, args.concurrency = 8, 1, "1,2"
+    prompts = tuple(dict.fromkeys(_numbers(args.n_prompt or ("32" if args.quick else "512"), "-p", least=1)))
+    if not prompts:
+        raise ValueError("-p takes numbers separated by commas, got none")
+    if min(args.n_gen, args.repetitions) < 1:
+        raise ValueError("-n and -r must be at least 1")
     levels = _levels(args.concurrency)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     if not modes or any(m not in PRECISIONS for m in modes):  # at once, before the model loads
         raise ValueError(f"--modes takes {', '.join(PRECISIONS)}, separated by commas, got {args.modes!r}")
-    try:
-        depths = tuple(int(d) for d in args.depth.split(",") if d.strip())
-    except ValueError:
-        raise ValueError(f"--depth takes numbers separated by commas, got {args.depth!r}") from None
-    if any(d < 0 for d in depths):
-        raise ValueError("--depth takes numbers >= 0")
+    depths = _numbers(args.depth, "--depth", least=0)
     if args.llama_bench:  # at once, not after the twenty minutes that come before llama.cpp's turn
         _check_program(args.llama_bench, "--llama-bench")
     if args.browser and (why_not := browser_available()):
         print(f"phasescope bench: the browser will not be measured: {why_not}", file=sys.stderr)
-    print(f"phasescope bench: pp{args.n_prompt}, tg{args.n_gen}, {args.repetitions} repetitions, modes "
-          f"{', '.join(modes)}", file=sys.stderr)
-    report = bench.run(args.model, args.device, modes, args.n_prompt, args.n_gen, args.repetitions,
+    print(f"phasescope bench: {', '.join(f'pp{p}' for p in prompts)}, tg{args.n_gen}, {args.repetitions} repetitions, "
+          f"modes {', '.join(modes)}", file=sys.stderr)
+    report = bench.run(args.model, args.device, modes, prompts[0], args.n_gen, args.repetitions,
                        baseline=not args.no_baseline, llama_bench_path=args.llama_bench,
                        log=lambda line: print(line, file=sys.stderr, flush=True), concurrency_levels=levels,
-                       depths=depths, tensor_parallel=args.tensor_parallel, quick=args.quick)
+                       depths=depths, tensor_parallel=args.tensor_parallel, quick=args.quick, more_pp=prompts[1:])
     if args.browser:
         report["summary"]["browser"] = _browser_bench(modes, args.quick)
     print(bench.render(report, args.output))
@@ -751,6 +752,17 @@ def _png_folder(text: str | None):
         raise ValueError(f"--png takes a folder, and {folder} is a file")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def _numbers(text: str, option: str, least: int) -> tuple[int, ...]:
+    """Whole numbers separated by commas, in the order given, each at least `least`."""
+    try:
+        numbers = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise ValueError(f"{option} takes numbers separated by commas, got {text!r}") from None
+    if any(n < least for n in numbers):
+        raise ValueError(f"{option} takes numbers >= {least}")
+    return numbers
 
 
 def _levels(text: str) -> tuple[int, ...]:

@@ -82,7 +82,7 @@ def test_bundled_int8_quality_and_kv_cache(bundled):
 @pytest.mark.model
 def test_bench_quick_produces_a_well_formed_table(tmp_path):
     result = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--output", "json", "-d", "0,64",
-                             "--tensor-parallel", "1"],
+                             "-p", "32,48", "--tensor-parallel", "1"],
                             capture_output=True, text=True, timeout=600)
     assert 0 == result.returncode, result.stderr
     report = json.loads(result.stdout)
@@ -92,9 +92,13 @@ def test_bench_quick_produces_a_well_formed_table(tmp_path):
             row = rows[("phasescope", mode, test)]
             assert row["tokens_per_s"] > 0 and len(row["samples"]) == 1
             assert row["vs_transformers"].endswith("×")
+        assert rows[("phasescope", mode, "pp48")]["tokens_per_s"] > 0  # -p's second length: prefill alone
+        assert ("phasescope", mode, "pp48+tg8") not in rows
     assert ("transformers", "eager generate float32", "tg8") in rows
+    assert ("transformers", "eager generate float32", "pp48") in rows
     assert rows[("phasescope", "lean-llama int8", "tg8")]["achieved"].endswith("GB/s of weights")
     assert rows[("phasescope", "lean-llama fp32", "pp32")]["achieved"].endswith("GFLOP/s")
+    assert rows[("phasescope", "lean-llama int8", "pp48")]["achieved"].endswith("GFLOP/s")
     summary = report["summary"]
     assert {"none", "hooks", "hooks+store"} == set(summary["hooks"])
     assert summary["fp32_greedy_equals_transformers"] is True
@@ -124,6 +128,7 @@ def test_bench_quick_produces_a_well_formed_table(tmp_path):
             for depth in (0, 64):
                 for test in ("pp32", "tg8"):
                     assert rows[("phasescope", f"{mode}, {kv}", f"{test} @ d{depth}")]["tokens_per_s"] > 0
+                assert (("phasescope", f"{mode}, {kv}", f"pp48 @ d{depth}") in rows) == (kv == "KV fp32")
         spec = summary["speculative_prompt_lookup"][mode]
         assert spec["repeat"]["same_text"] and spec["no repeats"]["same_text"]
         assert summary["no_kv_cache"][mode]["no_cache_step_gflop"] > summary["no_kv_cache"][mode]["cached_step_gflop"]
@@ -174,6 +179,10 @@ def test_llama_bench_depth_rows_are_named_as_ours(tmp_path):
     results = llama_bench(str(fake), "model.gguf", 512, 128, 1, log=lambda line: None, depths=(1024,))
     assert ["pp512", "tg128", "tg128 @ d1024"] == [test for _, test, _ in results]
     assert [110.0] == results[-1][2]
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path / 'argv'}\necho []\n")
+    llama_bench(str(fake), "model.gguf", 512, 128, 1, log=lambda line: None, depths=(0, 4096), more_pp=(2048,))
+    plain, deep = (tmp_path / "argv").read_text().splitlines()  # every prompt length, plain and at each depth
+    assert "-p 512,2048 -n 128 -pg 512,128 " in plain and "-p 512,2048 -n 128 -d 0,4096 " in deep
 
 
 def test_a_wrong_llama_bench_path_stops_the_bench_before_it_starts(tmp_path):
@@ -229,6 +238,35 @@ def test_headline_figures_read_what_the_run_measured_and_leave_out_the_rest():
         "prompt lookup, repeat [≥ 1.8×] / no repeats [≥ 0.95×], fp32; int8": "**1.79×** / 0.95×",
         "browser vs CLI, decode, int8 / fp32 [≥ 0.95×]": "0.96× / **0.94×** (Chromium 0.40 / 0.20 of a core)",
     }  # no llama.cpp row at d4096: its comparison is left out, ours against our fp32 cache stays
+
+
+def test_long_prompts_against_llama_cpp_at_each_depth_or_alone():
+    """-p 512,2048: the longest prompt's prefill against llama.cpp's at each depth (our fp32 cache), or
+    without -d the plain rows; no such figure when the run had one prompt length."""
+    from app.bench.figures import headline
+
+    label = "long prompts vs llama.cpp, fp32; int8 weights [≥ 2.5×]"
+    llama = "llama 256M Q4_1, 2 threads"
+    plain = [Result("phasescope", mode, test, [value]) for mode in ("lean-llama fp32", "lean-llama int8")
+             for test, value in (("pp512", 900.0), ("pp2048", 600.0))] + \
+        [Result("llama.cpp", llama, "pp512", [300.0]), Result("llama.cpp", llama, "pp2048", [200.0])]
+    assert dict(headline({"results": plain, "summary": {}}))[label] == "fp32 3.00×; int8 3.00× (pp2048)"
+    deep = [Result("phasescope", f"{mode}, KV {kv}", f"{test} @ d{depth}", [value])
+            for mode, value in (("lean-llama fp32", 480.0), ("lean-llama int8", 600.0)) for kv in ("fp32", "int8")
+            for depth in (0, 4096) for test in ("pp512", "pp2048")] + \
+        [Result("llama.cpp", llama, f"{test} @ d{depth}", [value])
+         for test in ("pp512", "pp2048") for depth, value in ((0, 200.0), (4096, 100.0))]
+    assert dict(headline({"results": plain + deep, "summary": {}}))[label] == \
+        "fp32 **2.40×** / 4.80×; int8 3.00× / 6.00× (pp2048 at d0 / d4096)"
+    one_length = [r for r in plain + deep if not r.test.startswith("pp2048")]
+    assert label not in dict(headline({"results": one_length, "summary": {}}))
+
+
+def test_bench_prompt_lengths_are_checked_before_the_model_loads():
+    for given, message in (("512,x", "-p takes numbers separated by commas, got '512,x'"),
+                           ("512,0", "-p takes numbers >= 1"), (",", "-p takes numbers separated by commas, got none")):
+        out = subprocess.run([sys.executable, "-m", "app.cli", "bench", "-p", given], capture_output=True, text=True)
+        assert out.returncode == 2 and out.stderr.strip() == f"phasescope: error: {message}", out.stderr
 
 
 def test_a_saved_run_renders_again_and_a_wrong_file_says_so_in_one_line(tmp_path, capsys):

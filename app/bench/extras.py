@@ -350,10 +350,10 @@ def app_ready_s(model: str | None, precision: str) -> dict:
 
 
 def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int, log,
-                depths: tuple[int, ...] = ()) -> list[tuple[str, str, list[float]]]:
+                depths: tuple[int, ...] = (), more_pp: tuple[int, ...] = ()) -> list[tuple[str, str, list[float]]]:
     """llama.cpp's own benchmark on the same GGUF and thread count, when a llama-bench binary is at
-    hand: (mode, test, tokens/s samples) for each of its tests; with depths, also pp and tg after that
-    many tokens in the cache (its -d)."""
+    hand: (mode, test, tokens/s samples) for each of its tests (pp for pp and each of more_pp, tg, and
+    pp+tg); with depths, also pp and tg after that many tokens in the cache (its -d)."""
     binary = path or shutil.which("llama-bench")
     if not binary or not str(gguf).endswith(".gguf"):
         log("  llama.cpp: llama-bench not found (give it with --llama-bench PATH); not compared")
@@ -363,7 +363,8 @@ def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
     def run(tests: list[str], name: str, timeout: int) -> list[dict] | None:
         """llama-bench's JSON rows for these tests on the GGUF, or None (said in the log) if it fails"""
         try:
-            out = subprocess.run([binary, "-m", str(gguf), "-p", str(pp), "-n", str(tg), *tests,
+            prompts = ",".join(map(str, (pp, *more_pp)))
+            out = subprocess.run([binary, "-m", str(gguf), "-p", prompts, "-n", str(tg), *tests,
                                   "-r", str(repetitions), "-t", threads, "-o", "json"],
                                  capture_output=True, text=True, timeout=timeout)
         except OSError as exc:  # gone or unrunnable since the start: the rows measured so far still count

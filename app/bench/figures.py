@@ -54,6 +54,26 @@ def llama_cpp(report: dict) -> str:
                      for test in tests)
 
 
+def long_prompts(report: dict) -> str:
+    """The longest prompt's prefill (-p 512,2048: pp2048) against llama.cpp's, at each depth the run measured
+    (our fp32 cache, the default) or, without -d, alone."""
+    results = report["results"]
+    theirs = [r.test for r in results if r.engine == "llama.cpp" and r.test.startswith("pp") and "+" not in r.test]
+    longest = max({test.split()[0] for test in theirs}, key=lambda test: int(test[2:]))
+    if longest == _test(report, "pp"):
+        raise KeyError("one prompt length: no long prompt")
+    tests = [test for test in theirs if test.split()[0] == longest]
+    tests = [test for test in tests if "@" in test] or tests
+
+    def show(mode: str) -> str:
+        return " / ".join(_at_least(2.5)(_row(report, "phasescope", f"{mode}, KV fp32" if "@" in test else mode, test)
+                                          / _row(report, "llama.cpp", None, test)) for test in tests)
+    measured = {r.mode.split(",")[0] for r in results if r.engine == "phasescope"}
+    shown = "; ".join(f"{mode.split()[-1]} {show(mode)}" for mode in (FP32, INT8) if mode in measured)
+    depths = [test.split("@ ")[1] for test in tests if "@" in test]
+    return f"{shown} ({longest}{' at ' + ' / '.join(depths) if depths else ''})"
+
+
 def deep_decode(report: dict) -> str:
     test = _test(report, "tg", "d4096")
     ours, theirs = _row(report, "phasescope", f"{INT8}, KV int8", test), _row(report, "llama.cpp", None, test)
@@ -143,6 +163,7 @@ FIGURES: list[tuple[str, Callable[[dict], str], bool]] = [
     ("hooks + store, share of a decode step [≤ 3 %]",
      lambda s: _judged(f"{s['hooks']['hooks+store']['hook_share_of_step']:.1%}",
                        s["hooks"]["hooks+store"]["hook_share_of_step"] <= 0.03), True),
+    ("long prompts vs llama.cpp, fp32; int8 weights [≥ 2.5×]", long_prompts, False),
     ("tg @ d4096 vs llama.cpp, int8 weights and cache [≥ 1.5×]", deep_decode, False),
     ("int8 cache vs fp32 cache at d4096, int8 weights [faster]", int8_cache_speed, False),
     ("int8 cache: bytes below fp32 [4×] / perplexity vs fp32 cache [≤ 2 %], fp32; int8 weights", int8_cache, True),

@@ -107,9 +107,11 @@ def mode_engines(loaded, modes: list[str]) -> dict[str, Engine]:
 def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] = ("fp32", "int8"), pp: int = 512,
         tg: int = 128, repetitions: int = 3, baseline: bool = True, llama_bench_path: str | None = None,
         log=print, concurrency_levels: tuple[int, ...] = (1, 2, 4, 8), depths: tuple[int, ...] = (),
-        tensor_parallel: int = 2, quick: bool = False) -> dict:
-    """quick: a smoke run's shortcuts where a measurement's cost grows with its text (every 4th prefix
-    for int8 prefill's quality, 96 tokens of the long text)."""
+        tensor_parallel: int = 2, quick: bool = False, more_pp: tuple[int, ...] = ()) -> dict:
+    """pp: the prompt of every measurement; more_pp: more prompt lengths for prefill alone (llama-bench's
+    -p 512,2048), also at each depth with the fp32 cache. quick: a smoke run's shortcuts where a
+    measurement's cost grows with its text (every 4th prefix for int8 prefill's quality, 96 tokens of the
+    long text)."""
     loaded = load_model(model, device=device, dtype="float32")
     if tensor_parallel > 1:
         split_plan(loaded.model.config, tensor_parallel)  # too many ranks for the heads: said now, not at the end
@@ -121,17 +123,17 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
         contenders.append(("transformers", f"eager generate {str(loaded.dtype).removeprefix('torch.')}",
                            lambda p, n, g: hf_tokens_per_s(loaded.model, p, n, g)))
     results = []
-    for test, num_prompt, num_gen in tests_for(pp, tg):
+    for test, num_prompt, num_gen in tests_for(pp, tg) + [(f"pp{p}", p, 0) for p in more_pp]:
         prompt = bench_prompt(num_prompt, vocab, bos)
         for engine_name, mode, measure in contenders:
             measure(prompt, num_prompt, num_gen)  # warm-up, left out of the figures
             result = Result(engine_name, mode, test, [measure(prompt, num_prompt, num_gen) for _ in range(repetitions)])
             results.append(result)
             _log_result(log, result)
-    results += _depths(engines, depths, pp, tg, repetitions, vocab, bos, log)
+    results += _depths(engines, depths, pp, tg, repetitions, vocab, bos, log, more_pp)
     best_name = max(engines, key=lambda name: _mean(results, name, f"tg{tg}"))
     best = engines[best_name]
-    _annotate(results, engines, pp, tg)
+    _annotate(results, engines, tg)
     summary = {"machine": _machine(loaded), "model": loaded.name, "best_mode": best_name}
     with tempfile.TemporaryDirectory(prefix="phasescope-bench-") as folder:  # its history file goes with it
         summary["hooks"] = hook_costs(best, bench_prompt(0, vocab, bos), tg, repetitions, Path(folder))
@@ -174,7 +176,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     log(f"  phasescope ui: {summary['app_ready_s']}")
     results += [Result("llama.cpp", mode, test, samples)
                 for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log,
-                                                       depths)]
+                                                       depths, more_pp)]
     return {"results": results, "summary": summary}
 
 
@@ -193,18 +195,26 @@ def _native(engines: dict[str, Engine]) -> dict[str, Engine]:
 
 
 def _depths(engines: dict[str, Engine], depths: tuple[int, ...], pp: int, tg: int, repetitions: int, vocab: int,
-            bos: int | None, log) -> list[Result]:
+            bos: int | None, log, more_pp: tuple[int, ...] = ()) -> list[Result]:
     """Prefill and decode after `depth` tokens already in the cache (llama-bench's -d), for each mode
-    whose decode is native, with its KV cache in each format: how both phases slow as the context grows."""
+    whose decode is native, with its KV cache in each format: how both phases slow as the context grows.
+    The prompt lengths of more_pp: prefill alone, with the fp32 cache (the default)."""
     results = []
     for name, engine in _native(engines).items():
         for kv, variant in kv_variants(engine).items():
             for depth in depths:
                 context = bench_prompt(depth, vocab, bos) if depth else []
-                prompts = [random_prompt(pp, vocab, 1000 + i) for i in range(repetitions + 1)]
-                for test, samples in ((f"pp{pp}", prefill_at_depth(variant, context, prompts)[1:]),
-                                      (f"tg{tg}", at_depth(variant, context or [bos or 1], tg, repetitions))):
-                    result = Result("phasescope", f"{name}, {kv}", depth_test(test, depth), samples)
+
+                def prefill(num_prompt: int) -> list[float]:
+                    prompts = [random_prompt(num_prompt, vocab, 1000 + i) for i in range(repetitions + 1)]
+                    return prefill_at_depth(variant, context, prompts)[1:]
+
+                tests = [(f"pp{pp}", lambda: prefill(pp)),
+                         (f"tg{tg}", lambda: at_depth(variant, context or [bos or 1], tg, repetitions))]
+                if kv == "KV fp32":
+                    tests += [(f"pp{p}", lambda p=p: prefill(p)) for p in more_pp]
+                for test, measure in tests:
+                    result = Result("phasescope", f"{name}, {kv}", depth_test(test, depth), measure())
                     results.append(result)
                     _log_result(log, result)
     return results
@@ -258,7 +268,7 @@ def _mean(results: list[Result], mode: str, test: str) -> float:
     return next((r.mean for r in results if r.mode == mode and r.test == test), 0.0)
 
 
-def _annotate(results: list[Result], engines: dict[str, Engine], pp: int, tg: int) -> None:
+def _annotate(results: list[Result], engines: dict[str, Engine], tg: int) -> None:
     """Achieved decode bandwidth (weight bytes read per step / step time) and prefill FLOP/s."""
     for result in results:
         engine = engines.get(result.mode)
@@ -267,8 +277,9 @@ def _annotate(results: list[Result], engines: dict[str, Engine], pp: int, tg: in
             continue
         if result.test == f"tg{tg}":
             result.note = f"{runner.weight_bytes * result.mean / 1e9:.1f} GB/s of weights"
-        elif result.test == f"pp{pp}":
-            result.note = f"{engine.forward_flops(pp, 0) * result.mean / pp / 1e9:.0f} GFLOP/s"
+        elif result.test.startswith("pp") and result.test[2:].isdigit():  # pp512, and -p's other lengths
+            num_prompt = int(result.test[2:])
+            result.note = f"{engine.forward_flops(num_prompt, 0) * result.mean / num_prompt / 1e9:.0f} GFLOP/s"
 
 
 def _same_greedy(engine: Engine, loaded, num_tokens: int) -> bool:
