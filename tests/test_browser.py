@@ -1013,6 +1013,19 @@ def test_chat_with_a_remote_endpoint_from_the_page(page, app_db):
         reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
         assert re.search(r"TTFT \d[\d,]* ms", reply), reply
         assert plot_traces(page, "ps-latency")["decode"] >= 2  # a point per streamed chunk
+        # a second turn, whose prompt the server takes from its prefix cache: said in the prompt tile; the
+        # server's KV cache itself is out of sight, so neither turn is drawn in the KV chart or its tile
+        send(page, "And now say goodbye.")
+        page.wait_for_function("() => document.querySelectorAll('#ps-chatbot [data-testid=bot]').length == 2 "
+                               "&& document.querySelector('#ps-phase [data-phase=done]')", timeout=120_000)
+        page.wait_for_timeout(500)
+        assert re.search(r"TTFT \d[\d,]* ms", page.locator("#ps-chatbot [data-testid=bot]").last.inner_text())
+        assert re.fullmatch(r"cached [1-9][\d,]* / [\d,]+", kpi_note(page, "prompt_tokens"))
+        assert not any(name.startswith("turn") for name in plot_traces(page, "ps-kv"))
+        assert page.inner_text('#ps-kpis [data-kpi="kv"]') == "KV cache · on the server\n–"
+        assert "" == page.inner_text("#ps-pool").strip()  # this machine's pool is not this chat's
+        toasts = page.locator("[data-testid=toast-body]").all_inner_texts()
+        assert not toasts, toasts
         from app.history.store import Store
         sessions = Store.open(app_db).sessions()
         assert any(s["device"] == f"endpoint {url}/v1" and s["title"] == "Say hello to the class." for s in sessions)

@@ -151,6 +151,40 @@ def test_kv_figure_draws_the_reused_prefix_as_kept():
     assert 'data-kpi="prompt_tokens_note">cached 32 / 40<' in tiles
 
 
+def remote_reply(turn: int, cached: int) -> ReplyTrace:
+    """A remote endpoint's reply as app/remote gives it: no capacity, no prefill chunks, steps of no size,
+    and the server's prompt and cached tokens learned from its usage at the end."""
+    trace = ReplyTrace(turn=turn)
+    trace.add(Started("r", 0.0, 0, 64, 0, 0, "remote http://127.0.0.1:8080/v1"))
+    for step in range(3):
+        trace.add(DecodeStep("r", 50.0 + 10 * step, step, -1, "a", 10.0, 0, 0, None, ()))
+    metrics = dataclasses.replace(fake_reply().metrics(), num_prompt_tokens=38, num_cached_tokens=cached)
+    trace.add(Finished("r", 80.0, "eos", "aaa", metrics))
+    return trace
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_a_remote_servers_turns_draw_no_kv_cache(lang):
+    """A server's cache is out of sight (not zero): its turns add nothing to the KV figure, which says so when
+    they are all it has, nor to the tile and the stream's new points; a prompt it took from its own prefix
+    cache is said in the prompt tile (that second turn once divided by the zero capacity)."""
+    first, second = remote_reply(1, 0), remote_reply(2, 37)
+    assert not second.cache_visible and second.num_cached_tokens == 37
+    fig = validated(charts.kv_figure([first.events, second.events], lang))
+    assert not fig.data and [a.text for a in fig.layout.annotations] == [charts.t(lang, "chart.kv_remote")]
+    local = fake_reply(turn=1)  # a chat that began on this machine's engine keeps its turn drawn
+    fig = validated(charts.kv_figure([local.events, second.events], lang))
+    assert [t.name for t in fig.data if t.name.startswith(("turn", "第"))] == [charts.t(lang, "chart.turn", n=1)]
+    assert not fig.layout.annotations
+    tiles = panels.kpi_html(second, lang)
+    assert f'<div class="ps-label">{charts.t(lang, "kpi.kv_remote")}</div><div class="ps-value">–<' in tiles
+    assert charts.t(lang, "kpi.cached", cached=37, total=38) in tiles
+    live = LiveReply("x", [first, second], lang)
+    live.update()
+    second.add(DecodeStep("r", 90.0, 3, -1, "b", 10.0, 0, 0, None, ()))
+    assert set(json.loads(live.update())["append"]) == {"latency"}
+
+
 def test_phase_and_tiles_when_finished(tiny_engine):
     trace = ReplyTrace(turn=1)
     for event in tiny_engine.stream([{"role": "user", "content": "Hi"}],

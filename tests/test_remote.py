@@ -116,11 +116,12 @@ def test_the_request_carries_the_sampling_settings(faulty):
                                          frequency_penalty=0.5, presence_penalty=-0.25, repetition_penalty=1.1))
     body = Faulty.received[-1]
     assert {k: body[k] for k in ("max_tokens", "temperature", "top_k", "seed", "stop", "frequency_penalty",
-                                 "presence_penalty", "repetition_penalty")} == {
+                                 "presence_penalty", "repetition_penalty", "repeat_penalty")} == {
         "max_tokens": 7, "temperature": 0.5, "top_k": 20, "seed": 3, "stop": ["END"], "frequency_penalty": 0.5,
-        "presence_penalty": -0.25, "repetition_penalty": 1.1}
+        "presence_penalty": -0.25, "repetition_penalty": 1.1, "repeat_penalty": 1.1}  # vLLM's name, llama.cpp's
     reply(f"{faulty}/ok")  # the defaults are left to the server
-    assert not {"frequency_penalty", "presence_penalty", "repetition_penalty", "top_k"} & set(Faulty.received[-1])
+    assert not {"frequency_penalty", "presence_penalty", "repetition_penalty", "repeat_penalty",
+                "top_k"} & set(Faulty.received[-1])
 
 
 def test_a_local_replys_token_ids_stay_home(faulty):

@@ -159,8 +159,9 @@ class _Stream:
             body["top_k"] = s.top_k
         if s.frequency_penalty or s.presence_penalty:
             body.update(frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty)
-        if s.repetition_penalty != 1.0:
-            body["repetition_penalty"] = s.repetition_penalty  # vLLM's, SGLang's and PhaseScope's extension
+        if s.repetition_penalty != 1.0:  # vLLM's, SGLang's and PhaseScope's extension, and llama.cpp's server's
+            # name for it (over the last 64 tokens there, its repeat_last_n); each server ignores the other name
+            body.update(repetition_penalty=s.repetition_penalty, repeat_penalty=s.repetition_penalty)
         if s.ignore_eos:
             body["ignore_eos"] = True  # vLLM's and llama.cpp's extension (load sweeps: exact output lengths)
         return body

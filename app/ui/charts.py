@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from engine import DecodeStep, Event, PrefillChunk, Started
 
 from ..i18n import DEFAULT, t
+from .trace import cache_visible
 
 PREFILL_COLOR = "#e8871e"  # amber: the prompt read in one burst
 DECODE_COLOR = "#2f6fdf"  # blue: one token at a time
@@ -125,7 +126,7 @@ def latency_figure(events: Sequence[Event], lang: str = DEFAULT, tpot_line: bool
 def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFAULT) -> tuple[list[dict], int]:
     started = next((e for e in events if isinstance(e, Started)), None)
     points = [e for e in events if isinstance(e, (PrefillChunk, DecodeStep))]
-    if not points:
+    if not points or not cache_visible(started):  # a remote endpoint's turn: no cache to draw
         return [], x0
     xs = list(range(x0, x0 + len(points) + 1))
     phases = ["kept" if started and started.num_cached_tokens else "start"] + [
@@ -192,6 +193,11 @@ def kv_figure(turns: Sequence[Sequence[Event]], lang: str = DEFAULT) -> dict:
     for number, events in enumerate(turns, start=1):
         traces, x = _turn_traces(number, events, x, lang)
         data += traces
+    if not data and any(not cache_visible(next((e for e in events if isinstance(e, Started)), None))
+                        for events in turns):  # only a remote endpoint's turns: said, instead of an empty chart
+        return _figure([], t(lang, "chart.kv_title"), _axis(t(lang, "chart.kv_x")), _axis(t(lang, "chart.kv_y")),
+                       annotations=[dict(text=t(lang, "chart.kv_remote"), x=0.5, y=0.5, xref="paper", yref="paper",
+                                         showarrow=False, font=dict(color=CAPACITY_COLOR))])
     if any(trace.get("fill") for trace in data):
         data.append(_legend_dot(t(lang, "chart.kept"), CACHED_COLOR))
     data += [_legend_dot(t(lang, "chart.prefill"), PREFILL_COLOR), _legend_dot(t(lang, "chart.decode"), DECODE_COLOR)]

@@ -79,7 +79,7 @@ def _live_panels(session: ChatSession, engine: Engine, trace: ReplyTrace | None,
     return {"ps-phase": _phase(engine, trace, request, lang), "ps-kpis": panels.kpi_html(trace, lang),
             "ps-split": panels.time_split_html(metrics, lang),
             "ps-kv-check": "" if session.endpoint else panels.kv_measured_html(trace, engine.info, lang),
-            "ps-pool": _pool(engine, lang)}
+            "ps-pool": "" if session.endpoint else _pool(engine, lang)}
 
 
 def _show_warnings(session: ChatSession) -> None:

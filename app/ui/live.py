@@ -88,10 +88,11 @@ class LiveReply:
                                           streaming=True))
         if not new:
             return message(**fields)
-        return message(**fields, text=text, append={
-            "latency": {"trace": charts.DECODE_TRACE, "points": charts.decode_points(new),
-                        "mode": charts.point_mode(len(steps))},
-            "kv": self._kv_append(new, first, len(steps))})
+        append = {"latency": {"trace": charts.DECODE_TRACE, "points": charts.decode_points(new),
+                              "mode": charts.point_mode(len(steps))}}
+        if trace.cache_visible:
+            append["kv"] = self._kv_append(new, first, len(steps))
+        return message(**fields, text=text, append=append)
 
     def _kv_append(self, new, first: int, num_steps: int) -> dict:
         """The new steps as points of this turn's trace in the KV figure (see charts.kv_figure)."""

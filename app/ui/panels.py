@@ -101,7 +101,8 @@ def kpi_html(trace: ReplyTrace | None, lang: str = DEFAULT) -> str:
         _tile("itl", t(lang, "kpi.itl"), _num(last_itl, 1, " ms"), "ps-d"),
         _tile("decode_tps", t(lang, "kpi.decode"), _num(m and m.decode_tokens_per_s, 1, " tok/s"), "ps-d"),
         _tile("generated_tokens", t(lang, "kpi.generated"), _num(len(trace.steps) if trace else None, 0), "ps-d"),
-        _tile("kv", t(lang, "kpi.kv", n=kv_tokens), f"{kv_bytes / 1e6:,.2f} MB" if trace else "–"),
+        _tile("kv", t(lang, "kpi.kv", n=kv_tokens), f"{kv_bytes / 1e6:,.2f} MB" if trace else "–")
+        if not trace or trace.cache_visible else _tile("kv", t(lang, "kpi.kv_remote"), "–"),
     ]
     return f'<div class="ps-tiles" title="{escape(t(lang, "kpi.definitions"))}">{"".join(tiles)}</div>'
 

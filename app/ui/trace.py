@@ -27,6 +27,12 @@ def summary_metrics(points: Sequence[PrefillChunk | DecodeStep], num_prompt_toke
                            kv_bytes=last.kv_bytes if last else 0)
 
 
+def cache_visible(started: Started | None) -> bool:
+    """Whether a reply's KV cache can be shown here: the engine's can; a remote endpoint's server keeps its
+    own out of sight (its replies' Started names no capacity, and their steps no sizes)."""
+    return started is None or started.kv_capacity_tokens > 0
+
+
 @dataclass
 class ReplyTrace:
     turn: int
@@ -91,6 +97,10 @@ class ReplyTrace:
     def num_cached_tokens(self) -> int:
         """Prompt tokens whose K/V the engine took from its pool instead of prefilling them."""
         return self.started.num_cached_tokens if self.started else 0
+
+    @property
+    def cache_visible(self) -> bool:
+        return cache_visible(self.started)
 
     @property
     def kv(self) -> tuple[int, int]:
