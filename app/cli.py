@@ -593,7 +593,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
-    from app.history.store import Store
+    from app.history.store import Store, model_name
 
     store = Store.open(args.db, create=False, repair=False)
     rows = store.sessions(args.search)
@@ -606,8 +606,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     for row in rows:
         ttft = f"{row['mean_ttft_ms']:.0f}" if row["mean_ttft_ms"] is not None else "-"
         tpot = f"{row['mean_tpot_ms']:.1f}" if row["mean_tpot_ms"] is not None else "-"
+        model = model_name(row["model"])
         print(f"{row['id']:>5}  {row['updated_at'][:19].replace('T', ' '):<19}  {row['turns']:>5}  {ttft:>8}  "
-              f"{tpot:>8}  {row['precisions'] or '-':<9}  {row['model'][:24]:<24}  {row['title']}")
+              f"{tpot:>8}  {row['precisions'] or '-':<9}  {model[:24]:<24}  {row['title']}")
     return 0
 
 

@@ -203,6 +203,9 @@ def test_cli_sessions_and_export(tiny, tmp_path):
     listing = cli("sessions", "--db", str(path))
     assert 0 == listing.returncode and "CLI question" in listing.stdout and "tiny-llama" in listing.stdout
     assert re.search(rf"run in .*\n.* {engine.info.precision} +tiny-llama", listing.stdout)  # its replies' precision
+    store.create_session("Remote", "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "endpoint http://h/v1", "", {})
+    listing = cli("sessions", "--db", str(path))  # a model named by its file's path (llama-server's): its name
+    assert re.search(r" SmolLM2-135M-Instruct\.Q4  Remote\n", listing.stdout), listing.stdout
     out = tmp_path / "s.json"
     assert 0 == cli("export", "--db", str(path), "--session", "1", "--format", "json", "-o", str(out)).returncode
     assert "CLI question" == json.loads(out.read_text())["sessions"][0]["title"]

@@ -42,6 +42,12 @@ def clean(text: str | None) -> str | None:
     return None if text is None else valid_text(text)
 
 
+def model_name(model: str) -> str:
+    """A session's model as the lists show it: a path's last part (llama-server names a model by its GGUF
+    file's path; a Hugging Face id's last part is its name)."""
+    return model.rstrip("/").rsplit("/", 1)[-1]
+
+
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 

@@ -18,7 +18,7 @@ from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, checked_json, export_filename, render_all, write_export
 from ..history.recorder import load_chat, questions
-from ..history.store import SessionReplying, Store, StoreError
+from ..history.store import SessionReplying, Store, StoreError, model_name
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
@@ -43,7 +43,7 @@ def session_rows(store: Store, search: str = "") -> tuple[list[list], int]:
         return None if value is None else round(value, digits)
 
     sessions = store.sessions(search)
-    return [[r["id"], r["title"], r["updated_at"][:19].replace("T", " "), r["model"], r["turns"],
+    return [[r["id"], r["title"], r["updated_at"][:19].replace("T", " "), model_name(r["model"]), r["turns"],
              rounded(r["mean_ttft_ms"], 0), rounded(r["mean_tpot_ms"], 1)]
             for r in sessions[:SHOWN_SESSIONS]], len(sessions)
 
