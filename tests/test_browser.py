@@ -1026,9 +1026,16 @@ def test_chat_with_a_remote_endpoint_from_the_page(page, app_db):
         assert "" == page.inner_text("#ps-pool").strip()  # this machine's pool is not this chat's
         toasts = page.locator("[data-testid=toast-body]").all_inner_texts()
         assert not toasts, toasts
+        page.click("#ps-new")  # a new chat goes on with the backend chosen, as the model line says
+        page.wait_for_function("() => !document.querySelector('#ps-chatbot [data-testid=bot]')")
+        send(page, "One more thing.")
+        page.wait_for_function("() => document.querySelectorAll('#ps-chatbot [data-testid=bot]').length == 1 "
+                               "&& document.querySelector('#ps-phase [data-phase=done]')", timeout=120_000)
+        assert f"{url}/v1" in page.inner_text("#ps-model-line")
+        assert page.inner_text('#ps-kpis [data-kpi="kv"]').startswith("KV cache · on the server")
         from app.history.store import Store
-        sessions = Store.open(app_db).sessions()
-        assert any(s["device"] == f"endpoint {url}/v1" and s["title"] == "Say hello to the class." for s in sessions)
+        sessions = {s["title"]: s["device"] for s in Store.open(app_db).sessions()}
+        assert sessions["Say hello to the class."] == sessions["One more thing."] == f"endpoint {url}/v1"
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -305,7 +305,8 @@ def make_leave(active: ActiveRequests, streams: live.Streams) -> Callable[[ChatS
 def new_chat(engine: Engine, leave: Callable[[ChatSession | None], None]):
     def handler(session, lang):
         leave(session)
-        return render(ChatSession(lang=lang), engine, None)
+        # the backend chosen stays, as the model line says it does (a remote endpoint, or this machine)
+        return render(ChatSession(lang=lang, endpoint=session.endpoint if session else None), engine, None)
 
     return handler
 

@@ -266,6 +266,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line)
         chat.leave(current)  # the chat it replaces: its reply, if one runs, stops drawing over this one
         session = load_chat(store, session_id, lang_choice)
+        session.endpoint = current.endpoint if current else None  # it goes on where the model line says
         trace = session.traces[-1] if session.traces else None
         return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown))
 
