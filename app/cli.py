@@ -560,9 +560,9 @@ def _remote_line(finished) -> str:
     the server's own timings where it sends them (llama.cpp's server does)."""
     m = finished.metrics
     chunks = m.num_generated_tokens  # one per streamed chunk with text
-    line = (f"prompt {m.num_prompt_tokens} tok (cached {m.num_cached_tokens}) · TTFT {_num(m.ttft_ms, 0)} ms · "
-            f"TPOT {_num(m.tpot_ms, 2)} ms · decode {_num(m.decode_tokens_per_s)} tok/s ({chunks} chunks) · "
-            f"E2E {_num(m.e2e_ms, 0)} ms (client-side)")
+    prompt = f"prompt {m.num_prompt_tokens} tok (cached {m.num_cached_tokens}) · " if m.num_prompt_tokens else ""
+    line = (f"{prompt}TTFT {_num(m.ttft_ms, 0)} ms · TPOT {_num(m.tpot_ms, 2)} ms · "
+            f"decode {_num(m.decode_tokens_per_s)} tok/s ({chunks} chunks) · E2E {_num(m.e2e_ms, 0)} ms (client-side)")
     timings = (finished.server or {}).get("timings")
     if not timings:
         return line

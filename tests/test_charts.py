@@ -197,6 +197,9 @@ def test_phase_and_tiles_when_finished(tiny_engine):
     assert f"{trace.finished.metrics.ttft_ms:,.0f} ms" in tiles
     line = panels.stats_line(trace.finished.metrics, "length")
     assert line.endswith("5 tok") and "TTFT" in line and " prompt tok · cached 0 · TTFT" in line
+    unknown = dataclasses.replace(trace.finished.metrics, num_prompt_tokens=0)  # a remote reply stopped early
+    shown = panels.stats_line(unknown, "cancelled")
+    assert shown.startswith("TTFT ") and shown.endswith(" · 5 tok · stopped") and "prompt" not in shown
 
 
 def test_live_metrics_use_the_engine_definitions():

@@ -200,6 +200,7 @@ def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_saves_it_as_stopped(fau
     out, err = chat.communicate("/bye\n", timeout=60)
     assert chat.returncode == 0, err
     assert "(client-side)" in out  # the reply ended, with its timing line, and the chat went on
+    assert "\nTTFT " in out and "prompt 0 tok" not in out  # the server never said the prompt's size
     [session] = Store.open(db).sessions()
     [reply] = [m for m in Store.open(db).messages(session["id"]) if m["role"] == "assistant"]
     assert reply["status"] == "stopped" and reply["content"].startswith(" word word word")

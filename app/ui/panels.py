@@ -122,10 +122,13 @@ def time_split_html(metrics: RequestMetrics | None, lang: str = DEFAULT) -> str:
 
 
 def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT) -> str:
-    """The small line under each assistant message."""
-    parts = [t(lang, "stats.prompt", n=metrics.num_prompt_tokens), t(lang, "stats.cached", n=metrics.num_cached_tokens),
-             f"TTFT {_num(metrics.ttft_ms, 0)} ms", t(lang, "stats.decode", tps=_num(metrics.decode_tokens_per_s)),
+    """The small line under each assistant message; without the prompt's size where it is not known (a remote
+    server's reply stopped before the server said it)."""
+    parts = [f"TTFT {_num(metrics.ttft_ms, 0)} ms", t(lang, "stats.decode", tps=_num(metrics.decode_tokens_per_s)),
              t(lang, "stats.tokens", n=metrics.num_generated_tokens)]
+    if metrics.num_prompt_tokens:
+        parts[:0] = [t(lang, "stats.prompt", n=metrics.num_prompt_tokens),
+                     t(lang, "stats.cached", n=metrics.num_cached_tokens)]
     if reason in ("cancelled", "interrupted"):
         parts.append(t(lang, "stats.stopped" if reason == "cancelled" else "stats.interrupted"))
     return " · ".join(parts)
