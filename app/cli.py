@@ -557,17 +557,22 @@ def _through(events, hooks):
 
 def _remote_line(finished) -> str:
     """A remote reply's timing line: what was measured here (the server's cache is not visible), and
-    the server's own timings where it sends them (llama.cpp's server does)."""
+    the server's own timings where it sends them (llama.cpp's server does), and its gauges where its /metrics
+    has them."""
+    from app.remote.client import gauges_text, server_gauges
+
     m = finished.metrics
     chunks = m.num_generated_tokens  # one per streamed chunk with text
     prompt = f"prompt {m.num_prompt_tokens} tok (cached {m.num_cached_tokens}) · " if m.num_prompt_tokens else ""
     line = (f"{prompt}TTFT {_num(m.ttft_ms, 0)} ms · TPOT {_num(m.tpot_ms, 2)} ms · "
             f"decode {_num(m.decode_tokens_per_s)} tok/s ({chunks} chunks) · E2E {_num(m.e2e_ms, 0)} ms (client-side)")
-    timings = (finished.server or {}).get("timings")
-    if not timings:
-        return line
-    return (f"{line} · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
-            f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
+    server = finished.server or {}
+    if timings := server.get("timings"):
+        line += (f" · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
+                 f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
+    if gauges := server_gauges(server.get("metrics_before") or {}):  # as the request began: what it found there
+        line += f" · server on arrival: {gauges_text(gauges)}"
+    return line
 
 
 def cmd_ui(args: argparse.Namespace) -> int:

@@ -147,6 +147,20 @@ def test_each_fault_is_one_clear_line_with_the_partial_reply(faulty, fault, mess
     assert seconds < 10
 
 
+def test_each_servers_gauges_read_alike():
+    """vLLM's, SGLang's, llama.cpp's and PhaseScope's names for the KV cache in use and the requests running
+    and waiting (what Endpoint.scrape keeps of their /metrics) read as the same three."""
+    from app.remote.client import gauges_text, server_gauges
+
+    vllm = {"kv_cache_usage_perc": 0.25, "num_requests_running": 3.0, "num_requests_waiting": 1.0}
+    sglang = {"token_usage": 0.25, "num_running_reqs": 3.0, "num_queue_reqs": 1.0, "cache_hit_rate": 0.5}
+    llama_cpp = {"requests_processing": 3.0, "requests_deferred": 1.0, "prompt_tokens_cached": 1041.0}
+    expected = {"kv_cache_usage": 0.25, "running": 3.0, "waiting": 1.0}
+    assert server_gauges(vllm) == server_gauges(sglang) == expected
+    assert server_gauges(llama_cpp) == {"running": 3.0, "waiting": 1.0}  # this llama.cpp names no KV gauge
+    assert gauges_text(expected) == "KV cache 25.0%, 3 running, 1 waiting" and server_gauges({}) == {}
+
+
 @pytest.mark.parametrize("text", ["ttft:abc", "ttft:-5", "ttft", "speed:10"])
 def test_a_bad_slo_is_one_line(text):
     from app.remote.sweep import parse_slo
@@ -257,3 +271,6 @@ def test_load_sweep_against_phasescope_serve_shows_batching(own_server):
     assert four["goodput"] > 0 and set(four["ttft_ms"]) == {"p50", "p90", "p99"}
     # how the server runs, as its /metrics says: a comparison of two servers says what it compared
     assert {"phasescope:engine_info": {"precision": "int8", "switches": ""}} == report["server_info"]
+    # and what it was doing, as its /metrics said while each level ran
+    assert one["server_peak"]["running"] <= 1 and four["server_peak"]["running"] >= 2
+    assert 0 < four["server_peak"]["kv_cache_usage"] <= 1 and four["server_peak"]["waiting"] >= 0

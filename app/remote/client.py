@@ -23,10 +23,28 @@ from engine import DecodeStep, Event, Finished, FirstToken, ModelInfo, SamplingP
 from engine.metrics import request_metrics
 
 _ids = itertools.count(1)
-# gauges and counters worth reporting from a server's /metrics, whoever names them
-SERVER_METRICS = ("kv_cache_usage_perc", "gpu_cache_usage_perc", "token_usage", "prefix_cache_hits", "cache_hit_rate",
-                  "prefix_cache_queries", "num_requests_waiting", "num_queue_reqs", "num_requests_running",
-                  "num_running_reqs")
+# a server's gauges worth reporting from its /metrics, by what they say, each with the names vLLM, SGLang,
+# llama.cpp's server and PhaseScope give it (after the prefix: vllm:, sglang:, llamacpp:, phasescope:)
+SERVER_GAUGES = {"kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc", "token_usage", "kv_cache_usage_ratio"),
+                 "running": ("num_requests_running", "num_running_reqs", "requests_processing"),
+                 "waiting": ("num_requests_waiting", "num_queue_reqs", "requests_deferred")}
+# those, and its prefix cache's counters, as each request's Finished.server keeps them (metrics_before / _after)
+SERVER_METRICS = (*(name for names in SERVER_GAUGES.values() for name in names), "prefix_cache_hits", "cache_hit_rate",
+                  "prefix_cache_queries", "prompt_tokens_cached")
+
+
+def server_gauges(scraped: dict[str, float]) -> dict[str, float]:
+    """A scrape's SERVER_GAUGES by what they say ({"kv_cache_usage": 0.12, "running": 3.0, "waiting": 0.0}),
+    each from the first of its names the server has: a fraction of the KV cache in use, and requests."""
+    return {what: next(scraped[name] for name in names if name in scraped)
+            for what, names in SERVER_GAUGES.items() if any(name in scraped for name in names)}
+
+
+def gauges_text(gauges: dict[str, float]) -> str:
+    """"KV cache 12.0 %, 3 running, 0 waiting", of what the server has."""
+    words = {"kv_cache_usage": lambda v: f"KV cache {v:.1%}", "running": lambda v: f"{v:,.0f} running",
+             "waiting": lambda v: f"{v:,.0f} waiting"}
+    return ", ".join(words[what](value) for what, value in gauges.items())
 # Prometheus gauges whose labels say how a server runs: PhaseScope's engine_info, vLLM's cache_config_info
 SERVER_INFO = ("engine_info", "cache_config_info")
 

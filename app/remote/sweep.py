@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from engine import Finished, SamplingParams
 from engine.metrics import percentiles
 
-from .client import Endpoint
+from .client import SERVER_GAUGES, Endpoint, gauges_text, server_gauges
 
+WATCH_S = 0.2  # how often a level reads the server's gauges
 WORDS = ("the model reads the prompt in one pass and then writes one token at a time while the cache of keys and "
          "values grows with every step of the reply").split()
 
@@ -68,6 +69,16 @@ def level(endpoint: Endpoint, texts: list[str], concurrency: int, output_tokens:
         with lock:
             results.append(finished)
 
+    seen: list[dict[str, float]] = []  # the server's own gauges (its /metrics) while the level runs
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(WATCH_S):
+            if gauges := server_gauges(endpoint.scrape()):
+                seen.append(gauges)
+
+    watcher = threading.Thread(target=watch, name="sweep-metrics", daemon=True)
+    watcher.start()
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         for text in texts:
@@ -75,6 +86,8 @@ def level(endpoint: Endpoint, texts: list[str], concurrency: int, output_tokens:
             if rate:
                 time.sleep(arrivals.expovariate(rate))
     elapsed = time.perf_counter() - start
+    done.set()
+    watcher.join()
     ok = [f for f in results if f.reason != "error"]
     metrics = [f.metrics for f in ok]
     tokens = sum((f.server or {}).get("usage", {}).get("completion_tokens") or f.metrics.num_generated_tokens
@@ -84,13 +97,15 @@ def level(endpoint: Endpoint, texts: list[str], concurrency: int, output_tokens:
         return {k: round(v, 2) if v is not None else None for k, v in percentiles(list(values)).items()}
 
     errors = [f.error for f in results if f.reason == "error"]
+    peak = {what: max(s[what] for s in seen if what in s) for what in SERVER_GAUGES if any(what in s for s in seen)}
     return {"concurrency": concurrency, "request_rate": rate, "requests": len(texts), "completed": len(ok),
             "errors": len(errors), "first_error": errors[0] if errors else None, "duration_s": round(elapsed, 3),
             "request_throughput": round(len(ok) / elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 1),
             "ttft_ms": pct(m.ttft_ms for m in metrics if m.ttft_ms is not None),
             "tpot_ms": pct(m.tpot_ms for m in metrics if m.tpot_ms is not None),
             "itl_ms": pct(v for m in metrics for v in m.itl_ms), "e2e_ms": pct(m.e2e_ms for m in metrics),
-            "goodput": round(sum(_meets(f, slo) for f in results) / elapsed, 3) if slo else None}
+            "goodput": round(sum(_meets(f, slo) for f in results) / elapsed, 3) if slo else None,
+            "server_peak": peak or None}
 
 
 def sweep(endpoint: Endpoint, levels: tuple[int, ...], num_requests: int, input_words: int, output_tokens: int,
@@ -152,6 +167,11 @@ def markdown(report: dict) -> str:
                      f"{three(row['ttft_ms'])} | {three(row['tpot_ms'])} | "
                      f"{itl['p50'] or 0:,.1f}/{itl['p99'] or 0:,.1f} | {row['e2e_ms']['p50'] or 0:,.0f} | {goodput} | "
                      f"{row['errors']} |")
+    peaks = [f"{row['concurrency']}: {gauges_text(row['server_peak'])}" for row in report["levels"]
+             if row.get("server_peak")]
+    if peaks:
+        lines += ["", f"The server's own gauges (its /metrics, read every {WATCH_S:g} s), the most seen at each "
+                  "concurrency: " + "; ".join(peaks) + "."]
     if report["slo"]:
         lines += ["", "Goodput: requests per second that met " +
                   ", ".join(f"{k.removesuffix('_ms').upper()} ≤ {v:g} ms" for k, v in report["slo"].items()) + "."]
@@ -165,5 +185,7 @@ def csv_rows(report: dict) -> list[dict]:
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             for q, value in row[key].items():
                 flat[f"{key.removesuffix('_ms')}_{q}_ms"] = value
+        for what, value in (row.get("server_peak") or {}).items():
+            flat[f"server_{what}_peak"] = value
         rows.append(flat)
     return rows
