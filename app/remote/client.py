@@ -31,6 +31,8 @@ SERVER_GAUGES = {"kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc
 # those, and its prefix cache's counters, as each request's Finished.server keeps them (metrics_before / _after)
 SERVER_METRICS = (*(name for names in SERVER_GAUGES.values() for name in names), "prefix_cache_hits", "cache_hit_rate",
                   "prefix_cache_queries", "prompt_tokens_cached")
+# Prometheus gauges whose labels say how a server runs: PhaseScope's engine_info, vLLM's cache_config_info
+SERVER_INFO = ("engine_info", "cache_config_info")
 
 
 def server_gauges(scraped: dict[str, float]) -> dict[str, float]:
@@ -41,12 +43,10 @@ def server_gauges(scraped: dict[str, float]) -> dict[str, float]:
 
 
 def gauges_text(gauges: dict[str, float]) -> str:
-    """"KV cache 12.0 %, 3 running, 0 waiting", of what the server has."""
+    """"KV cache 12.0%, 3 running, 0 waiting", of what the server has."""
     words = {"kv_cache_usage": lambda v: f"KV cache {v:.1%}", "running": lambda v: f"{v:,.0f} running",
              "waiting": lambda v: f"{v:,.0f} waiting"}
     return ", ".join(words[what](value) for what, value in gauges.items())
-# Prometheus gauges whose labels say how a server runs: PhaseScope's engine_info, vLLM's cache_config_info
-SERVER_INFO = ("engine_info", "cache_config_info")
 
 
 class KeyRefused(ValueError):
