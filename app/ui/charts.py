@@ -123,8 +123,12 @@ def latency_figure(events: Sequence[Event], lang: str = DEFAULT, tpot_line: bool
                    _axis(t(lang, "chart.latency_y"), type="log", **ticks), shapes=shapes, annotations=annotations)
 
 
+def _started(events: Sequence[Event]) -> Started | None:
+    return next((e for e in events if isinstance(e, Started)), None)
+
+
 def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFAULT) -> tuple[list[dict], int]:
-    started = next((e for e in events if isinstance(e, Started)), None)
+    started = _started(events)
     points = [e for e in events if isinstance(e, (PrefillChunk, DecodeStep))]
     if not points or not cache_visible(started):  # a remote endpoint's turn: no cache to draw
         return [], x0
@@ -193,8 +197,8 @@ def kv_figure(turns: Sequence[Sequence[Event]], lang: str = DEFAULT) -> dict:
     for number, events in enumerate(turns, start=1):
         traces, x = _turn_traces(number, events, x, lang)
         data += traces
-    if not data and any(not cache_visible(next((e for e in events if isinstance(e, Started)), None))
-                        for events in turns):  # only a remote endpoint's turns: said, instead of an empty chart
+    if not data and any(not cache_visible(_started(events)) for events in turns):
+        # only a remote endpoint's turns: said, instead of an empty chart
         return _figure([], t(lang, "chart.kv_title"), _axis(t(lang, "chart.kv_x")), _axis(t(lang, "chart.kv_y")),
                        annotations=[dict(text=t(lang, "chart.kv_remote"), x=0.5, y=0.5, xref="paper", yref="paper",
                                          showarrow=False, font=dict(color=CAPACITY_COLOR))])
