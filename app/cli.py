@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-words", type=int, default=100, help="with --endpoint: words per prompt (default 100)")
     bench.add_argument("--output-tokens", type=int, default=64, help="with --endpoint: tokens per reply (default 64)")
     bench.add_argument("--random-lengths", action="store_true", help="with --endpoint: prompt lengths 0.5x to 1.5x")
+    bench.add_argument("--seed", type=int, help="with --endpoint: the prompts' seed (default: a new one each run, so "
+                       "that a server's prefix cache does not serve an earlier run's prompts; the same seed sends two "
+                       "servers the same prompts)")
     bench.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="with --endpoint: goodput counts the requests "
                                                                 "within these latencies")
     bench.add_argument("--png", metavar="DIR", help="with --endpoint: write the latency-throughput chart to DIR")
@@ -730,7 +733,7 @@ def _load_sweep(args: argparse.Namespace) -> int:
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     log(f"phasescope bench --endpoint {endpoint.url} ({endpoint.model}): concurrency {', '.join(map(str, levels))}")
     report = sweep.sweep(endpoint, levels, args.requests, args.input_words, args.output_tokens, args.random_lengths,
-                         args.request_rate, slo, log)
+                         args.request_rate, slo, log, seed=args.seed)
     if folder:
         log(f"  chart: {lab.write_image(lab.figure(sweep.figure_result(report)), folder / 'load-sweep')}")
     if args.output == "json":

@@ -170,6 +170,21 @@ def test_a_bad_slo_is_one_line(text):
     assert parse_slo("ttft:500, tpot:50") == {"ttft_ms": 500.0, "tpot_ms": 50.0}
 
 
+def test_each_sweep_sends_new_prompts_unless_given_a_seed(faulty):
+    """A server's prefix cache keeps an earlier run's prompts (llama.cpp's server served a second identical
+    sweep's at a sixth of the first's TTFT): each run draws new ones; a seed sends the same again."""
+    from app.remote.sweep import sweep
+
+    def sent(seed=None) -> tuple[int, list[str]]:
+        Faulty.received.clear()
+        report = sweep(Endpoint(f"{faulty}/ok", "m", scrape_metrics=False), (1,), 2, 5, 4, seed=seed)
+        return report["seed"], [body["messages"][-1]["content"] for body in Faulty.received]
+
+    (first_seed, first), (second_seed, second) = sent(), sent()
+    assert first_seed != second_seed and len(first) == 2 and not set(first) & set(second)
+    assert sent(7) == sent(7) and sent(7)[1] != first
+
+
 def test_a_key_refused_or_missing_is_said_as_such_and_a_sweep_where_all_fail_stops(faulty):
     from app.remote.sweep import sweep
 

@@ -110,9 +110,13 @@ def level(endpoint: Endpoint, texts: list[str], concurrency: int, output_tokens:
 
 def sweep(endpoint: Endpoint, levels: tuple[int, ...], num_requests: int, input_words: int, output_tokens: int,
           random_lengths: bool = False, rate: float | None = None, slo: dict[str, float] | None = None,
-          log: Callable[[str], None] = lambda line: None) -> dict:
-    texts = prompts(num_requests * len(levels), input_words, random_lengths)
-    report = {"endpoint": endpoint.url, "model": endpoint.model, "requests_per_level": num_requests,
+          log: Callable[[str], None] = lambda line: None, seed: int | None = None) -> dict:
+    """seed: the prompts'; by default a new one each run, so that a server's prefix cache does not serve the
+    prompts of an earlier run (llama.cpp's server keeps each slot's last prompt, vLLM and PhaseScope whole
+    blocks): their TTFT would be a cache hit's, not a prefill's."""
+    seed = random.randrange(1 << 31) if seed is None else seed
+    texts = prompts(num_requests * len(levels), input_words, random_lengths, seed)
+    report = {"endpoint": endpoint.url, "model": endpoint.model, "seed": seed, "requests_per_level": num_requests,
               "input_words": input_words, "output_tokens": output_tokens, "random_lengths": random_lengths,
               "request_rate": rate, "slo": slo or {}, "server_info": endpoint.server_info(), "levels": []}
     for i, concurrency in enumerate(levels):
