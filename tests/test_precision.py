@@ -260,6 +260,8 @@ def test_long_prompts_against_llama_cpp_at_each_depth_or_alone():
         "fp32 **2.40×** / 4.80×; int8 3.00× / 6.00× (pp2048 at d0 / d4096)"
     one_length = [r for r in plain + deep if not r.test.startswith("pp2048")]
     assert label not in dict(headline({"results": one_length, "summary": {}}))
+    longest_first = sorted(plain, key=lambda r: r.test != "pp2048")  # -p 2048,512: the same figure
+    assert dict(headline({"results": longest_first, "summary": {}}))[label] == "fp32 3.00×; int8 3.00× (pp2048)"
 
 
 def test_bench_prompt_lengths_are_checked_before_the_model_loads():
