@@ -497,6 +497,21 @@ def test_a_read_only_folder_names_the_path(tmp_path):
         Store.open(folder / "history.db")
 
 
+def test_a_session_opened_where_it_did_not_run_says_where_it_goes_on():
+    """Open in chat keeps the chat's backend (the model line's); a session that ran elsewhere is told so."""
+    from types import SimpleNamespace
+
+    from app.ui.history_tab import backend_note
+
+    llama = SimpleNamespace(url="http://127.0.0.1:8080/v1")
+    assert backend_note("cpu", None) is None and backend_note("endpoint http://127.0.0.1:8080/v1", llama) is None
+    assert backend_note("endpoint http://127.0.0.1:8080/v1", None) == (
+        "This session ran on http://127.0.0.1:8080/v1; it goes on with this machine's engine, as the model line "
+        "says (Backend chooses).")
+    assert backend_note("cpu", llama, "zh") == (
+        "此会话曾在 本机引擎 上运行；现在继续使用 http://127.0.0.1:8080/v1，与模型信息行一致（可在“后端”中更改）。")
+
+
 def test_the_history_table_shows_the_most_recent_sessions_and_says_how_many_there_are(tmp_path):
     """The page copies the table's whole value at every event: it holds the most recent sessions only,
     and says so when there are more (search finds the others)."""

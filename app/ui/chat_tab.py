@@ -45,6 +45,7 @@ class ChatTab:
     kv_check: gr.HTML
     pool: gr.HTML
     leave: Callable[[ChatSession | None], None]  # ends the chat's reply, for another chat in its place
+    model_line: gr.HTML  # what answers the chat: not among the outputs above, which a reply draws
 
     @property
     def outputs(self) -> list[gr.components.Component]:
@@ -112,7 +113,7 @@ def _backend_choices(lang: str) -> list[tuple[str, str]]:
 SETTINGS = ("system", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "prefill_chunk")
 
 
-def _model_line(chat: ChatSession, engine: Engine, lang: str) -> str:
+def model_line_html(chat: ChatSession, engine: Engine, lang: str) -> str:
     """What answers this chat: the local model as it runs now, or the chat's remote endpoint."""
     if chat.endpoint:
         return panels.endpoint_html(chat.endpoint, lang)
@@ -137,7 +138,7 @@ def make_accept(engine: Engine, active: ActiveRequests, streams: live.Streams):
         queued = (chat_view(session.display, session), "", panels.queued_html(0, 0, lang), session)
         if getattr(engine, "loading", False):  # the page's load draws the model line once the model is there
             return *queued, gr.skip(), gr.skip()
-        return *queued, _model_line(session, engine, lang), engine.info.precision
+        return *queued, model_line_html(session, engine, lang), engine.info.precision
 
     return accept
 
@@ -384,7 +385,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             stream = gr.Textbox(live.reset([], []), visible="hidden", elem_id="ps-stream")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
             pool = gr.HTML("", elem_id="ps-pool")
-    tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool, make_leave(active, streams))
+    tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool, make_leave(active, streams),
+                  model_line)
     stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     named = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  repetition_penalty=repetition_penalty, seed=seed, prefill_chunk=prefill_chunk)
@@ -421,12 +423,12 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         chat = chat or ChatSession(lang=lang_choice)
         if kind == "local" or not (url or "").strip():
             chat.endpoint = None
-            return chat, _model_line(chat, engine, lang_choice)
+            return chat, model_line_html(chat, engine, lang_choice)
         try:
             endpoint = Endpoint(url.strip(), (model or "").strip() or None, (key or "").strip() or None)
             endpoint.resolve_model()
         except ValueError as exc:  # said under the model line: the backend this chat keeps, and why not that one
-            return chat, _model_line(chat, engine, lang_choice) + panels.attention(user_error(lang_choice, exc))
+            return chat, model_line_html(chat, engine, lang_choice) + panels.attention(user_error(lang_choice, exc))
         chat.endpoint = endpoint
         return chat, panels.endpoint_html(endpoint, lang_choice)
 
@@ -440,7 +442,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         chat.lang = lang_choice
         trace = chat.traces[-1] if chat.traces else None
         outputs = render(chat, engine, trace, chatbot=False)
-        return (*outputs[2:-1], _model_line(chat, engine, lang_choice),
+        return (*outputs[2:-1], model_line_html(chat, engine, lang_choice),
                 panels.precision_html(measured["report"], lang_choice),
                 gr.Dropdown(choices=precisions(engine), value=engine.info.precision))
 

@@ -13,7 +13,7 @@ import gradio as gr
 
 from ..cli import setup_flags
 from ..i18n import DEFAULT, K, t
-from .chat_tab import ChatTab, render
+from .chat_tab import ChatTab, model_line_html, render
 from .panels import attention, counted, with_attention, without_attention
 from .language import Texts
 from ..history.export import FORMATS, checked_json, export_filename, render_all, write_export
@@ -35,6 +35,16 @@ def columns(lang: str) -> list[str]:
 # event (a structured clone), and 527 rows cost each sent message 44 ms of the page's CPU (measured) while
 # the reply's prefill and first decode steps ran beside it.
 SHOWN_SESSIONS = 100
+
+
+def backend_note(ran: str, endpoint, lang: str = DEFAULT) -> str | None:
+    """What a session opened in the chat is told when it ran elsewhere than the chat's backend now: ran is
+    its device as saved ("cpu", "endpoint http://…/v1"), endpoint the chat's (None: this machine's engine)."""
+    def where(device: str | None) -> str:
+        return device.removeprefix("endpoint ") if device else t(lang, "chat.backend_local").lower()
+    now = f"endpoint {endpoint.url}" if endpoint is not None else None
+    before = ran if ran.startswith("endpoint ") else None
+    return None if before == now else t(lang, "saved.goes_on", ran=where(before), now=where(now))
 
 
 def session_rows(store: Store, search: str = "") -> tuple[list[list], int]:
@@ -263,12 +273,14 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
 
     def open_session(session_id, shown, lang_choice, current):
         if line := refused(session_id, shown, lang_choice):
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line)
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line, gr.skip())
         chat.leave(current)  # the chat it replaces: its reply, if one runs, stops drawing over this one
         session = load_chat(store, session_id, lang_choice)
         session.endpoint = current.endpoint if current else None  # it goes on where the model line says
+        note = backend_note(store.session(session_id)["device"], session.endpoint, lang_choice)
         trace = session.traces[-1] if session.traces else None
-        return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown))
+        return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown),
+                model_line_html(session, engine, lang_choice) + (attention(note) if note else ""))
 
     def do_rename(session_id, new_title, query, shown, lang_choice):
         line = refused(session_id, shown, lang_choice)
@@ -305,8 +317,8 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         written.then(None, js="() => { const file = document.querySelector('#ps-export-all-file');"
                               " if (file && !file.disabled) file.click(); }")
     table.select(select, [table, lang], [selected, chosen, confirm, *one, *acting], queue=False)
-    open_button.click(open_session, [selected, chosen, lang, chat.session], [*chat.outputs, tabs, chosen],
-                      queue=False)
+    open_button.click(open_session, [selected, chosen, lang, chat.session],
+                      [*chat.outputs, tabs, chosen, chat.model_line], queue=False)
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one, *acting],
