@@ -50,6 +50,10 @@ class Faulty(BaseHTTPRequestHandler):
     received: list[dict] = []  # the requests' bodies
 
     def do_GET(self) -> None:  # noqa: N802: the model list, refused as a server with an API key does
+        if self.path == "/ok/metrics":  # a slow /metrics beside the good stream
+            time.sleep(0.5)
+            self._json(200, b"phasescope:num_requests_running 2\n")
+            return
         self._json(401, b'{"error": {"message": "a valid API key is required", "type": "authentication_error"}}')
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
@@ -109,6 +113,15 @@ def test_a_good_stream_becomes_the_engines_events(faulty):
     assert (finished.reason, finished.text, finished.error) == ("eos", "Hello there", None)
     assert finished.metrics.num_prompt_tokens == 5 and finished.metrics.ttft_ms > 0
     assert len(finished.metrics.itl_ms) == 1
+
+
+def test_the_servers_metrics_are_read_outside_the_requests_time(faulty):
+    """/metrics is read as a request begins and ends (the terminal chat says what it found): its round trip,
+    half a second here, is not the request's TTFT."""
+    endpoint = Endpoint(f"{faulty}/ok", "m", read_timeout_s=2.0)
+    *_, finished = endpoint.stream([{"role": "user", "content": "hi"}], SAMPLING)
+    assert finished.server["metrics_before"] == {"num_requests_running": 2.0} and finished.reason == "eos"
+    assert finished.metrics.ttft_ms < 400 and finished.metrics.e2e_ms < 400
 
 
 def test_the_request_carries_the_sampling_settings(faulty):

@@ -152,7 +152,7 @@ class _Stream:
     def __init__(self, endpoint: Endpoint, messages: list[dict], sampling: SamplingParams, cancelled) -> None:
         self.endpoint, self.messages, self.sampling, self.cancelled = endpoint, messages, sampling, cancelled
         self.id = f"remote-{next(_ids)}"
-        self.submit_ns = time.perf_counter_ns()
+        self.submit_ns = 0  # set as the request goes (events)
         self.token_ns: list[int] = []
         self.text = ""
         self.usage: dict = {}
@@ -187,6 +187,7 @@ class _Stream:
     def events(self) -> Iterator[Event]:
         yield Started(self.id, 0.0, 0, self.sampling.max_new_tokens, 0, 0, f"remote {self.endpoint.url}")
         before = self.endpoint.scrape()
+        self.submit_ns = time.perf_counter_ns()  # TTFT from here: the /metrics read above is not the request's
         error = None
         try:
             yield from self._chunks()
