@@ -763,22 +763,20 @@ def _png_folder(text: str | None):
     return folder
 
 
-def _numbers(text: str, option: str, least: int) -> tuple[int, ...]:
-    """Whole numbers separated by commas, in the order given, each at least `least`."""
+def _numbers(text: str, option: str, least: int | None = None) -> tuple[int, ...]:
+    """Whole numbers separated by commas, in the order given, each at least `least` where given."""
     try:
         numbers = tuple(int(n) for n in text.split(",") if n.strip())
     except ValueError:
         raise ValueError(f"{option} takes numbers separated by commas, got {text!r}") from None
-    if any(n < least for n in numbers):
+    if least is not None and any(n < least for n in numbers):
         raise ValueError(f"{option} takes numbers >= {least}")
     return numbers
 
 
 def _levels(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(sorted({int(b) for b in text.split(",") if b.strip() and int(b) > 0}))
-    except ValueError:
-        raise ValueError(f"--concurrency takes numbers separated by commas, got {text!r}") from None
+    """--concurrency's levels, in order, once each; 0 (and below): none."""
+    return tuple(sorted({n for n in _numbers(text, "--concurrency") if n > 0}))
 
 
 def _check_program(path: str, option: str) -> None:
