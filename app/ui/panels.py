@@ -92,6 +92,10 @@ def kpi_html(trace: ReplyTrace | None, lang: str = DEFAULT) -> str:
     cached = ""
     if trace and trace.started:
         cached = t(lang, "kpi.cached", cached=trace.num_cached_tokens, total=trace.num_prompt_tokens)
+    if trace and not trace.cache_visible:  # a remote server's: out of sight
+        kv_tile = _tile("kv", t(lang, "kpi.kv_remote"), "–")
+    else:
+        kv_tile = _tile("kv", t(lang, "kpi.kv", n=kv_tokens), f"{kv_bytes / 1e6:,.2f} MB" if trace else "–")
     tiles = [
         _tile("ttft", "TTFT", _num(m and m.ttft_ms, 0, " ms"), "ps-p"),
         _tile("prefill_tps", t(lang, "kpi.prefill"), _num(m and m.prefill_tokens_per_s, 0, " tok/s"), "ps-p"),
@@ -101,8 +105,7 @@ def kpi_html(trace: ReplyTrace | None, lang: str = DEFAULT) -> str:
         _tile("itl", t(lang, "kpi.itl"), _num(last_itl, 1, " ms"), "ps-d"),
         _tile("decode_tps", t(lang, "kpi.decode"), _num(m and m.decode_tokens_per_s, 1, " tok/s"), "ps-d"),
         _tile("generated_tokens", t(lang, "kpi.generated"), _num(len(trace.steps) if trace else None, 0), "ps-d"),
-        _tile("kv", t(lang, "kpi.kv", n=kv_tokens), f"{kv_bytes / 1e6:,.2f} MB" if trace else "–")
-        if not trace or trace.cache_visible else _tile("kv", t(lang, "kpi.kv_remote"), "–"),
+        kv_tile,
     ]
     return f'<div class="ps-tiles" title="{escape(t(lang, "kpi.definitions"))}">{"".join(tiles)}</div>'
 
