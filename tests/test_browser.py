@@ -34,6 +34,9 @@ def app_url(app_db):
     yield url
     process.terminate()
     process.wait(timeout=30)
+    said = "".join(process.output)
+    # every test's page ran against this app: none of its handlers may have raised or been wired wrong
+    assert "Traceback" not in said and "Warning" not in said, said[-3000:]
 
 
 @pytest.fixture(scope="module")

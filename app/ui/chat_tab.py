@@ -406,7 +406,11 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         replies.append(reply)
     # after a click on Send, the box again, for the next message (as after Enter in it)
     send.click(None, None, None, js="() => { document.querySelector('#ps-message textarea')?.focus(); }")
-    stop.click(lambda s: active.cancel(s.id) if s else None, [session], None, queue=False)
+    def stop_reply(state):
+        if state:
+            active.cancel(state.id)  # the event has no outputs: whether one was running is not shown
+
+    stop.click(stop_reply, [session], None, queue=False)
     measured = {"report": None}  # the last precision report, for a redraw in another language
     # change: once per pick, by mouse or keys (Gradio 6 sends input twice for a click, and select not for
     # a key); the value put back after a refusal comes here too, and is the engine's already. Its own

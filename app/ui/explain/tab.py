@@ -108,7 +108,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
                                       top_k=int(top_k), top_p=float(top_p))
             request = engine.new_request([{"role": "user", "content": text or ""}], sampling)
         except ValueError as exc:
-            raise gr.Error(user_error(lang_choice, exc)) from None
+            raise gr.Error(user_error(lang_choice, exc), print_exception=False) from None  # a toast, no traceback
         engine.allow(request, 0)  # held after the prefill and its token
         request.explain = True  # each step reports its time per stage, each decode step its attention
         walk = Walkthrough(request, ReplyTrace(turn=1), text)
