@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 import subprocess
 import sys
 import threading
@@ -26,6 +27,9 @@ def start_server(*args: str, timeout_s: float = 180) -> tuple[subprocess.Popen, 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), *args], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its output read as it comes (as start_app does): a pipe nobody reads fills up and blocks the server
+    process.output = deque(maxlen=2000)
+    threading.Thread(target=process.output.extend, args=(process.stdout,), daemon=True).start()
     deadline = time.monotonic() + timeout_s
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() < deadline:
@@ -37,7 +41,9 @@ def start_server(*args: str, timeout_s: float = 180) -> tuple[subprocess.Popen, 
                 break
             time.sleep(0.3)
     process.kill()
-    raise RuntimeError(f"the server did not start: {process.stdout.read()}")
+    process.wait(timeout=30)
+    time.sleep(0.5)  # the reader's last lines
+    raise RuntimeError(f"the server did not start: {''.join(process.output)}")
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +52,8 @@ def server(tmp_path_factory):
     yield url
     process.terminate()
     process.wait(timeout=30)
+    said = "".join(process.output)
+    assert "Traceback" not in said and "Warning" not in said, said[-3000:]  # no request broke the server
 
 
 @pytest.fixture(scope="module")
