@@ -376,11 +376,16 @@ class Engine:
             done.set()
 
     def _named(self, name: str | None, job: Callable[[], T]) -> T:
-        self.calling = name
+        """Run job as `name`; a named one's time goes to every active request's held_ms: they waited for it."""
+        self.calling, began = name, time.perf_counter()
         try:
             return job()
         finally:
             self.calling = None
+            if name is not None:
+                held_ms = (time.perf_counter() - began) * 1000
+                for request in self.scheduler.active():
+                    request.held_ms[name] = request.held_ms.get(name, 0.0) + held_ms
 
     def switch_precision(self, precision: str) -> None:
         """Run the model in another precision from the next request on: the forward is rebuilt from the

@@ -32,6 +32,9 @@ class Request:
     generated_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the pool (prefix caching)
     num_prefill_chunks: int = 0
+    # time the engine spent on a named call (Engine.call: the Lab's, a precision check's) while this request was
+    # active: it waited that long, within its TTFT or between two of its tokens
+    held_ms: dict[str, float] = field(default_factory=dict)
     started_ns: int | None = None  # left the queue
     prefill_ns: int = 0  # time inside prefill forward passes
     prefill_end_ns: int | None = None

@@ -7,13 +7,14 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from app import lab
 from app.history.store import Store
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, SamplingParams, Status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,6 +141,30 @@ def test_a_reply_waiting_for_a_lab_run_says_so(tiny):
     assert "the Lab is measuring" in engine.call(lambda: _phase(engine, None, request, "en"), name="lab")
     assert "实验室正在测量" in engine.call(lambda: _phase(engine, None, request, "zh"), name="lab")
     assert "Starting" in _phase(engine, None, request, "en")
+
+
+def test_a_reply_paused_between_two_tokens_by_a_lab_run_says_so_and_keeps_the_wait(tiny):
+    """A run that starts while a reply decodes holds it between two tokens: its phase line says so, and the
+    request keeps how long it waited (Request.held_ms), which the page says once the reply ends."""
+    from app.ui.chat_tab import _phase
+
+    engine = Engine(tiny)
+    request = engine.new_request_from_ids([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.submit(request)
+    while request.status != Status.DECODING:
+        engine.step()
+
+    def measure(lang: str) -> str:
+        time.sleep(0.2)
+        return _phase(engine, None, request, lang)
+
+    assert "Paused" in engine.call(lambda: measure("en"), name="lab")
+    assert "已暂停" in engine.call(lambda: measure("zh"), name="lab")
+    engine.call(lambda: time.sleep(0.2))  # a call without a name is no measurement's
+    while not request.is_finished:
+        engine.step()
+    assert list(request.held_ms) == ["lab"] and 400 <= request.held_ms["lab"] < 5000
+    assert "Paused" not in _phase(engine, None, request, "en")
 
 
 def test_a_variant_shares_the_forward_and_brings_its_own_switches(tiny):

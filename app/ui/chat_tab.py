@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
 # applies it in place. The charts redraw every 1-1.5 s there (a redraw is a whole Plotly replot,
 # on the cores decode uses).
 UPDATE_EVERY_S = 0.25
+HELD_SAID_MS = 100  # a reply that waited this long for a measurement (Request.held_ms) says so
 PLOT_DIV = '<div class="ps-plot"></div>'  # filled by static/phasescope.js with Plotly
 _drawn = itertools.count(1)
 
@@ -58,8 +59,11 @@ def _phase(engine: Engine, trace: ReplyTrace | None, request: Request | None, la
     if getattr(request, "remote", False):  # a remote endpoint's reply: its server's queue is not visible here
         return panels.phase_html(trace, num_others=0, lang=lang)
     running, _ = engine.load()
+    measuring = engine.calling in panels.WAITING_FOR  # a measurement holds the engine (Engine.call)
+    if measuring and request is not None and request.status in (Status.PREFILLING, Status.DECODING):  # paused
+        return panels.waiting_html(engine.calling, lang, started=True)
     if request is not None and request.status == Status.WAITING:
-        if engine.calling in panels.WAITING_FOR:  # a measurement holds the engine (Engine.call)
+        if measuring:
             return panels.waiting_html(engine.calling, lang)
         place = engine.place_in_line(request)
         return panels.queued_html(running + (place or 0), running, lang)
@@ -245,6 +249,9 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             session.pending = ""
             if not trace.failed:
                 session.converse(text, trace)
+            for name, held_ms in getattr(request, "held_ms", {}).items():  # a remote reply's are its server's
+                if name in panels.HELD_BY and held_ms >= HELD_SAID_MS:
+                    session.warn(t(session.lang, panels.HELD_BY[name], seconds=held_ms / 1000))
             _show_warnings(session)  # the reply's last ones (its end not saved, an error): here, in the queue,
             # as toasts; finish draws the tab outside the queue, where Gradio 6 shows none
         session.show_reply(trace)

@@ -34,11 +34,15 @@ def queued_html(num_ahead: int, num_running: int, lang: str = DEFAULT) -> str:
 
 
 WAITING_FOR = {"lab": "phase.waiting_lab", "precision": "phase.waiting_precision"}  # Engine.calling's names
+PAUSED_FOR = {"lab": "phase.paused_lab", "precision": "phase.paused_precision"}  # the same, mid-reply
+HELD_BY = {"lab": "warning.held_lab", "precision": "warning.held_precision"}  # afterwards (Request.held_ms)
 
 
-def waiting_html(measuring: str, lang: str = DEFAULT) -> str:
-    """A reply waiting while a measurement holds the engine: the Lab's or a precision switch's."""
-    return f'<div class="ps-phase ps-queued" data-phase="queued">{t(lang, WAITING_FOR[measuring])}</div>'
+def waiting_html(measuring: str, lang: str = DEFAULT, started: bool = False) -> str:
+    """A reply waiting while a measurement holds the engine (the Lab's or a precision switch's): before it
+    started, or (started) paused between two of its tokens."""
+    text = t(lang, (PAUSED_FOR if started else WAITING_FOR)[measuring])
+    return f'<div class="ps-phase ps-queued" data-phase="queued">{text}</div>'
 
 
 def _others(num_others: int, num_held: int, lang: str) -> str:
