@@ -799,7 +799,7 @@ class Engine:
         if self.config.speculative:
             speculation = Speculation(r.num_drafted, r.num_accepted, r.num_decode_forwards, r.num_decode_tokens)
         finished = Finished(r.request_id, self._t_ms(r, end_ns), reason, r.text, r.metrics(end_ns), error,
-                            speculation)
+                            speculation, held_ms=dict(r.held_ms) or None)
         self.scheduler.finish(r)  # its blocks go back to the pool (named ones stay cached)
         if self.drafter is not None:
             self.drafter.release(r)

@@ -177,6 +177,9 @@ class Finished(Event):
     speculation: Speculation | None = None  # what speculative decoding did, when the engine speculates
     # a remote server's own figures (app/remote): its timings, its /metrics before and after, by name
     server: dict | None = None
+    # ms the request waited, while active, for a measurement that held the engine (Engine.call's name:
+    # "lab", "precision"), by name; its TTFT or TPOT include them
+    held_ms: dict | None = None
 
 
 Hook = Callable[[Event], None]

@@ -145,12 +145,13 @@ def test_a_reply_waiting_for_a_lab_run_says_so(tiny):
 
 def test_a_reply_paused_between_two_tokens_by_a_lab_run_says_so_and_keeps_the_wait(tiny):
     """A run that starts while a reply decodes holds it between two tokens: its phase line says so, and the
-    request keeps how long it waited (Request.held_ms), which the page says once the reply ends."""
+    Finished event says how long it waited (held_ms), which the page says once the reply ends."""
     from app.ui.chat_tab import _phase
 
     engine = Engine(tiny)
     request = engine.new_request_from_ids([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
-    engine.submit(request)
+    events = []
+    engine.submit(request, [events.append])
     while request.status != Status.DECODING:
         engine.step()
 
@@ -163,7 +164,8 @@ def test_a_reply_paused_between_two_tokens_by_a_lab_run_says_so_and_keeps_the_wa
     engine.call(lambda: time.sleep(0.2))  # a call without a name is no measurement's
     while not request.is_finished:
         engine.step()
-    assert list(request.held_ms) == ["lab"] and 400 <= request.held_ms["lab"] < 5000
+    held = events[-1].held_ms  # the Finished event's
+    assert list(held) == ["lab"] and 400 <= held["lab"] < 5000
     assert "Paused" not in _phase(engine, None, request, "en")
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
 # applies it in place. The charts redraw every 1-1.5 s there (a redraw is a whole Plotly replot,
 # on the cores decode uses).
 UPDATE_EVERY_S = 0.25
-HELD_SAID_MS = 100  # a reply that waited this long for a measurement (Request.held_ms) says so
+HELD_SAID_MS = 100  # a reply that waited this long for a measurement (Finished.held_ms) says so
 PLOT_DIV = '<div class="ps-plot"></div>'  # filled by static/phasescope.js with Plotly
 _drawn = itertools.count(1)
 
@@ -249,7 +249,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             session.pending = ""
             if not trace.failed:
                 session.converse(text, trace)
-            for name, held_ms in getattr(request, "held_ms", {}).items():  # a remote reply's are its server's
+            for name, held_ms in ((trace.finished and trace.finished.held_ms) or {}).items():
                 if name in panels.HELD_BY and held_ms >= HELD_SAID_MS:
                     session.warn(t(session.lang, panels.HELD_BY[name], seconds=held_ms / 1000))
             _show_warnings(session)  # the reply's last ones (its end not saved, an error): here, in the queue,

@@ -35,7 +35,7 @@ def queued_html(num_ahead: int, num_running: int, lang: str = DEFAULT) -> str:
 
 WAITING_FOR = {"lab": "phase.waiting_lab", "precision": "phase.waiting_precision"}  # Engine.calling's names
 PAUSED_FOR = {"lab": "phase.paused_lab", "precision": "phase.paused_precision"}  # the same, mid-reply
-HELD_BY = {"lab": "warning.held_lab", "precision": "warning.held_precision"}  # afterwards (Request.held_ms)
+HELD_BY = {"lab": "warning.held_lab", "precision": "warning.held_precision"}  # afterwards (Finished.held_ms)
 
 
 def waiting_html(measuring: str, lang: str = DEFAULT, started: bool = False) -> str:
