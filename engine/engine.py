@@ -376,15 +376,17 @@ class Engine:
             done.set()
 
     def _named(self, name: str | None, job: Callable[[], T]) -> T:
-        """Run job as `name`; a named one's time goes to every active request's held_ms: they waited for it."""
-        self.calling, began = name, time.perf_counter()
+        """Run job as `name`. A named one's time, from its start or a request's submit if later, goes to the
+        held_ms of every request active at its end: they waited for it."""
+        self.calling, began_ns = name, time.perf_counter_ns()
         try:
             return job()
         finally:
             self.calling = None
             if name is not None:
-                held_ms = (time.perf_counter() - began) * 1000
+                end_ns = time.perf_counter_ns()
                 for request in self.scheduler.active():
+                    held_ms = (end_ns - max(began_ns, request.submit_ns)) / 1e6
                     request.held_ms[name] = request.held_ms.get(name, 0.0) + held_ms
 
     def switch_precision(self, precision: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from app import lab
 from app.history.store import Store
-from engine import Engine, EngineConfig, SamplingParams, Status
+from engine import Engine, EngineConfig, Finished, SamplingParams, Status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,10 +162,20 @@ def test_a_reply_paused_between_two_tokens_by_a_lab_run_says_so_and_keeps_the_wa
     assert "Paused" in engine.call(lambda: measure("en"), name="lab")
     assert "已暂停" in engine.call(lambda: measure("zh"), name="lab")
     engine.call(lambda: time.sleep(0.2))  # a call without a name is no measurement's
-    while not request.is_finished:
+    later = []
+
+    def submit_midway() -> None:  # a reply sent while the run goes on waits from then, not from its start
+        time.sleep(0.2)
+        later.append(engine.new_request_from_ids([8, 9], SamplingParams(max_new_tokens=2)))
+        engine.submit(later[0], [events.append])
+        time.sleep(0.1)
+
+    engine.call(submit_midway, name="lab")
+    while not (request.is_finished and later[0].is_finished):
         engine.step()
-    held = events[-1].held_ms  # the Finished event's
-    assert list(held) == ["lab"] and 400 <= held["lab"] < 5000
+    held = next(e for e in events if isinstance(e, Finished) and e.request_id == request.request_id).held_ms
+    assert list(held) == ["lab"] and 700 <= held["lab"] < 5000
+    assert 100 <= later[0].held_ms["lab"] < 250
     assert "Paused" not in _phase(engine, None, request, "en")
 
 

@@ -413,6 +413,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         replies.append(reply)
     # after a click on Send, the box again, for the next message (as after Enter in it)
     send.click(None, None, None, js="() => { document.querySelector('#ps-message textarea')?.focus(); }")
+
     def stop_reply(state):
         if state:
             active.cancel(state.id)  # the event has no outputs: whether one was running is not shown
