@@ -8,14 +8,16 @@ import re
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from app.history.export import CSV_COLUMNS, export_filename, render, to_csv, write_export
+from app.history.export import CSV_COLUMNS, export_filename, render, to_csv, to_json, write_export
 from app.history.store import Store, StoreError
-from conftest import record
-from engine import Engine
+from conftest import record, tiny_model
+from engine import DecodeStep, Engine, EngineConfig, SamplingParams
 
 
 @pytest.fixture
@@ -34,6 +36,42 @@ def filled(tiny, store) -> Store:
 def all_steps(store: Store) -> list[tuple[dict, dict, dict]]:
     return [(s, m, st) for s in reversed(store.sessions()) for m in store.messages(s["id"])
             for st in store.steps(m["id"])]
+
+
+def test_a_reply_held_by_a_lab_run_keeps_the_wait_in_the_history_and_its_export(tokenizer, store):
+    """A Lab run that holds the serving engine mid-reply: the wait its Finished event reports is stored with
+    the reply, comes back with its events (Open in chat) and goes into the JSON export."""
+    from app.history.recorder import message_events
+    from app.ui.session import EngineThread
+
+    thread = EngineThread().start()
+    engine = thread.call(lambda: Engine(tiny_model(tokenizer), EngineConfig()))
+    thread.serve(engine)
+    lab = []
+
+    def run_the_lab(event) -> None:  # on the engine's thread: the run waits for the step to end
+        if isinstance(event, DecodeStep) and not lab:
+            lab.append(threading.Thread(target=engine.call, args=(lambda: time.sleep(0.2),), kwargs={"name": "lab"}))
+            lab[0].start()
+
+    try:
+        _, events, _ = record(engine, store, "Hi", SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True),
+                              hooks=[run_the_lab])
+    finally:
+        lab[0].join(30)
+        thread.stop()
+    held = events[-1].held_ms
+    assert list(held) == ["lab"] and 200 <= held["lab"] < 5000
+    reply = next(m for m in store.messages(1) if m["role"] == "assistant")
+    assert json.loads(reply["held_ms"]) == held
+    assert message_events(reply, store.steps(reply["id"]))[-1].held_ms == held
+    exported = next(m for m in to_json(store)["sessions"][0]["messages"] if m["role"] == "assistant")
+    assert exported["held_ms"] == held
+    assert all(m["held_ms"] is None for m in exported_messages(store) if m["id"] != reply["id"])
+
+
+def exported_messages(store: Store) -> list[dict]:
+    return [m for session in to_json(store)["sessions"] for m in session["messages"]]
 
 
 def test_csv_has_one_row_per_step(filled):

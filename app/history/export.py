@@ -32,6 +32,8 @@ DEFINITIONS = {
                    "turn or an earlier one); empty for the messages kept",
     "engine": "how the local engine ran the reply: the weights' precision and the switches set away from their "
               "defaults (CSV: precision, and switches as JSON); none for a remote endpoint's and older replies",
+    "held_ms": "ms the reply waited, by name, while a measurement held the engine (the Lab's, a precision "
+               "check's): its ttft_ms or tpot_ms include them; none where it waited for none",
     "summary": "a session's p50/p90/p99 of ttft_ms, tpot_ms, itl_ms and e2e_ms over its replies (replaced ones too)",
 }
 
@@ -92,8 +94,9 @@ def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) ->
         "num_generated_tokens": m.num_generated_tokens, "num_cached_tokens": m.num_cached_tokens,
         "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
     message = {key: value for key, value in message.items() if key != "writer"}  # a host and a pid, while it ran
-    if "engine" in message:  # how the engine ran the reply: {"precision": "int8", "kv_cache": false, ...}
-        message["engine"] = json.loads(message["engine"]) if message["engine"] else None
+    for key in ("engine", "held_ms"):  # JSON text in the file: {"precision": "int8", ...}, {"lab": 3201.7}
+        if key in message:
+            message[key] = json.loads(message[key]) if message[key] else None
     return {**message, "metrics": summary,
             "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6} for s in steps]}
 

@@ -73,7 +73,8 @@ class MessageRecorder:
             self._flush(content=event.text, status=FINAL_STATUS.get(event.reason, "complete"), writer=None,
                         finish_reason=event.reason, error=event.error, prompt_tokens=m.num_prompt_tokens,
                         cached_prompt_tokens=m.num_cached_tokens, generated_tokens=m.num_generated_tokens,
-                        ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms, prefill_ms=m.prefill_ms)
+                        ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms, prefill_ms=m.prefill_ms,
+                        held_ms=json.dumps(event.held_ms, sort_keys=True) if event.held_ms else None)
 
     def _flush(self, **message_fields) -> None:
         rows, self._pending = self._pending, []
@@ -157,7 +158,8 @@ def message_events(message: dict, steps: list[dict]) -> list[Event]:
     if message["status"] != "in_progress":
         reason = message["finish_reason"] or "interrupted"
         events.append(Finished(request_id, events[-1].t_ms if events else 0.0, reason, message["content"],
-                               _metrics(message, points), message.get("error")))
+                               _metrics(message, points), message.get("error"),
+                               held_ms=json.loads(message["held_ms"]) if message.get("held_ms") else None))
     return events
 
 

@@ -125,7 +125,14 @@ def _v8(db: Database) -> None:
     db["messages"].add_column("engine", str)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8]
+def _v9(db: Database) -> None:
+    """How long a reply waited for a measurement that held the engine (the Lab's, a precision check's),
+    which its TTFT or TPOT include: held_ms, JSON by name ({"lab": 3201.7}), as its Finished event said;
+    None where it waited for none."""
+    db["messages"].add_column("held_ms", str)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
 LATEST_VERSION = len(MIGRATIONS)
 
 # a step's columns, in the order add_steps writes them (token_text, token_prob and batch_size last)
