@@ -40,7 +40,8 @@ def all_steps(store: Store) -> list[tuple[dict, dict, dict]]:
 
 def test_a_reply_held_by_a_lab_run_keeps_the_wait_in_the_history_and_its_export(tokenizer, store):
     """A Lab run that holds the serving engine mid-reply: the wait its Finished event reports is stored with
-    the reply, comes back with its events (Open in chat) and goes into the JSON export."""
+    the reply, comes back with its events (Open in chat), goes into the JSON export, and the History tab's
+    turn table marks it."""
     from app.history.recorder import message_events
     from app.ui.session import EngineThread
 
@@ -68,6 +69,10 @@ def test_a_reply_held_by_a_lab_run_keeps_the_wait_in_the_history_and_its_export(
     exported = next(m for m in to_json(store)["sessions"][0]["messages"] if m["role"] == "assistant")
     assert exported["held_ms"] == held
     assert all(m["held_ms"] is None for m in exported_messages(store) if m["id"] != reply["id"])
+    from app.ui.history_tab import turns_table  # the History tab's turn by turn
+
+    table = turns_table(exported_messages(store), "en")
+    assert f"⏸ {held['lab'] / 1000:,.1f} s" in table and "while a Lab run" in table
 
 
 def exported_messages(store: Store) -> list[dict]:
