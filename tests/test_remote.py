@@ -59,12 +59,15 @@ class Faulty(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.received.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
         fault = self.path.split("/")[1]
-        if fault == "ok":
+        if fault in ("ok", "held"):  # held: a PhaseScope server whose Lab held the request 1.5 s
             self._start_stream()
             for piece in ("Hello", " there"):
                 self.wfile.write(_chunk(piece))
             self.wfile.write(_chunk("", "stop"))
-            self.wfile.write(b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n')
+            last = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+            if fault == "held":
+                last["timings"] = {"prompt_n": 5, "prompt_ms": 3.0, "held_ms": {"lab": 1500.0}}
+            self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
         elif fault == "json":
             self._json(200, b'{"choices": [{"message": {"content": "not a stream"}}]}')
@@ -112,7 +115,9 @@ def test_a_good_stream_becomes_the_engines_events(faulty):
     finished = events[-1]
     assert (finished.reason, finished.text, finished.error) == ("eos", "Hello there", None)
     assert finished.metrics.num_prompt_tokens == 5 and finished.metrics.ttft_ms > 0
-    assert len(finished.metrics.itl_ms) == 1
+    assert len(finished.metrics.itl_ms) == 1 and finished.held_ms is None
+    held, _ = reply(f"{faulty}/held")  # a PhaseScope server says how long its Lab held the request
+    assert held[-1].held_ms == {"lab": 1500.0} and held[-1].text == "Hello there"
 
 
 def test_the_servers_metrics_are_read_outside_the_requests_time(faulty):

@@ -475,6 +475,8 @@ def test_a_stream_waiting_behind_a_measurement_of_the_lab_says_so(tokenizer):
     assert lines.index(said[0]) < next(i for i, line in enumerate(lines) if '"content": "' in line and
                                        '"role"' not in line)
     assert lines[-1] == "data: [DONE]"
+    timed = [json.loads(line.removeprefix("data: ")) for line in lines if '"timings"' in line]
+    assert 0 < timed[-1]["timings"]["held_ms"]["lab"] < 30_000  # the wait, which its TTFT includes
 
 
 def test_the_server_forgets_its_least_recently_used_reply_first():

@@ -25,7 +25,8 @@ from engine.metrics import request_metrics
 _ids = itertools.count(1)
 # a server's gauges worth reporting from its /metrics, by what they say, each with the names vLLM, SGLang,
 # llama.cpp's server and PhaseScope give it (after the prefix: vllm:, sglang:, llamacpp:, phasescope:)
-SERVER_GAUGES = {"kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc", "token_usage", "kv_cache_usage_ratio"),
+SERVER_GAUGES = {"kv_cache_usage": ("kv_cache_usage_perc", "gpu_cache_usage_perc", "token_usage",
+                                    "kv_cache_usage_ratio"),
                  "running": ("num_requests_running", "num_running_reqs", "requests_processing"),
                  "waiting": ("num_requests_waiting", "num_queue_reqs", "requests_deferred")}
 # those, and its prefix cache's counters, as each request's Finished.server keeps them (metrics_before / _after)
@@ -278,7 +279,8 @@ class _Stream:
         if usage:
             self.server["usage"] = usage
         reason = "error" if error else self.reason
-        return Finished(self.id, self._t_ms(end_ns), reason, self.text, metrics, error, server=self.server or None)
+        return Finished(self.id, self._t_ms(end_ns), reason, self.text, metrics, error, server=self.server or None,
+                        held_ms=timings.get("held_ms") or None)  # a PhaseScope server's Lab held it there
 
 
 class _Refused(Exception):

@@ -143,7 +143,8 @@ class CompletionRequest(_Common):
 
 def timings(finished: Finished) -> dict:
     """llama.cpp's `timings`: the prompt tokens prefilled (not taken from the cache) and their time, the
-    tokens generated and theirs, the prompt tokens reused."""
+    tokens generated and theirs, the prompt tokens reused; and PhaseScope's own held_ms where the request
+    waited for a measurement (a Lab run in `serve --ui`), which its times include."""
     m = finished.metrics
     prompt_n = m.num_prompt_tokens - m.num_cached_tokens
     predicted_n = m.num_generated_tokens
@@ -152,7 +153,8 @@ def timings(finished: Finished) -> dict:
             "prompt_per_second": round(m.prefill_tokens_per_s or 0.0, 3),
             "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
             "predicted_per_token_ms": round(m.tpot_ms or 0.0, 3),
-            "predicted_per_second": round(m.decode_tokens_per_s or 0.0, 3), "cache_n": m.num_cached_tokens}
+            "predicted_per_second": round(m.decode_tokens_per_s or 0.0, 3), "cache_n": m.num_cached_tokens,
+            **({"held_ms": {name: round(ms, 3) for name, ms in finished.held_ms.items()}} if finished.held_ms else {})}
 
 
 def usage(finished: list[Finished], n: int = 1) -> dict:
