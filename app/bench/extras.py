@@ -6,6 +6,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import weakref
@@ -333,19 +334,26 @@ def cold_start_s(model: str | None, precision: str, runs: int = 3) -> dict:
 
 def app_ready_s(model: str | None, precision: str) -> dict:
     """`phasescope ui` started as a user starts it: seconds until its page answers, and until the model
-    behind the page serves (the page comes first, see app.main.launch)."""
-    start = time.perf_counter()
-    process, _ = start_app("--precision", precision, *(["--model", model] if model else []))
-    page = time.perf_counter() - start
-    try:
-        while not any("decode: " in line for line in list(process.output)):  # the engine's line once it
-            if process.poll() is not None:  # serves: "<model> on <device> (...)"
-                raise RuntimeError(f"the app ended: {''.join(process.output)}")
-            time.sleep(0.005)
-        served = time.perf_counter() - start
-    finally:
-        process.terminate()
-        process.wait()
+    behind the page serves (the page comes first, see app.main.launch). Its history is a new file of its
+    own, not the user's (which a newer PhaseScope may have written, and which a bench has no business
+    opening); a start that fails is said in the report, as cold_start_s says its own."""
+    with tempfile.TemporaryDirectory(prefix="phasescope-bench-") as folder:
+        start = time.perf_counter()
+        try:
+            process, _ = start_app("--precision", precision, "--db", str(Path(folder) / "history.db"),
+                                   *(["--model", model] if model else []))
+        except RuntimeError as exc:
+            return {"error": _last_line(str(exc))}
+        page = time.perf_counter() - start
+        try:
+            while not any("decode: " in line for line in list(process.output)):  # the engine's line once it
+                if process.poll() is not None:  # serves: "<model> on <device> (...)"
+                    return {"error": f"the app ended: {_last_line(''.join(process.output))}"}
+                time.sleep(0.005)
+            served = time.perf_counter() - start
+        finally:
+            process.terminate()
+            process.wait()
     return {"page_s": round(page, 2), "model_s": round(served, 2), "precision": precision}
 
 
