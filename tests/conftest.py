@@ -1,10 +1,20 @@
 """Shared fixtures: the bundled model (converted once, cached), its tokenizer, and tiny random models."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from engine import Engine, EngineConfig, LoadedModel, load_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def history_of_the_suites_own(tmp_path_factory):
+    """An app a test starts without --db (`serve --ui`, the bench's `ui`) keeps its history in a file of the
+    suite's, not the user's ~/.local/share/phasescope/history.db: a run of the suite from a newer checkout
+    had migrated that file, and an older checkout's bench then refused it."""
+    os.environ["PHASESCOPE_DB"] = str(tmp_path_factory.mktemp("default-history") / "history.db")
 
 
 @pytest.fixture(scope="session")
