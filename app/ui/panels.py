@@ -128,14 +128,17 @@ def time_split_html(metrics: RequestMetrics | None, lang: str = DEFAULT) -> str:
             f'<span>E2E {metrics.e2e_ms:,.0f} ms</span></div></div>')
 
 
-def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT) -> str:
+def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT, held_ms: dict | None = None) -> str:
     """The small line under each assistant message; without the prompt's size where it is not known (a remote
-    server's reply stopped before the server said it)."""
+    server's reply stopped before the server said it); with held_ms (Finished.held_ms), the wait for a
+    measurement that its figures include."""
     parts = [f"TTFT {_num(metrics.ttft_ms, 0)} ms", t(lang, "stats.decode", tps=_num(metrics.decode_tokens_per_s)),
              t(lang, "stats.tokens", n=metrics.num_generated_tokens)]
     if metrics.num_prompt_tokens:
         parts[:0] = [t(lang, "stats.prompt", n=metrics.num_prompt_tokens),
                      t(lang, "stats.cached", n=metrics.num_cached_tokens)]
+    if held_ms:
+        parts.append(t(lang, "stats.held", seconds=sum(held_ms.values()) / 1000))
     if reason in ("cancelled", "interrupted"):
         parts.append(t(lang, "stats.stopped" if reason == "cancelled" else "stats.interrupted"))
     return " · ".join(parts)

@@ -88,7 +88,8 @@ class ChatSession:
             error = f"⚠️ {as_text(trace.finished.error or 'error')}"
             content = f"{content}\n\n{error}" if content else error
         elif trace.finished:
-            stats = stats_line(trace.finished.metrics, trace.finished.reason, self.lang)
+            finished = trace.finished
+            stats = stats_line(finished.metrics, finished.reason, self.lang, finished.held_ms)
             content += f'\n\n<span class="ps-stats">{stats}</span>'
         self.display[-1] = {"role": "assistant", "content": content or "…"}
 
