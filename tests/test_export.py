@@ -68,6 +68,8 @@ def test_a_reply_held_by_a_lab_run_keeps_the_wait_in_the_history_and_its_export(
     assert message_events(reply, store.steps(reply["id"]))[-1].held_ms == held
     exported = next(m for m in to_json(store)["sessions"][0]["messages"] if m["role"] == "assistant")
     assert exported["held_ms"] == held
+    rows = list(csv.DictReader(io.StringIO(to_csv(store))))
+    assert {json.loads(r["held_ms"])["lab"] for r in rows if r["message_id"] == str(reply["id"])} == {held["lab"]}
     assert all(m["held_ms"] is None for m in exported_messages(store) if m["id"] != reply["id"])
     from app.ui.history_tab import turns_table  # the History tab's turn by turn
 

@@ -17,7 +17,7 @@ from .store import Store
 FORMATS = ("csv", "json", "trace")
 CSV_COLUMNS = ["session_id", "message_id", "turn", "phase", "index", "start_ms", "latency_ms", "tokens",
                "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob", "batch_size", "cached_prompt_tokens",
-               "replaced_by", "precision", "switches"]
+               "replaced_by", "precision", "switches", "held_ms"]
 DEFINITIONS = {
     "ttft_ms": "request submitted -> first generated token available",
     "itl_ms": "gap between two successive generated tokens",
@@ -81,7 +81,7 @@ def _csv(rows: Rows) -> str:
                                  step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
                                  step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
                                  step["token_prob"], step["batch_size"], message["cached_prompt_tokens"],
-                                 message["replaced_by"], precision, switches])
+                                 message["replaced_by"], precision, switches, message.get("held_ms") or ""])
     return out.getvalue()
 
 
