@@ -201,7 +201,7 @@ def test_phase_and_tiles_when_finished(tiny_engine):
     shown = panels.stats_line(unknown, "cancelled")
     assert shown.startswith("TTFT ") and shown.endswith(" · 5 tok · stopped") and "prompt" not in shown
     held = panels.stats_line(trace.finished.metrics, "length", "zh", held_ms={"lab": 3201.7})  # a Lab run held it
-    assert held.endswith(" · ⏸ 因测量等待 3.2 秒")
+    assert held.endswith(" · 因测量等待 3.2 秒")
 
 
 def test_live_metrics_use_the_engine_definitions():

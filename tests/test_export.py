@@ -74,7 +74,7 @@ def test_a_reply_held_by_a_lab_run_keeps_the_wait_in_the_history_and_its_export(
     from app.ui.history_tab import turns_table  # the History tab's turn by turn
 
     table = turns_table(exported_messages(store), "en")
-    assert f"⏸ {held['lab'] / 1000:,.1f} s" in table and "while a Lab run" in table
+    assert f"waited {held['lab'] / 1000:,.1f} s</span>" in table and "while a Lab run" in table
 
 
 def exported_messages(store: Store) -> list[dict]:

@@ -131,7 +131,8 @@ def turns_table(messages: list[dict], lang: str) -> str:
             tokens += f" · {ended[reply['finish_reason']]}"
         held_s = sum((reply.get("held_ms") or {}).values()) / 1000
         if held_s:  # a Lab run held it mid-reply: its timings above include the wait
-            tokens += f' · <span title="{escape(t(lang, "saved.held", seconds=held_s))}">⏸ {held_s:,.1f} s</span>'
+            said = escape(t(lang, "saved.held_short", seconds=held_s))
+            tokens += f' · <span title="{escape(t(lang, "saved.held", seconds=held_s))}">{said}</span>'
         values = [reply["turn"], f'<span title="{escape(text)}">{escape(short)}</span>', prompt,
                   cell(m.get("ttft_ms")), cell(m.get("tpot_ms")), cell(m.get("decode_tokens_per_s")), tokens]
         rows.append("<tr>" + "".join(f"<td>{value}</td>" for value in values) + "</tr>")
