@@ -570,7 +570,7 @@ def _remote_line(finished) -> str:
     line = (f"{prompt}TTFT {_num(m.ttft_ms, 0)} ms · TPOT {_num(m.tpot_ms, 2)} ms · "
             f"decode {_num(m.decode_tokens_per_s)} tok/s ({chunks} chunks) · E2E {_num(m.e2e_ms, 0)} ms (client-side)")
     server = finished.server or {}
-    if timings := server.get("timings"):
+    if isinstance(timings := server.get("timings"), dict) and timings:
         line += (f" · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
                  f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
     if finished.held_ms:  # a PhaseScope server's Lab held the request there: the times above include it

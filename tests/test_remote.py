@@ -59,14 +59,16 @@ class Faulty(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.received.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
         fault = self.path.split("/")[1]
-        if fault in ("ok", "held"):  # held: a PhaseScope server whose Lab held the request 1.5 s
+        if fault in ("ok", "held", "odd"):  # held: a PhaseScope server whose Lab held the request 1.5 s
             self._start_stream()
             for piece in ("Hello", " there"):
                 self.wfile.write(_chunk(piece))
             self.wfile.write(_chunk("", "stop"))
             last = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
             if fault == "held":
-                last["timings"] = {"prompt_n": 5, "prompt_ms": 3.0, "held_ms": {"lab": 1500.0}}
+                last["timings"] = {"prompt_n": 5, "prompt_ms": 3.0, "held_ms": {"lab": 1500.0, "odd": "x"}}
+            elif fault == "odd":  # not llama.cpp's timings: an object of another shape, read as none
+                last["timings"] = ["prompt_ms", 3.0]
             self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
         elif fault == "json":
@@ -121,6 +123,8 @@ def test_a_good_stream_becomes_the_engines_events(faulty):
     from app.cli import _remote_line  # the terminal chat's line after the reply
 
     assert "· held there 1.5 s by lab" in _remote_line(held[-1]) and "held" not in _remote_line(events[-1])
+    odd, _ = reply(f"{faulty}/odd")
+    assert odd[-1].held_ms is None and odd[-1].text == "Hello there" and "server:" not in _remote_line(odd[-1])
 
 
 def test_the_servers_metrics_are_read_outside_the_requests_time(faulty):

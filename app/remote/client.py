@@ -266,7 +266,8 @@ class _Stream:
         usage = self.usage
         prompt = usage.get("prompt_tokens", 0)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        timings = self.server.get("timings") or {}
+        timings = self.server.get("timings")
+        timings = timings if isinstance(timings, dict) else {}  # a server's own object: only read as it should be
         prefill_ms = timings.get("prompt_ms") or (self._t_ms(self.token_ns[0]) if self.token_ns else 0.0)
         metrics = request_metrics(submit_ns=self.submit_ns, token_ns=self.token_ns, end_ns=end_ns,
                                   prefill_ms=prefill_ms, num_prompt_tokens=prompt,
@@ -280,7 +281,15 @@ class _Stream:
             self.server["usage"] = usage
         reason = "error" if error else self.reason
         return Finished(self.id, self._t_ms(end_ns), reason, self.text, metrics, error, server=self.server or None,
-                        held_ms=timings.get("held_ms") or None)  # a PhaseScope server's Lab held it there
+                        held_ms=_held_ms(timings))
+
+
+def _held_ms(timings: dict) -> dict | None:
+    """A PhaseScope server's `held_ms` ({"lab": ms}: its Lab held the request there), kept only as it should be."""
+    held = timings.get("held_ms")
+    if not isinstance(held, dict):
+        return None
+    return {str(name): float(ms) for name, ms in held.items() if isinstance(ms, (int, float))} or None
 
 
 class _Refused(Exception):
