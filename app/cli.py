@@ -563,6 +563,7 @@ def _remote_line(finished) -> str:
     the server's own timings where it sends them (llama.cpp's server does), and its gauges where its /metrics
     has them."""
     from app.remote.client import gauges_text, server_gauges
+    from app.ui.trace import held_seconds
 
     m = finished.metrics
     chunks = m.num_generated_tokens  # one per streamed chunk with text
@@ -573,8 +574,8 @@ def _remote_line(finished) -> str:
     if isinstance(timings := server.get("timings"), dict) and timings:
         line += (f" · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
                  f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
-    if finished.held_ms:  # a PhaseScope server's Lab held the request there: the times above include it
-        line += f" · held there {sum(finished.held_ms.values()) / 1000:,.1f} s by {', '.join(finished.held_ms)}"
+    if held_s := held_seconds(finished.held_ms):  # a PhaseScope server's Lab held the request there
+        line += f" · held there {held_s:,.1f} s by {', '.join(finished.held_ms)}"
     if gauges := server_gauges(server.get("metrics_before") or {}):  # as the request began: what it found there
         line += f" · server on arrival: {gauges_text(gauges)}"
     return line

@@ -202,6 +202,8 @@ def test_phase_and_tiles_when_finished(tiny_engine):
     assert shown.startswith("TTFT ") and shown.endswith(" · 5 tok · stopped") and "prompt" not in shown
     held = panels.stats_line(trace.finished.metrics, "length", "zh", held_ms={"lab": 3201.7})  # a Lab run held it
     assert held.endswith(" · 因测量等待 3.2 秒")
+    brief = panels.stats_line(trace.finished.metrics, "length", held_ms={"lab": 40.0})  # sent as the run ended
+    assert brief == line  # a few ms are not worth a word, here as in the toast and the History tab
 
 
 def test_live_metrics_use_the_engine_definitions():

@@ -17,7 +17,7 @@ from ..i18n import DEFAULT, K, t
 from . import live, panels
 from .language import Texts, user_error
 from .session import ActiveRequests, ChatSession, RemoteWorker, ReplyWorker
-from .trace import ReplyTrace
+from .trace import ReplyTrace, held_seconds
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
 # applies it in place. The charts redraw every 1-1.5 s there (a redraw is a whole Plotly replot,
 # on the cores decode uses).
 UPDATE_EVERY_S = 0.25
-HELD_SAID_MS = 100  # a reply that waited this long for a measurement (Finished.held_ms) says so
 PLOT_DIV = '<div class="ps-plot"></div>'  # filled by static/phasescope.js with Plotly
 _drawn = itertools.count(1)
 
@@ -250,8 +249,8 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             if not trace.failed:
                 session.converse(text, trace)
             for name, held_ms in ((trace.finished and trace.finished.held_ms) or {}).items():
-                if name in panels.HELD_BY and held_ms >= HELD_SAID_MS:
-                    session.warn(t(session.lang, panels.HELD_BY[name], seconds=held_ms / 1000))
+                if name in panels.HELD_BY and (held_s := held_seconds({name: held_ms})):
+                    session.warn(t(session.lang, panels.HELD_BY[name], seconds=held_s))
             _show_warnings(session)  # the reply's last ones (its end not saved, an error): here, in the queue,
             # as toasts; finish draws the tab outside the queue, where Gradio 6 shows none
         session.show_reply(trace)

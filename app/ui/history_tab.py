@@ -15,6 +15,7 @@ from ..cli import setup_flags
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, model_line_html, render
 from .panels import attention, counted, with_attention, without_attention
+from .trace import held_seconds
 from .language import Texts
 from ..history.export import FORMATS, checked_json, export_filename, render_all, write_export
 from ..history.recorder import load_chat, questions
@@ -129,8 +130,7 @@ def turns_table(messages: list[dict], lang: str) -> str:
         tokens = cell(m.get("num_generated_tokens"), 0)
         if reply.get("finish_reason") in ended:
             tokens += f" · {ended[reply['finish_reason']]}"
-        held_s = sum((reply.get("held_ms") or {}).values()) / 1000
-        if held_s:  # a Lab run held it mid-reply: its timings above include the wait
+        if held_s := held_seconds(reply.get("held_ms")):  # a Lab run held it: its timings include the wait
             said = escape(t(lang, "saved.held_short", seconds=held_s))
             tokens += f' · <span title="{escape(t(lang, "saved.held", seconds=held_s))}">{said}</span>'
         values = [reply["turn"], f'<span title="{escape(text)}">{escape(short)}</span>', prompt,

@@ -10,7 +10,7 @@ from html import escape
 from engine import EngineConfig, ModelInfo, PoolUsage, RequestMetrics
 
 from ..i18n import DEFAULT, t
-from .trace import ReplyTrace
+from .trace import ReplyTrace, held_seconds
 
 FINISH_REASONS = {"eos": "reason.eos", "length": "reason.length", "stop": "reason.stop",
                   "interrupted": "reason.interrupted"}
@@ -137,8 +137,8 @@ def stats_line(metrics: RequestMetrics, reason: str, lang: str = DEFAULT, held_m
     if metrics.num_prompt_tokens:
         parts[:0] = [t(lang, "stats.prompt", n=metrics.num_prompt_tokens),
                      t(lang, "stats.cached", n=metrics.num_cached_tokens)]
-    if held_ms:
-        parts.append(t(lang, "stats.held", seconds=sum(held_ms.values()) / 1000))
+    if held_s := held_seconds(held_ms):
+        parts.append(t(lang, "stats.held", seconds=held_s))
     if reason in ("cancelled", "interrupted"):
         parts.append(t(lang, "stats.stopped" if reason == "cancelled" else "stats.interrupted"))
     return " · ".join(parts)

@@ -33,6 +33,16 @@ def cache_visible(started: Started | None) -> bool:
     return started is None or started.kv_capacity_tokens > 0
 
 
+HELD_SAID_MS = 100  # a wait for a measurement this long or longer is said (see held_seconds)
+
+
+def held_seconds(held_ms: dict | None) -> float:
+    """How long a reply waited for measurements that held the engine (Finished.held_ms), in seconds, where
+    it is worth saying: 0.0 below HELD_SAID_MS (a reply sent as a Lab run ended waited a few ms)."""
+    total_ms = sum((held_ms or {}).values())
+    return total_ms / 1000 if total_ms >= HELD_SAID_MS else 0.0
+
+
 @dataclass
 class ReplyTrace:
     turn: int
