@@ -29,7 +29,8 @@ def start_server(*args: str, timeout_s: float = 180) -> tuple[subprocess.Popen, 
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # its output read as it comes (as start_app does): a pipe nobody reads fills up and blocks the server
     process.output = deque(maxlen=2000)
-    threading.Thread(target=process.output.extend, args=(process.stdout,), daemon=True).start()
+    reader = threading.Thread(target=process.output.extend, args=(process.stdout,), daemon=True)
+    reader.start()
     deadline = time.monotonic() + timeout_s
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() < deadline:
@@ -42,7 +43,7 @@ def start_server(*args: str, timeout_s: float = 180) -> tuple[subprocess.Popen, 
             time.sleep(0.3)
     process.kill()
     process.wait(timeout=30)
-    time.sleep(0.5)  # the reader's last lines
+    reader.join(timeout=10)  # its last lines, up to the pipe's end
     raise RuntimeError(f"the server did not start: {''.join(process.output)}")
 
 
