@@ -18,7 +18,7 @@ from ..i18n import DEFAULT, t
 
 from .figure import figure, write_image
 from .lab import Lab, LabStopped
-from .result import LabResult, Series, machine, said, words
+from .result import LabResult, Series, machine, said, settings_line, words
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -84,4 +84,4 @@ def run(engine: Engine, name: str, prompt: str | None = None, quick: bool = Fals
 
 
 __all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "figure", "prompt_for", "run", "said",
-           "words", "write_image"]
+           "settings_line", "words", "write_image"]

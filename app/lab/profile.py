@@ -119,7 +119,8 @@ def roofline(lab: Lab, prompt: str) -> LabResult:
                "lab.roofline.prefill_intensity": pre["lab.col.flop_per_byte"] > 10 * d1["lab.col.flop_per_byte"],
                **timed}
     return LabResult("roofline", "lab.roofline.title", prompt,
-                     {"prompt_tokens": num_prompt, "batches": list(batches), "precision": "fp32", **peaks},
+                     {"prompt_tokens": num_prompt, "batches": list(batches), "precision": "fp32",
+                      "peak_gflops": peak, "bandwidth_gbs": bandwidth},
                      "lab.w.intensity", "lab.w.achieved_gflops", series, points, explanation,
                      effects, timed=list(timed), log_x=True, log_y=True)
 

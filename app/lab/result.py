@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from dataclasses import asdict, dataclass, field, replace
 
 from ..i18n import DEFAULT, catalogue, t
@@ -111,10 +112,49 @@ class LabResult:
         lines += [t(lang, "lab.md.effect_timed" if effect in run.timed else "lab.md.effect",
                     shown=t(lang, "lab.md.shown" if ok else "lab.md.not_shown"), effect=effect)
                   for effect, ok in run.effects.items()]
-        settings = ", ".join(f"{k}={v}" for k, v in self.settings.items())
-        lines += ["", t(lang, "lab.md.footer", settings=settings, machine=machine_line(lang, self.machine),
+        lines += ["", t(lang, "lab.md.footer", settings=settings_line(lang, self.settings), machine=machine_line(lang, self.machine),
                         seconds=self.seconds)]
         return "\n".join(lines)
+
+
+# How a run's settings are said: each name the experiments use (and the chunk "whole") to its catalogue key
+SETTING_WORDS = {
+    "prompt_tokens": "lab.setting.prompt_tokens", "new_tokens": "lab.setting.new_tokens",
+    "draft_tokens": "lab.setting.draft_tokens", "context_tokens": "lab.setting.context_tokens",
+    "window": "lab.setting.window", "sinks": "lab.setting.sinks", "levels": "lab.setting.levels",
+    "contexts": "lab.setting.contexts", "native_step": "lab.setting.native_step",
+    "machine_read_gb_s": "lab.setting.machine_read_gb_s", "long_prompt_tokens": "lab.setting.long_prompt_tokens",
+    "chunks": "lab.setting.chunks", "turns": "lab.setting.turns", "lengths": "lab.setting.lengths",
+    "precision": "lab.setting.precision", "decode_steps": "lab.setting.decode_steps",
+    "stages_over_prefill": "lab.setting.stages_over_prefill", "stages_over_decode": "lab.setting.stages_over_decode",
+    "batches": "lab.setting.batches", "peak_gflops": "lab.setting.peak_gflops",
+    "bandwidth_gbs": "lab.setting.bandwidth_gbs", "whole": "lab.setting.whole",
+}
+
+
+def settings_line(lang: str, settings: dict) -> str:
+    """A run's settings in words, e.g. "context lengths 256, 1,024 · native decode step yes": each name and
+    value as SETTING_WORDS says it, anything else (a run stored by an older version) as it was kept."""
+    return t(lang, "lab.md.setting_sep").join(f"{_setting(lang, name)} {_setting_value(lang, value)}"
+                                              for name, value in settings.items())
+
+
+def _setting(lang: str, text: str) -> str:
+    if threads := re.fullmatch(r"(\d+) threads?", text):  # a read rate's key: ReadProbe.labels
+        return t(lang, "lab.setting.one_thread" if threads[1] == "1" else "lab.setting.threads", n=int(threads[1]))
+    return t(lang, SETTING_WORDS[text]) if text in SETTING_WORDS else text.replace("_", " ")
+
+
+def _setting_value(lang: str, value) -> str:
+    if isinstance(value, dict):
+        return t(lang, "lab.md.list_sep").join(f"{_setting(lang, k)} {_cell(lang, v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return t(lang, "lab.md.list_sep").join(_setting_value(lang, v) for v in value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if isinstance(value, str):
+        return t(lang, SETTING_WORDS[value]) if value in SETTING_WORDS else value
+    return _cell(lang, value)
 
 
 def _cell(lang: str, value) -> str:
