@@ -388,6 +388,7 @@ class Engine:
                 for request in self.scheduler.active():
                     held_ms = (end_ns - max(began_ns, request.submit_ns)) / 1e6
                     request.held_ms[name] = request.held_ms.get(name, 0.0) + held_ms
+                    request.held_unsaid_ms += held_ms
 
     def switch_precision(self, precision: str) -> None:
         """Run the model in another precision from the next request on: the forward is rebuilt from the
@@ -757,9 +758,11 @@ class Engine:
                       comm_ms: float = 0.0) -> DecodeStep:
         top = tuple(TopToken(i, self.token_string(i), p, q)
                     for i, p, q in zip(picked.top_ids, picked.top_probs, picked.top_sample_probs))
+        held_ms, r.held_unsaid_ms = r.held_unsaid_ms, 0.0  # a named call held it since its last token
         return DecodeStep(r.request_id, self._t_ms(r, now_ns), step, picked.token_id, piece,
                           (now_ns - previous_ns) / 1e6, r.kv_cache.num_tokens, r.kv_cache.bytes_used,
-                          picked.prob, top, batch_size, forward_ms, attention, stage_ms, flops, draft, comm_ms)
+                          picked.prob, top, batch_size, forward_ms, attention, stage_ms, flops, draft, comm_ms,
+                          held_ms)
 
     def _enforce_time_limit(self) -> None:
         limit = self.config.limits.request_timeout_s

@@ -164,6 +164,9 @@ class DecodeStep(Event):
     flops: int = 0  # the floating-point operations of this token's row of the forward (0 for step 0)
     draft: bool = False  # a drafted token the forward verified: it came with the token before it (a burst)
     comm_ms: float = 0.0  # of forward_ms, the time in collectives (tensor parallelism's all-reduces)
+    # of latency_ms, the time the engine spent on named calls (the Lab's: see Finished.held_ms) since the
+    # token before: the request waited for them here
+    held_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

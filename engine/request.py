@@ -35,6 +35,7 @@ class Request:
     # time the engine spent on a named call (Engine.call: the Lab's, a precision check's) while this request was
     # active: it waited that long, within its TTFT or between two of its tokens
     held_ms: dict[str, float] = field(default_factory=dict)
+    held_unsaid_ms: float = 0.0  # of held_ms, what no token has carried yet: the next DecodeStep's held_ms
     started_ns: int | None = None  # left the queue
     prefill_ns: int = 0  # time inside prefill forward passes
     prefill_end_ns: int | None = None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.history.export import CSV_COLUMNS, export_filename, render, to_csv, to_json, write_export
+from app.history.export import CSV_COLUMNS, export_filename, render, to_csv, to_json, to_trace, write_export
 from app.history.store import Store, StoreError
 from conftest import record, tiny_model
 from engine import DecodeStep, Engine, EngineConfig, SamplingParams
@@ -65,11 +65,25 @@ def test_a_reply_held_by_a_lab_run_keeps_the_wait_in_the_history_and_its_export(
     assert list(held) == ["lab"] and 200 <= held["lab"] < 5000
     reply = next(m for m in store.messages(1) if m["role"] == "assistant")
     assert json.loads(reply["held_ms"]) == held
-    assert message_events(reply, store.steps(reply["id"]))[-1].held_ms == held
+    restored = message_events(reply, store.steps(reply["id"]))
+    assert restored[-1].held_ms == held
+    # and where it fell: the token after the run, as the engine's events said, in each export too
+    live = [e.held_ms for e in events if isinstance(e, DecodeStep)]
+    assert [s.held_ms for s in restored if isinstance(s, DecodeStep)] == pytest.approx(live, abs=1e-6)
+    assert sum(live) == pytest.approx(held["lab"]) and sum(1 for ms in live if ms) == 1
+    waited = live.index(max(live))
+    json_steps = [s for s in next(m for m in to_json(store)["sessions"][0]["messages"] if m["role"] == "assistant")
+                  ["steps"] if s["phase"] == "decode"]
+    assert json_steps[waited]["held_ms"] == pytest.approx(live[waited]) and json_steps[0]["held_ms"] is None
+    trace = [e for e in to_trace(store)["traceEvents"] if e.get("cat") == "held"]
+    assert len(trace) == 1 and trace[0]["args"]["held_ms"] == pytest.approx(live[waited])
     exported = next(m for m in to_json(store)["sessions"][0]["messages"] if m["role"] == "assistant")
     assert exported["held_ms"] == held
     rows = list(csv.DictReader(io.StringIO(to_csv(store))))
     assert {json.loads(r["held_ms"])["lab"] for r in rows if r["message_id"] == str(reply["id"])} == {held["lab"]}
+    step_held = [float(r["step_held_ms"] or 0) for r in rows
+                 if r["message_id"] == str(reply["id"]) and r["phase"] == "decode"]
+    assert step_held == pytest.approx(live, abs=1e-6)
     assert all(m["held_ms"] is None for m in exported_messages(store) if m["id"] != reply["id"])
     from app.ui.history_tab import turns_table  # the History tab's turn by turn
 

@@ -14,7 +14,7 @@ import pytest
 
 from app import lab
 from app.history.store import Store
-from engine import Engine, EngineConfig, Finished, SamplingParams, Status
+from engine import DecodeStep, Engine, EngineConfig, Finished, SamplingParams, Status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,6 +176,13 @@ def test_a_reply_paused_between_two_tokens_by_a_lab_run_says_so_and_keeps_the_wa
     held = next(e for e in events if isinstance(e, Finished) and e.request_id == request.request_id).held_ms
     assert list(held) == ["lab"] and 700 <= held["lab"] < 5000
     assert 100 <= later[0].held_ms["lab"] < 250
+    # where: the three runs came between the same two tokens, so the token after them carries the whole wait
+    steps = [e for e in events if isinstance(e, DecodeStep) and e.request_id == request.request_id]
+    waited = [s for s in steps if s.held_ms]
+    assert len(waited) == 1 and waited[0].held_ms == pytest.approx(held["lab"])
+    assert waited[0].held_ms <= waited[0].latency_ms
+    later_steps = [e for e in events if isinstance(e, DecodeStep) and e.request_id == later[0].request_id]
+    assert later_steps[0].held_ms == pytest.approx(later[0].held_ms["lab"])  # in its TTFT, the first token's
     assert "Paused" not in _phase(engine, None, request, "en")
 
 
@@ -240,8 +247,8 @@ def test_a_run_reads_in_each_language(tiny, name):
 
 
 def test_settings_read_as_words_and_a_name_the_catalogue_lacks_as_it_was_kept():
-    settings = {"contexts": [256, 1024], "native_step": True, "machine_read_gb_s": {"1 thread": 22.8, "2 threads": 30.4},
-                "chunks": [64, "whole"], "old_name": "fp32"}
+    settings = {"contexts": [256, 1024], "native_step": True,
+                "machine_read_gb_s": {"1 thread": 22.8, "2 threads": 30.4}, "chunks": [64, "whole"], "old_name": "fp32"}
     assert lab.settings_line("en", settings) == ("context lengths 256, 1,024 · native decode step yes · memory read "
                                                  "rate (GB/s) 1 thread 22.80, 2 threads 30.40 · prefill chunks 64, "
                                                  "whole · old name fp32")

@@ -292,8 +292,8 @@ def test_cached_prompt_tokens_and_batch_sizes_are_stored_and_restored(tiny, stor
     restored = load_chat(store, session.store_id).traces[1]
     assert cached == restored.num_cached_tokens == restored.chunks[0].start  # the chart starts from the kept part
     header, *rows = to_csv(store, session.store_id).splitlines()
-    assert header.endswith(",batch_size,cached_prompt_tokens,replaced_by,precision,switches,held_ms")
-    assert rows[-1].endswith(f",1,{cached},,{engine.info.precision},,")  # no switches set, nothing held it
+    assert header.endswith(",batch_size,cached_prompt_tokens,replaced_by,precision,switches,held_ms,step_held_ms")
+    assert rows[-1].endswith(f",1,{cached},,{engine.info.precision},,,")  # no switches set, nothing held it
     exported = to_json(store, session.store_id)["sessions"][0]["messages"][3]
     assert (cached, 1) == (exported["metrics"]["num_cached_tokens"], exported["steps"][-1]["batch_size"])
 
@@ -315,8 +315,8 @@ def test_each_reply_keeps_how_the_engine_ran_it(tiny, store):
         m["engine"] for m in messages]
     from app.history.export import to_csv
 
-    last = next(csv.reader(to_csv(store, session.store_id).splitlines()[-1:]))
-    assert ["fp32", '{"kv_cache": false}', ""] == last[-3:]
+    last = list(csv.DictReader(to_csv(store, session.store_id).splitlines()))[-1]
+    assert ["fp32", '{"kv_cache": false}', ""] == [last["precision"], last["switches"], last["held_ms"]]
     assert {"speculative": "prompt-lookup", "draft_tokens": 4} == EngineConfig(speculative="prompt-lookup",
                                                                                draft_tokens=4).switches()
     assert {"kv_window": 64} == EngineConfig(kv_window=64).switches()  # the sinks only when changed, with a window

@@ -17,7 +17,7 @@ from .store import Store
 FORMATS = ("csv", "json", "trace")
 CSV_COLUMNS = ["session_id", "message_id", "turn", "phase", "index", "start_ms", "latency_ms", "tokens",
                "kv_tokens", "kv_bytes", "token_id", "token_text", "token_prob", "batch_size", "cached_prompt_tokens",
-               "replaced_by", "precision", "switches", "held_ms"]
+               "replaced_by", "precision", "switches", "held_ms", "step_held_ms"]
 DEFINITIONS = {
     "ttft_ms": "request submitted -> first generated token available",
     "itl_ms": "gap between two successive generated tokens",
@@ -34,6 +34,8 @@ DEFINITIONS = {
               "defaults (CSV: precision, and switches as JSON); none for a remote endpoint's and older replies",
     "held_ms": "ms the reply waited, by name, while a measurement held the engine (the Lab's, a precision "
                "check's): its ttft_ms or tpot_ms include them; none where it waited for none",
+    "step_held_ms": "of a step's latency_ms, the ms it waited for such a measurement (JSON: each step's held_ms); "
+                    "none where it waited for none",
     "summary": "a session's p50/p90/p99 of ttft_ms, tpot_ms, itl_ms and e2e_ms over its replies (replaced ones too)",
 }
 
@@ -81,7 +83,8 @@ def _csv(rows: Rows) -> str:
                                  step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
                                  step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
                                  step["token_prob"], step["batch_size"], message["cached_prompt_tokens"],
-                                 message["replaced_by"], precision, switches, message.get("held_ms") or ""])
+                                 message["replaced_by"], precision, switches, message.get("held_ms") or "",
+                                 _ms(step.get("held_ns"))])
     return out.getvalue()
 
 
@@ -98,7 +101,13 @@ def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) ->
         if key in message:
             message[key] = json.loads(message[key]) if message[key] else None
     return {**message, "metrics": summary,
-            "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6} for s in steps]}
+            "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6,
+                       "held_ms": _ms(s.get("held_ns")) or None} for s in steps]}
+
+
+def _ms(ns: int | None) -> float | str:
+    """A stored duration in ns as ms; "" where there is none."""
+    return "" if ns is None else ns / 1e6
 
 
 def to_json(store: Store, session_id: int | None = None) -> dict:
@@ -141,6 +150,10 @@ def _trace_events(session: dict, message: dict, steps: list[dict], origin_us: fl
         events.append({"name": name, "cat": step["phase"], "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": tid,
                        "args": {**args, "latency_ms": step["latency_ns"] / 1e6, "kv_tokens": step["kv_tokens"],
                                 "kv_bytes": step["kv_bytes"]}})
+        if step.get("held_ns"):  # the step waited for a measurement (the Lab's) first: a slice inside its own
+            events.append({"name": "waiting for a measurement", "cat": "held", "ph": "X", "ts": ts,
+                           "dur": min(step["held_ns"] / 1e3, dur), "pid": pid, "tid": tid,
+                           "args": {"held_ms": step["held_ns"] / 1e6}})
         events.append({"name": "KV cache bytes", "ph": "C", "ts": ts + dur, "pid": pid, "tid": tid,
                        "args": {"kv_bytes": step["kv_bytes"]}})
     return events

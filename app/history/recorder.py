@@ -30,7 +30,8 @@ def step_row(event: PrefillChunk | DecodeStep) -> dict:
         return dict(phase="prefill", num_tokens=event.end - event.start, token_id=None, token_text=None,
                     token_prob=None, batch_size=None, **row)
     return dict(phase="decode", num_tokens=1, token_id=event.token_id, token_text=event.text,
-                token_prob=event.prob, batch_size=event.batch_size, **row)
+                token_prob=event.prob, batch_size=event.batch_size,
+                held_ns=round(event.held_ms * 1e6) if event.held_ms else None, **row)
 
 
 class MessageRecorder:
@@ -124,7 +125,7 @@ def _points(message: dict, steps: list[dict]) -> list[PrefillChunk | DecodeStep]
         else:
             points.append(DecodeStep(request_id, t_ms, row["idx"], row["token_id"], row["token_text"] or "",
                                      latency_ms, row["kv_tokens"], row["kv_bytes"], row["token_prob"], (),
-                                     row.get("batch_size") or 1))
+                                     row.get("batch_size") or 1, held_ms=(row.get("held_ns") or 0) / 1e6))
     return points
 
 

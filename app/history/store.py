@@ -132,12 +132,19 @@ def _v9(db: Database) -> None:
     db["messages"].add_column("held_ms", str)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9]
+def _v10(db: Database) -> None:
+    """Where that wait fell: held_ns, the part of a decode step's latency spent waiting for a measurement
+    (DecodeStep.held_ms), so that a reopened reply marks the step in its latency chart as it was marked
+    live; None where the step waited for none."""
+    db["steps"].add_column("held_ns", int)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10]
 LATEST_VERSION = len(MIGRATIONS)
 
-# a step's columns, in the order add_steps writes them (token_text, token_prob and batch_size last)
+# a step's columns, in the order add_steps writes them (token_text, token_prob, batch_size and held_ns last)
 STEP_FIELDS = ("message_id", "phase", "idx", "start_ns", "latency_ns", "num_tokens", "kv_tokens", "kv_bytes",
-               "token_id", "token_text", "token_prob", "batch_size")
+               "token_id", "token_text", "token_prob", "batch_size", "held_ns")
 _INSERT_STEPS = f"INSERT INTO steps ({', '.join(STEP_FIELDS)}) VALUES ({', '.join('?' * len(STEP_FIELDS))})"
 
 
@@ -351,8 +358,8 @@ class Store:
         # plain SQL with the columns named once: sqlite-utils' insert_all looks at every value of every row and
         # its update reads the row first (333 -> 113 us for 32 steps), and this runs on the engine's thread
         # between decode steps. The names are this module's and the recorder's, never a user's.
-        values = [(message_id, *(row.get(name) for name in STEP_FIELDS[1:-3]), clean(row.get("token_text")),
-                   row.get("token_prob"), row.get("batch_size")) for row in rows]
+        values = [(message_id, *(row.get(name) for name in STEP_FIELDS[1:-4]), clean(row.get("token_text")),
+                   row.get("token_prob"), row.get("batch_size"), row.get("held_ns")) for row in rows]
         with self._write():
             self.db.conn.executemany(_INSERT_STEPS, values)
             if message_fields:

@@ -112,8 +112,8 @@ class LabResult:
         lines += [t(lang, "lab.md.effect_timed" if effect in run.timed else "lab.md.effect",
                     shown=t(lang, "lab.md.shown" if ok else "lab.md.not_shown"), effect=effect)
                   for effect, ok in run.effects.items()]
-        lines += ["", t(lang, "lab.md.footer", settings=settings_line(lang, self.settings), machine=machine_line(lang, self.machine),
-                        seconds=self.seconds)]
+        lines += ["", t(lang, "lab.md.footer", settings=settings_line(lang, self.settings),
+                        machine=machine_line(lang, self.machine), seconds=self.seconds)]
         return "\n".join(lines)
 
 
