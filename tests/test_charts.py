@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import plotly.graph_objects as go
 import pytest
@@ -60,6 +61,24 @@ def test_tpot_line_is_the_mean_decode_gap():
     fig = validated(charts.latency_figure(fake_reply(num_steps=5).events))
     tpot = next(t for t in fig.data if t.name.startswith("TPOT"))
     assert [5.0, 5.0] == list(tpot.y)
+
+
+def test_a_token_that_waited_for_a_measurement_is_marked_where_it_waited():
+    """The step after a Lab run: grey, its hover and an arrow at its spike say the wait; a few ms of wait
+    (a reply sent as a run ended) say nothing, as the line under the reply does not."""
+    steps = [e for e in fake_reply(num_steps=5).events if isinstance(e, DecodeStep)]
+    steps[2] = dataclasses.replace(steps[2], latency_ms=3206.0, held_ms=3201.7)
+    steps[3] = dataclasses.replace(steps[3], latency_ms=45.0, held_ms=40.0)
+    for lang, said in (("en", "waited 3.2 s for a measurement"), ("zh", "因测量等待 3.2 秒")):
+        fig = validated(charts.latency_figure(steps, lang))
+        points = fig.data[1]
+        assert [charts.PREFILL_COLOR, charts.DECODE_COLOR, charts.HELD_COLOR, charts.DECODE_COLOR,
+                charts.DECODE_COLOR] == list(points.marker.color)
+        assert [bool(c[2]) for c in points.customdata] == [False, False, True, False, False]
+        assert "3.2" in points.customdata[2][2] and "%{customdata[2]}" in points.hovertemplate
+        marks = [a for a in fig.layout.annotations if a.x == 3]
+        assert [said] == [a.text for a in marks] and marks[0].y == pytest.approx(math.log10(3206.0))
+        assert charts.decode_points(steps[2:3], lang)["customdata"] == [list(points.customdata[2])]  # streamed
 
 
 def test_kv_figure_continues_across_turns():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -16,12 +17,13 @@ import plotly.graph_objects as go
 from engine import DecodeStep, Event, PrefillChunk, Started
 
 from ..i18n import DEFAULT, t
-from .trace import cache_visible
+from .trace import cache_visible, held_seconds
 
 PREFILL_COLOR = "#e8871e"  # amber: the prompt read in one burst
 DECODE_COLOR = "#2f6fdf"  # blue: one token at a time
 CAPACITY_COLOR = "#9aa4b2"
 CACHED_COLOR = "#7d8fab"  # prompt tokens whose K/V were reused from the pool (prefix caching)
+HELD_COLOR = "#6b7280"  # a token that waited for a measurement (the Lab's): not the model's time
 CACHED_FILL = "rgba(125, 143, 171, 0.18)"
 GRID_COLOR = "#eceff3"
 # the page's own fonts, CJK included (static/app.css declares the same stack); nothing is fetched
@@ -78,12 +80,15 @@ def _legend_dot(name: str, color: str) -> dict:
 DECODE_TRACE = 1  # the latency figure's decode trace: the page extends it while a reply streams
 
 
-def decode_points(steps: Sequence[DecodeStep]) -> dict[str, list]:
+def decode_points(steps: Sequence[DecodeStep], lang: str = DEFAULT) -> dict[str, list]:
     """The decode trace's values for these steps, by Plotly attribute (the figure's, and what the page
-    appends to it while streaming)."""
+    appends to it while streaming). A token that waited for a measurement says so on hover, in grey."""
+    held = [held_seconds(s.held_ms) for s in steps]
     return {"x": [s.step + 1 for s in steps], "y": [s.latency_ms for s in steps],
-            "marker.color": [PREFILL_COLOR if s.step == 0 else DECODE_COLOR for s in steps],
-            "customdata": [[repr(s.text), s.kv_tokens] for s in steps]}
+            "marker.color": [HELD_COLOR if h else PREFILL_COLOR if s.step == 0 else DECODE_COLOR
+                             for s, h in zip(steps, held)],
+            "customdata": [[repr(s.text), s.kv_tokens, t(lang, "chart.held_hover", seconds=h) if h else ""]
+                           for s, h in zip(steps, held)]}
 
 
 def latency_figure(events: Sequence[Event], lang: str = DEFAULT, tpot_line: bool = True) -> dict:
@@ -96,7 +101,7 @@ def latency_figure(events: Sequence[Event], lang: str = DEFAULT, tpot_line: bool
     """
     chunks = [e for e in events if isinstance(e, PrefillChunk)]
     steps = [e for e in events if isinstance(e, DecodeStep)]
-    points = decode_points(steps)
+    points = decode_points(steps, lang)
     data = [dict(
         type="bar", name=t(lang, "chart.prefill"), x=[i - len(chunks) + 1 for i in range(len(chunks))],
         y=[c.latency_ms for c in chunks], marker=dict(color=PREFILL_COLOR), width=0.8,
@@ -118,6 +123,11 @@ def latency_figure(events: Sequence[Event], lang: str = DEFAULT, tpot_line: bool
                            line=dict(color=PREFILL_COLOR, dash="dot", width=1)))
         annotations.append(dict(x=0.5, y=1, yref="paper", text=f"TTFT {steps[0].latency_ms:,.0f} ms",
                                 showarrow=False, font=dict(color=PREFILL_COLOR), yanchor="bottom"))
+    for s in steps:  # where a measurement held the reply: its spike is not the model's
+        if seconds := held_seconds(s.held_ms):
+            annotations.append(dict(x=s.step + 1, y=math.log10(max(s.latency_ms, 1e-3)),  # a log axis: log10
+                                    text=t(lang, "stats.held", seconds=seconds), showarrow=True, arrowhead=0, ax=0,
+                                    ay=-18, font=dict(color=HELD_COLOR, size=11)))
     ticks = dict(tickvals=LOG_TICKS, ticktext=[f"{v:g}" for v in LOG_TICKS])
     return _figure(data, t(lang, "chart.latency_title"), _axis(t(lang, "chart.latency_x")),
                    _axis(t(lang, "chart.latency_y"), type="log", **ticks), shapes=shapes, annotations=annotations)

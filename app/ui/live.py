@@ -88,7 +88,7 @@ class LiveReply:
                                           streaming=True))
         if not new:
             return message(**fields)
-        append = {"latency": {"trace": charts.DECODE_TRACE, "points": charts.decode_points(new),
+        append = {"latency": {"trace": charts.DECODE_TRACE, "points": charts.decode_points(new, self.lang),
                               "mode": charts.point_mode(len(steps))}}
         if trace.cache_visible:
             append["kv"] = self._kv_append(new, first, len(steps))

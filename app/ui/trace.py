@@ -36,10 +36,11 @@ def cache_visible(started: Started | None) -> bool:
 HELD_SAID_MS = 100  # a wait for a measurement this long or longer is said (see held_seconds)
 
 
-def held_seconds(held_ms: dict | None) -> float:
-    """How long a reply waited for measurements that held the engine (Finished.held_ms), in seconds, where
-    it is worth saying: 0.0 below HELD_SAID_MS (a reply sent as a Lab run ended waited a few ms)."""
-    total_ms = sum((held_ms or {}).values())
+def held_seconds(held_ms: dict | float | None) -> float:
+    """How long a reply (Finished.held_ms, by name) or a token (DecodeStep.held_ms) waited for measurements
+    that held the engine, in seconds, where it is worth saying: 0.0 below HELD_SAID_MS (a reply sent as a
+    Lab run ended waited a few ms)."""
+    total_ms = sum(held_ms.values()) if isinstance(held_ms, dict) else held_ms or 0.0
     return total_ms / 1000 if total_ms >= HELD_SAID_MS else 0.0
 
 
