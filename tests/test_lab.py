@@ -295,3 +295,19 @@ def test_lines_stay_above_bars_counted_on_the_right_axis_and_log_axes_read_whole
     assert {"0.5", "2", "5", "10", "20", "50", "100"} <= set(fig.layout.yaxis.ticktext)
     assert fig.layout.yaxis2.overlaying is None  # no right axis asked for
     assert fig.layout.xaxis.dtick is None and lab.figure(turns).layout.xaxis.dtick == 1  # turns count 1, 2, 3
+
+
+def test_a_run_whose_download_files_cannot_be_written_is_shown_all_the_same(tmp_path, monkeypatch):
+    """A full disk or an unwritable temporary folder: the run's figure and report are shown, its download
+    buttons stay hidden, and a one-line warning says why (it was a traceback and no result)."""
+    from app.ui import lab_tab
+
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setattr(lab_tab, "EXPORTS", tmp_path / "a-file" / "lab")
+    result = lab.LabResult("batching", "lab.batching.title", "A poem.", {"new_tokens": 24}, "lab.col.batch",
+                           "lab.w.aggregate_tps", [lab.Series("lab.col.batch", [1, 2], [133.0, 237.0])],
+                           [{"lab.col.batch": 1}], "A sentence.", {"lab.batching.tpot": True})
+    with pytest.warns(UserWarning, match=r"could not be written \(\[Errno 20\] Not a directory"):
+        status, plot, report, json_file, html_file, shown = lab_tab._show(result, 3, "en")
+    assert "lab run #3" in status and plot.visible and report.startswith("## ")
+    assert (json_file.visible, html_file.visible) == (False, False) and shown == (result.to_dict(), 3)

@@ -64,11 +64,14 @@ def _exports(result: lab.LabResult, run_id: int | None, lang: str) -> tuple[Path
 
 def _show(result: lab.LabResult, run_id: int | None, lang: str) -> list:
     """status, plot, report, the two downloads, and the run shown (drawn again in another language)."""
-    json_path, html_path = _exports(result, run_id, lang)
+    try:
+        downloads = [gr.DownloadButton(value=str(path), visible=True) for path in _exports(result, run_id, lang)]
+    except OSError as exc:  # a full disk or an unwritable temporary folder: the run is shown all the same
+        gr.Warning(t(lang, "lab.export_failed", detail=exc))
+        downloads = [gr.DownloadButton(visible=False), gr.DownloadButton(visible=False)]
     status = t(lang, "lab.done", seconds=result.seconds, run=run_id or "-") if run_id else t(lang, "lab.not_saved")
-    return [status, gr.Plot(lab.figure(result, lang), visible=True), result.markdown(lang),
-            gr.DownloadButton(value=str(json_path), visible=True),
-            gr.DownloadButton(value=str(html_path), visible=True), (result.to_dict(), run_id)]
+    return [status, gr.Plot(lab.figure(result, lang), visible=True), result.markdown(lang), *downloads,
+            (result.to_dict(), run_id)]
 
 
 def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
