@@ -937,6 +937,9 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     assert page.is_enabled("#ps-lab-open") and "None yet" not in page.inner_text("#ps-lab-runs")
     report = page.inner_text("#ps-lab-report")
     assert "aggregate tok/s" in report and "shown: batching raises aggregate throughput" in report
+    with page.expect_download() as download:  # the run as JSON, written in the app's private folder
+        page.click("#ps-lab-json")
+    assert json.loads(Path(download.value.path()).read_text(encoding="utf-8"))["experiment"] == "batching"
     size = page.viewport_size
     page.set_viewport_size({"width": 390, "height": 844})  # a phone: whole words in the table, which scrolls alone
     page.wait_for_function("() => document.documentElement.scrollWidth <= 390")

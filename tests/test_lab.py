@@ -303,7 +303,7 @@ def test_a_run_whose_download_files_cannot_be_written_is_shown_all_the_same(tmp_
     from app.ui import lab_tab
 
     (tmp_path / "a-file").write_text("not a folder")
-    monkeypatch.setattr(lab_tab, "EXPORTS", tmp_path / "a-file" / "lab")
+    monkeypatch.setattr(lab_tab, "exports_folder", lambda: tmp_path / "a-file")
     result = lab.LabResult("batching", "lab.batching.title", "A poem.", {"new_tokens": 24}, "lab.col.batch",
                            "lab.w.aggregate_tps", [lab.Series("lab.col.batch", [1, 2], [133.0, 237.0])],
                            [{"lab.col.batch": 1}], "A sentence.", {"lab.batching.tpot": True})

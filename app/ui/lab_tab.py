@@ -7,26 +7,33 @@ goes; Stop ends it after the measurement in progress. Each run is saved (lab_run
 """
 from __future__ import annotations
 
+import functools
 import json
 import queue
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import gradio as gr
 
-
 from .. import lab
 from ..history.store import Store, StoreError
 from ..i18n import DEFAULT, K, t
+from .history_tab import export_folder
 from .language import Texts, user_error
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
 
 FIRST = "kv-cache"
-EXPORTS = Path(tempfile.gettempdir()) / "phasescope-lab"
+
+
+@functools.cache
+def exports_folder() -> Path:
+    """Where the runs shown write their download files: a private folder, made at the first and removed when
+    the process exits, as the History tab's (a shared one in /tmp kept 4.8 MB per run shown for good, and
+    another user could have made it first)."""
+    return export_folder()
 
 
 def _experiment_choices(lang: str) -> list[tuple[str, str]]:
@@ -54,8 +61,7 @@ def _runs_list(store: Store, lang: str, value: int | None = None) -> list:
 def _exports(result: lab.LabResult, run_id: int | None, lang: str) -> tuple[Path, Path]:
     """The run as JSON and its figure as a standalone page (plotly.js inlined: it opens offline), in lang.
     The figure's own camera button saves a PNG."""
-    EXPORTS.mkdir(parents=True, exist_ok=True)
-    stem = EXPORTS / f"lab-{run_id or 'unsaved'}-{result.experiment}-{lang}"
+    stem = exports_folder() / f"lab-{run_id or 'unsaved'}-{result.experiment}-{lang}"
     stem.with_suffix(".json").write_text(json.dumps(result.in_language(lang).to_dict(), indent=1, ensure_ascii=False),
                                          encoding="utf-8")
     lab.figure(result, lang).write_html(stem.with_suffix(".html"), include_plotlyjs=True)
