@@ -311,3 +311,20 @@ def test_a_run_whose_download_files_cannot_be_written_is_shown_all_the_same(tmp_
         status, plot, report, json_file, html_file, shown = lab_tab._show(result, 3, "en")
     assert "lab run #3" in status and plot.visible and report.startswith("## ")
     assert (json_file.visible, html_file.visible) == (False, False) and shown == (result.to_dict(), 3)
+
+
+def test_the_roofline_probe_survives_a_cut_short_cache_file_and_one_it_cannot_write(tmp_path, monkeypatch):
+    """Its cache of this machine's peaks, cut short (a full disk, a killed process), failed every Roofline
+    run after it until deleted by hand: it is measured again and written whole (beside, then in place)."""
+    import torch
+
+    from app.lab.profile import PROBE_FILE, probe
+
+    monkeypatch.setenv("PHASESCOPE_CACHE", str(tmp_path))
+    (tmp_path / PROBE_FILE).write_text('{"cpu|AMD')
+    peaks = probe(torch.device("cpu"))
+    assert peaks["peak_gflops"] > 0 and peaks["bandwidth_gbs"] > 0
+    assert json.loads((tmp_path / PROBE_FILE).read_text()) == {peaks["key"]: peaks}
+    assert probe(torch.device("cpu")) == peaks  # from the cache now
+    monkeypatch.setenv("PHASESCOPE_CACHE", str(tmp_path / PROBE_FILE / "not-a-folder"))
+    assert probe(torch.device("cpu"))["peak_gflops"] > 0  # measured, and the cache left unwritten

@@ -7,7 +7,7 @@ import time
 import torch
 
 from engine import FORWARD_STAGES, Engine
-from engine.loader import cache_root
+from engine.loader import cache_root, write_atomically
 
 from .lab import Lab, decode_steps, median, r
 from .result import LabResult, Series, processor_name, said
@@ -60,8 +60,12 @@ def probe(device: torch.device, refresh: bool = False) -> dict:
     threads = torch.get_num_threads()
     key = f"{device}|{processor_name(device)}|{threads} threads|torch {torch.__version__}"
     path = cache_root() / PROBE_FILE
-    known = json.loads(path.read_text()) if path.exists() else {}
-    if key in known and not refresh:
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, unreadable, or cut short by a full disk: measured again
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    if isinstance(known.get(key), dict) and {"peak_gflops", "bandwidth_gbs"} <= set(known[key]) and not refresh:
         return known[key]
 
     def best(run, tries: int = 5) -> float:
@@ -83,8 +87,8 @@ def probe(device: torch.device, refresh: bool = False) -> dict:
     result = {"peak_gflops": round(2 * n ** 3 / best(lambda: a @ b) / 1e9, 1),
               "bandwidth_gbs": round(big.numel() * 4 / best(lambda: big.sum()) / 1e9, 2), "key": key}
     known[key] = result
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(known, indent=1))
+    # whole or not at all; a cache that cannot be written (a read-only home) only measures again next time
+    write_atomically(path, lambda scratch: scratch.write_text(json.dumps(known, indent=1)))
     return result
 
 
