@@ -41,8 +41,10 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
     """The page. It reads nothing but the engine's config while it is built: what shows the loaded model
     (model line, precision list, pool gauge, the Explain tab's panels) is drawn when a page loads."""
     active, texts, streams = ActiveRequests(), Texts(), Streams()
-    # delete_cache: the files Gradio copies to serve (the exports) go after a day, and all at shutdown
-    with gr.Blocks(title=TITLE, delete_cache=(86400, 86400)) as app:
+    # delete_cache: the files Gradio copies to serve (the exports) go after a day, and all at shutdown;
+    # analytics_enabled: Gradio would send telemetry about the page (to api.gradio.app and huggingface.co)
+    # and ask for its latest version as the app starts: a local chat app calls nobody
+    with gr.Blocks(title=TITLE, delete_cache=(86400, 86400), analytics_enabled=False) as app:
         with gr.Row(equal_height=True, elem_id="ps-top"):
             header = gr.HTML(header_html(DEFAULT))
             lang, remembered = language.switch(texts)

@@ -1,5 +1,6 @@
 """The app serves its page before torch and the model load: the page is built from the engine's config
 alone, and what shows the loaded model is drawn when a page loads."""
+import os
 import subprocess
 import sys
 
@@ -147,3 +148,37 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
     finally:
         app.close()
         engine.stop()
+
+
+LOOKUPS = """
+import os, socket
+_getaddrinfo = socket.getaddrinfo
+def getaddrinfo(host, *args, **kwargs):  # every host the process looks up, before it connects
+    with open(os.environ["PHASESCOPE_TEST_LOOKUPS"], "a", encoding="utf-8") as f:
+        print(host, file=f)
+    return _getaddrinfo(host, *args, **kwargs)
+socket.getaddrinfo = getaddrinfo
+"""
+
+
+@pytest.mark.model
+def test_the_app_calls_no_host_but_its_own(tmp_path, monkeypatch):
+    """Gradio, unless a page turns it off, sends telemetry about the page (api.gradio.app, huggingface.co)
+    and asks for its latest version when the app starts: a local chat app calls nobody."""
+    import time
+    import urllib.request
+
+    from app.bench.browser import start_app
+
+    (tmp_path / "sitecustomize.py").write_text(LOOKUPS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PHASESCOPE_TEST_LOOKUPS", str(tmp_path / "lookups.txt"))
+    process, url = start_app("--db", str(tmp_path / "h.db"))
+    try:
+        assert urllib.request.urlopen(url, timeout=30).status == 200
+        time.sleep(2)  # the telemetry's threads start with the page and with its launch
+    finally:
+        process.kill()
+        process.wait(30)
+    hosts = set((tmp_path / "lookups.txt").read_text().split())
+    assert "127.0.0.1" in hosts and hosts <= {"127.0.0.1", "localhost", "::1"}, hosts
