@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -179,7 +180,10 @@ def model_folder(source: str | None, cache_dir: str | None = None) -> Path:
     """The Hugging Face folder to load for a --model argument (None = the bundled model)."""
     path = default_model_path() if source is None else Path(source).expanduser()
     if not path.exists():
-        raise ModelError(f"model path not found: {path}")
+        hub_id = source is not None and re.fullmatch(r"[\w.-]+/[\w.-]+", source) is not None
+        raise ModelError(f"model path not found: {path}" + (  # "HuggingFaceTB/SmolLM2-360M", as the hub names it
+            " (nothing is downloaded here: give a local model folder or .gguf file, e.g. one written by "
+            f"`hf download {source} --local-dir DIR`)" if hub_id else ""))
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelError(f"{path} is not a model: expected a .gguf file or a Hugging Face folder")

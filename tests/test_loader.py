@@ -28,6 +28,14 @@ def test_bad_model_paths(tmp_path, make, message):
         model_folder(str(make(tmp_path)))
 
 
+def test_a_hub_id_is_told_that_nothing_is_downloaded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match=r"^model path not found: HuggingFaceTB/SmolLM2-360M \(nothing is downloaded"):
+        model_folder("HuggingFaceTB/SmolLM2-360M")
+    with pytest.raises(ModelError, match=r"^model path not found: \S+/missing$"):  # a path: said as before
+        model_folder(str(tmp_path / "missing"))
+
+
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path
