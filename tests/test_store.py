@@ -404,6 +404,19 @@ def test_new_file_is_created_at_the_latest_version_in_wal_mode(tmp_path):
     assert {"sessions", "messages", "steps"} <= set(store.db.table_names())
 
 
+def test_a_new_history_is_readable_by_its_owner_alone_and_an_old_one_keeps_its_mode(tmp_path):
+    store = Store.open(tmp_path / "new" / "history.db")
+    store.create_session("Private", "m", "cpu", "float32", {})
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "new").iterdir()}
+    assert modes == {"history.db": 0o600, "history.db-wal": 0o600, "history.db-shm": 0o600}
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared.db"
+    shared.touch(mode=0o644)
+    shared.chmod(0o644)
+    Store.open(shared)
+    assert shared.stat().st_mode & 0o777 == 0o644
+
+
 def test_migrates_an_empty_file(tmp_path):
     path = tmp_path / "empty.db"
     path.touch()

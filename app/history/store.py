@@ -157,6 +157,17 @@ def _check_file(path: Path) -> None:
                 raise StoreError(f"{path} is not a SQLite database; it was left untouched (choose another with --db)")
 
 
+def _create_private(path: Path) -> None:
+    """A new history file is readable by its owner alone (0600, and its folder 0700 where made here), as a
+    shell's history is: it holds the user's conversations, and a class's machine has other users. SQLite
+    gives the -wal and -shm files the database's mode. A file that exists keeps the mode it has."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))  # empty: SQLite takes it as new
+    except FileExistsError:
+        pass
+
+
 def _started(pid: int) -> str:
     """When a process started (clock ticks after boot, from Linux's /proc), so that a pid the system
     gave again names another process; "" where it cannot be read."""
@@ -213,7 +224,7 @@ class Store:
             raise StoreError(f"no history database at {path} (the first chat makes it; choose another with --db)")
         _check_file(path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _create_private(path)
             store = cls(Database(sqlite3.connect(path, check_same_thread=False, timeout=10)), path)
             store._refuse_newer()
             store.db.enable_wal()
