@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .gradio_import import private_cache
 from .i18n import DEFAULT as DEFAULT_LANGUAGE, LANGUAGES
 from .serve.access import bare_host, port_number
 from .startup import pause_collector, settle
@@ -582,6 +583,7 @@ def _remote_line(finished) -> str:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
+    private_cache()  # before gradio is imported
     from app.main import launch
     from app.serve.access import check_exposure, check_port, parse_auth
 
@@ -593,6 +595,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ui:
+        private_cache()  # before gradio is imported
     from app.serve import check_exposure, check_port, parse_auth, serve
 
     auth = parse_auth(args.auth)

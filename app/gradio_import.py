@@ -1,4 +1,4 @@
-"""`import gradio` without rewriting gradio's type stubs.
+"""`import gradio` without rewriting gradio's type stubs, and with a cache of its own.
 
 Every `import gradio` regenerates the `.pyi` stub of each component class it defines: gradio's
 `component_meta.create_or_modify_pyi` reads the class's source and parses it with `ast`, 81 times. On the
@@ -6,12 +6,20 @@ Every `import gradio` regenerates the `.pyi` stub of each component class it def
 wheel already ships and only an editor reads. So `app` (its __init__) installs the finder below: once
 gradio's `component_meta` module has run, and before any component class is defined, its
 `create_or_modify_pyi` becomes a no-op. Nothing else in gradio changes.
+
+The files gradio serves (the History tab's exports: whole conversations) it copies into its cache, by
+default `/tmp/gradio`, made with the umask's mode: other users of the machine could read them there for a
+day, and a cache another user made first refused them. `private_cache` gives the app's process its own.
 """
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.machinery
+import os
+import shutil
 import sys
+import tempfile
 
 MODULE = "gradio.component_meta"
 
@@ -43,3 +51,12 @@ def skip_stub_regeneration() -> None:
     """Install the finder, unless gradio is imported already (then its import has paid the cost)."""
     if MODULE not in sys.modules and not any(isinstance(f, _SkipStubs) for f in sys.meta_path):
         sys.meta_path.insert(0, _SkipStubs())
+
+
+def private_cache() -> None:
+    """Before gradio is imported (some of its modules read the setting then): its cache in a folder only
+    this user can read (mkdtemp's 0700), removed when the process exits; unless GRADIO_TEMP_DIR names one."""
+    if not os.environ.get("GRADIO_TEMP_DIR"):
+        folder = tempfile.mkdtemp(prefix="phasescope-gradio-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        os.environ["GRADIO_TEMP_DIR"] = folder

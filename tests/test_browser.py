@@ -631,11 +631,16 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         percentiles = page.inner_text("#ps-history-selected table.ps-percentiles")  # over its two replies
         assert all(name in percentiles for name in ("p50", "p99", "TTFT", "TPOT", "ITL", "E2E"))
         assert re.search(r"Run in: (int8|fp32) \(2\)", page.inner_text("#ps-history-selected [data-engines]"))
+        clicked = time.time() - 1  # ctime's granularity
         with page.expect_download() as download:
             page.click("#ps-export-json")
         exported = json.loads(Path(download.value.path()).read_text())
         assert download.value.suggested_filename == "phasescope-session-1.json"
         assert 4 == len(exported["sessions"][0]["messages"])
+        # served from a cache only this user can read (gradio's default, /tmp/gradio, is everyone's)
+        served = [f for f in Path(tempfile.gettempdir()).glob("phasescope-gradio-*/*/phasescope-session-1.json")
+                  if f.stat().st_ctime >= clicked]
+        assert served and all(f.parent.parent.stat().st_mode & 0o777 == 0o700 for f in served)
         with page.expect_download() as download:  # all sessions: written at the click
             page.click("#ps-export-all-csv")
         assert download.value.suggested_filename == "phasescope-all-sessions.csv"
