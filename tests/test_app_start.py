@@ -182,3 +182,42 @@ def test_the_app_calls_no_host_but_its_own(tmp_path, monkeypatch):
         process.wait(30)
     hosts = set((tmp_path / "lookups.txt").read_text().split())
     assert "127.0.0.1" in hosts and hosts <= {"127.0.0.1", "localhost", "::1"}, hosts
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("command", [["ui"], ["serve", "--ui"]])
+def test_sigterm_ends_the_app_as_ctrl_c_does_and_its_temporary_folders_go(tmp_path, command):
+    """kill, systemd and docker stop send SIGTERM, whose default ended the app at once and left gradio's
+    cache and the exports' folder (conversations) in /tmp, one pair per start."""
+    import glob
+    import signal
+    import tempfile
+    import time
+    import urllib.request
+
+    from app.bench.browser import free_port
+
+    def folders() -> set[str]:
+        return {*glob.glob(f"{tempfile.gettempdir()}/phasescope-gradio-*"),
+                *glob.glob(f"{tempfile.gettempdir()}/phasescope-exports-*")}
+
+    before = folders()
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", *command, "--port", str(port), "--db",
+                                str(tmp_path / "h.db")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in process.stdout:
+            if "decode:" in line and command == ["ui"] or "API at" in line:  # the page built
+                break
+        for _ in range(600):  # serving: uvicorn starts after serve's line
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/{'ui/' if 'serve' in command else ''}", timeout=60)
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert len(folders() - before) == 2
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0 and folders() - before == set()
