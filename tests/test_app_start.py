@@ -178,7 +178,7 @@ def test_the_app_calls_no_host_but_its_own(tmp_path, monkeypatch):
         assert urllib.request.urlopen(url, timeout=30).status == 200
         time.sleep(2)  # the telemetry's threads start with the page and with its launch
     finally:
-        process.kill()
+        process.terminate()  # its temporary folders go with it
         process.wait(30)
     hosts = set((tmp_path / "lookups.txt").read_text().split())
     assert "127.0.0.1" in hosts and hosts <= {"127.0.0.1", "localhost", "::1"}, hosts
