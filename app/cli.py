@@ -512,10 +512,22 @@ CHAT_COMMANDS = ("Type /retry for another reply to your last message, /edit TEXT
                  "/clear for a new chat, /bye or Ctrl-D to leave, /? for help; Ctrl-C stops a reply")
 
 
+def _line_editing() -> None:
+    """At a terminal, the prompt edits its line (arrow keys, Ctrl-A, Ctrl-E...) and the up arrow brings back
+    the lines typed before, as in `ollama run`: Python's input() does so once readline is imported. Kept in
+    memory only: the conversations are in the history database, which only the user can read."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401
+        except ImportError:  # not on every platform (Windows)
+            pass
+
+
 def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> Iterator[str]:
     """What the user types at the >>> prompt, line by line; /retry sends the last message again, /edit TEXT
     sends TEXT in its place (both take back the last exchange: retry), /clear starts a new chat, /bye or
     Ctrl-D ends."""
+    _line_editing()
     while True:
         try:
             text = input("\n>>> ").strip()

@@ -182,6 +182,44 @@ def test_cli_chat_goes_on_past_the_prompt_limit_without_its_earliest_messages(tm
     assert [("One two three.", 5)] == [(s["title"], s["turns"]) for s in Store.open(db).sessions()]
 
 
+def test_cli_chat_at_a_terminal_edits_the_line_and_brings_back_the_last_one(tmp_path):
+    """In a terminal the arrow keys move in the line (without readline they went into the message as
+    escape codes) and the up arrow brings back the line sent before, as `ollama run` does."""
+    import os
+    import pty
+    import select
+    import time
+
+    db = tmp_path / "history.db"
+    terminal, child = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "--max-new-tokens", "2", "--db", str(db)],
+                               stdin=child, stdout=child, stderr=child, env={**os.environ, "TERM": "xterm"})
+    os.close(child)
+    shown = b""
+
+    def until(text: bytes, count: int = 1) -> None:
+        nonlocal shown
+        deadline = time.monotonic() + 120
+        while shown.count(text) < count and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 0.2)[0]:
+                shown += os.read(terminal, 4096)
+        assert shown.count(text) >= count, shown.decode(errors="replace")[-2000:]
+
+    try:
+        until(b">>> ")
+        os.write(terminal, b"abd\x1b[Dc\r")  # left arrow, then c: abcd
+        until(b"tok/s")
+        os.write(terminal, b"\x1b[A\r")  # up arrow: abcd again
+        until(b"tok/s", 2)
+        os.write(terminal, b"/bye\r")
+        process.wait(60)
+    finally:
+        process.kill()
+        os.close(terminal)
+    asked = [m["content"] for m in Store.open(db).messages(1) if m["role"] == "user"]
+    assert asked == ["abcd", "abcd"]
+
+
 def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     db = tmp_path / "history.db"
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
