@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -518,7 +519,7 @@ def _line_editing() -> None:
     memory only: the conversations are in the history database, which only the user can read."""
     if sys.stdin.isatty():
         try:
-            import readline  # noqa: F401
+            importlib.import_module("readline")  # importing it is all it takes
         except ImportError:  # not on every platform (Windows)
             pass
 
