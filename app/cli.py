@@ -124,8 +124,18 @@ def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int, 
     parser.add_argument("--prefill-chunk", type=int, default=0, help="prompt tokens per prefill pass (0: all)")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("phasescope")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phasescope", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"phasescope {_version()}")
     commands = parser.add_subparsers(dest="command")
 
     ui = commands.add_parser("ui", help="start the browser app (the default)")
@@ -848,7 +858,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["ui", *argv]  # `phasescope` alone starts the app
     args = parser.parse_args(argv)
     if args.command in ("generate", "ui", "serve"):

@@ -1,6 +1,7 @@
 """The app serves its page before torch and the model load: the page is built from the engine's config
 alone, and what shows the loaded model is drawn when a page loads."""
 import os
+import re
 import subprocess
 import sys
 
@@ -221,3 +222,8 @@ def test_sigterm_ends_the_app_as_ctrl_c_does_and_its_temporary_folders_go(tmp_pa
     finally:
         process.kill()
     assert process.returncode == 0 and folders() - before == set()
+
+
+def test_the_command_says_its_version():
+    out = subprocess.run([sys.executable, "-m", "app.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and re.fullmatch(r"phasescope \d+\.\d+\.\d+\S*\n", out.stdout), out
