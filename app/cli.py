@@ -534,6 +534,18 @@ def _line_editing() -> None:
             pass
 
 
+def _several_lines(line: str) -> str:
+    """A message begun with three double quotes: its lines up to the one that ends with three more, as
+    `ollama run` reads them, so that a pasted paragraph or a piece of code goes as one message, not a
+    message a line. The lines stay as typed (code keeps its indentation)."""
+    lines = []
+    while not line.rstrip().endswith('"""'):
+        lines.append(line)
+        line = input("... ")
+    lines.append(line.rstrip()[:-3])
+    return "\n".join(lines).strip("\n")
+
+
 def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> Iterator[str]:
     """What the user types at the >>> prompt, line by line; /retry sends the last message again, /edit TEXT
     sends TEXT in its place (both take back the last exchange: retry), /clear starts a new chat, /bye or
@@ -542,6 +554,8 @@ def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> I
     while True:
         try:
             text = input("\n>>> ").strip()
+            if text.startswith('"""'):
+                text = _several_lines(text[3:])
         except (EOFError, KeyboardInterrupt):
             print()
             return
@@ -564,10 +578,11 @@ def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> I
             else:
                 yield edited
         elif text in ("/?", "/help"):
-            print(f"{CHAT_COMMANDS}. Any other line is sent to the model.")
+            print(f"{CHAT_COMMANDS}. Any other line is sent to the model; a message of several lines (a pasted "
+                  'paragraph, code) begins and ends with """, as in `ollama run`.')
         elif text.startswith("/") and " " not in text:  # a mistyped command, not a message (/usr/bin? is sent)
             print(f"(no command {text}: /? lists them)")
-        elif text:
+        elif text.strip():
             yield text
 
 

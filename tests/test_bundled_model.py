@@ -220,6 +220,17 @@ def test_cli_chat_at_a_terminal_edits_the_line_and_brings_back_the_last_one(tmp_
     assert asked == ["abcd", "abcd"]
 
 
+def test_cli_chat_takes_a_message_of_several_lines_between_triple_quotes(tmp_path):
+    db = tmp_path / "history.db"
+    out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--max-new-tokens", "2", "--db", str(db)],
+                         input='"""Fix this:\n    return x +\n"""\n"""One line."""\nPlain.\n/?\n/bye\n',
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    asked = [m["content"] for m in Store.open(db).messages(1) if m["role"] == "user"]
+    assert asked == ["Fix this:\n    return x +", "One line.", "Plain."]  # three messages, not five
+    assert 'begins and ends with """' in out.stdout
+
+
 def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     db = tmp_path / "history.db"
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
