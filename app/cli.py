@@ -549,16 +549,19 @@ def _several_lines(line: str) -> str:
 def _user_lines(clear: Callable[[], None], retry: Callable[[], str | None]) -> Iterator[str]:
     """What the user types at the >>> prompt, line by line; /retry sends the last message again, /edit TEXT
     sends TEXT in its place (both take back the last exchange: retry), /clear starts a new chat, /bye or
-    Ctrl-D ends."""
+    Ctrl-D ends (Ctrl-C drops the line being typed)."""
     _line_editing()
     while True:
         try:
             text = input("\n>>> ").strip()
             if text.startswith('"""'):
                 text = _several_lines(text[3:])
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print()
             return
+        except KeyboardInterrupt:  # the line is dropped and the chat goes on, as at a shell's prompt: a second
+            print("\n(/bye or Ctrl-D leaves)")  # Ctrl-C meant for a reply that had just ended left the chat
+            continue
         if text in ("/bye", "/exit", "/quit"):
             return
         if text == "/clear":

@@ -184,10 +184,12 @@ def test_cli_chat_goes_on_past_the_prompt_limit_without_its_earliest_messages(tm
 
 def test_cli_chat_at_a_terminal_edits_the_line_and_brings_back_the_last_one(tmp_path):
     """In a terminal the arrow keys move in the line (without readline they went into the message as
-    escape codes) and the up arrow brings back the line sent before, as `ollama run` does."""
+    escape codes) and the up arrow brings back the line sent before, as `ollama run` does; Ctrl-C at the
+    prompt drops the line typed, and only that."""
     import os
     import pty
     import select
+    import signal
     import time
 
     db = tmp_path / "history.db"
@@ -211,8 +213,13 @@ def test_cli_chat_at_a_terminal_edits_the_line_and_brings_back_the_last_one(tmp_
         until(b"tok/s")
         os.write(terminal, b"\x1b[A\r")  # up arrow: abcd again
         until(b"tok/s", 2)
-        os.write(terminal, b"/bye\r")
-        process.wait(60)
+        until(b">>> ", 3)
+        os.write(terminal, b"half a li")
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)  # Ctrl-C at the prompt: the line is dropped, the chat goes on
+        until(b"(/bye or Ctrl-D leaves)")
+        os.write(terminal, b"\x04")  # Ctrl-D leaves
+        assert process.wait(60) == 0
     finally:
         process.kill()
         os.close(terminal)
