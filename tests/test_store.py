@@ -417,6 +417,18 @@ def test_a_new_history_is_readable_by_its_owner_alone_and_an_old_one_keeps_its_m
     assert shared.stat().st_mode & 0o777 == 0o644
 
 
+def test_the_history_an_earlier_version_made_in_the_apps_place_becomes_private(tmp_path, monkeypatch):
+    monkeypatch.delenv("PHASESCOPE_DB", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    folder = tmp_path / "phasescope"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    Store.open(folder / "history.db").close()  # as a user's --db: made private, as every new file is
+    (folder / "history.db").chmod(0o644)  # as an earlier version left it
+    Store.open().close()
+    assert (folder.stat().st_mode & 0o777, (folder / "history.db").stat().st_mode & 0o777) == (0o700, 0o600)
+
+
 def test_migrates_an_empty_file(tmp_path):
     path = tmp_path / "empty.db"
     path.touch()

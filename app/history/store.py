@@ -168,6 +168,19 @@ def _create_private(path: Path) -> None:
         pass
 
 
+def _make_private(path: Path) -> None:
+    """The history in the app's own place, made by an earlier version with the umask's mode (-rw-r--r--
+    in a drwxr-xr-x folder), becomes its owner's alone as a new one is. A file the user placed keeps its
+    mode."""
+    for item in (path.parent, path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            mode = item.stat().st_mode & 0o777
+            if mode & 0o077:
+                item.chmod(mode & 0o700)
+        except OSError:  # not there (no -wal yet), or not the user's to change: left as it is
+            pass
+
+
 def _started(pid: int) -> str:
     """When a process started (clock ticks after boot, from Linux's /proc), so that a pid the system
     gave again names another process; "" where it cannot be read."""
@@ -219,12 +232,15 @@ class Store:
         read it say that it is missing instead of leaving an empty one behind), migrate it, and repair
         interrupted replies (unless repair is False: a command that only reads the file must not mark
         stopped the replies an app is writing to it meanwhile)."""
+        ours = not path and not os.environ.get("PHASESCOPE_DB")  # the app's own place, not one the user chose
         path = Path(path).expanduser() if path else default_db_path()
         if not create and not path.exists():
             raise StoreError(f"no history database at {path} (the first chat makes it; choose another with --db)")
         _check_file(path)
         try:
             _create_private(path)
+            if ours:
+                _make_private(path)
             store = cls(Database(sqlite3.connect(path, check_same_thread=False, timeout=10)), path)
             store._refuse_newer()
             store.db.enable_wal()
