@@ -48,6 +48,7 @@ class Faulty(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     received: list[dict] = []  # the requests' bodies
+    authorizations: list[str | None] = []  # and their Authorization headers
 
     def do_GET(self) -> None:  # noqa: N802: the model list, refused as a server with an API key does
         if self.path == "/ok/metrics":  # a slow /metrics beside the good stream
@@ -58,6 +59,7 @@ class Faulty(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.received.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
+        self.authorizations.append(self.headers.get("Authorization"))
         fault = self.path.split("/")[1]
         if fault in ("ok", "held", "odd"):  # held: a PhaseScope server whose Lab held the request 1.5 s
             self._start_stream()
@@ -314,3 +316,17 @@ def test_load_sweep_against_phasescope_serve_shows_batching(own_server):
     # and what it was doing, as its /metrics said while each level ran
     assert one["server_peak"]["running"] <= 1 and four["server_peak"]["running"] >= 2
     assert 0 < four["server_peak"]["kv_cache_usage"] <= 1 and four["server_peak"]["waiting"] >= 0
+
+
+def test_a_password_in_the_endpoints_url_is_sent_and_never_shown(faulty):
+    """A server behind a proxy's basic auth, given as http://user:password@host: the password goes with
+    each request and appears nowhere the URL does (the model line, the history, exports, errors)."""
+    import base64
+
+    endpoint = Endpoint(faulty.replace("http://", "http://ada:s%40cret@") + "/ok", "m", scrape_metrics=False)
+    events = list(endpoint.stream([{"role": "user", "content": "hi"}], SAMPLING))
+    assert events[-1].text == "Hello there" and events[-1].error is None
+    assert Faulty.authorizations[-1] == "Basic " + base64.b64encode(b"ada:s@cret").decode()
+    shown = " ".join(map(str, [endpoint, endpoint.url, endpoint.info(), *events]))
+    assert "cret" not in shown and endpoint.url == f"{faulty}/ok/v1"
+    assert "sk-1" not in repr(Endpoint(faulty, api_key="sk-1"))

@@ -15,7 +15,8 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
@@ -60,15 +61,20 @@ class Endpoint:
 
     url: str
     model: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 60.0  # the longest silence accepted between two chunks
     scrape_metrics: bool = True
+    auth: httpx.BasicAuth | None = field(default=None, repr=False)  # from the URL's user:password@, if any
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"an endpoint is an http:// or https:// URL, got {self.url!r}")
+        parts = urlsplit(self.url)
+        if "@" in parts.netloc:  # a server behind a proxy's basic auth: the password is sent, never shown
+            self.auth = httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
+            self.url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         if not self.url.endswith("/v1"):
             self.url += "/v1"
 
@@ -84,7 +90,7 @@ class Endpoint:
         if self.model:
             return self.model
         try:
-            answer = httpx.get(f"{self.url}/models", headers=self.headers, timeout=self._timeout())
+            answer = httpx.get(f"{self.url}/models", headers=self.headers, auth=self.auth, timeout=self._timeout())
             answer.raise_for_status()
             self.model = answer.json()["data"][0]["id"]
         except (httpx.ConnectError, httpx.TimeoutException) as exc:  # no server there: a model's name won't help
@@ -107,7 +113,8 @@ class Endpoint:
         if not self.scrape_metrics:
             return []
         try:
-            answer = httpx.get(self.url.removesuffix("/v1") + "/metrics", headers=self.headers, timeout=2.0)
+            answer = httpx.get(self.url.removesuffix("/v1") + "/metrics", headers=self.headers, auth=self.auth,
+                               timeout=2.0)
         except httpx.HTTPError:
             return []
         if answer.status_code != 200:
@@ -213,7 +220,7 @@ class _Stream:
     def _chunks(self) -> Iterator[Event]:
         endpoint = self.endpoint
         with httpx.stream("POST", f"{endpoint.url}/chat/completions", json=self._body(), headers=endpoint.headers,
-                          timeout=endpoint._timeout()) as answer:
+                          auth=endpoint.auth, timeout=endpoint._timeout()) as answer:
             if answer.status_code != 200:
                 answer.read()
                 raise _Refused(f"{endpoint.url} answered HTTP {answer.status_code}: {_error_message(answer)}")
