@@ -194,8 +194,11 @@ def test_cli_chat_at_a_terminal_edits_the_line_and_brings_back_the_last_one(tmp_
 
     db = tmp_path / "history.db"
     terminal, child = pty.openpty()
+    # SIGINT as a terminal's shell leaves it: a suite started in the background (nohup, &) ignores it, and
+    # a Python started so never turns it into KeyboardInterrupt
     process = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "--max-new-tokens", "2", "--db", str(db)],
-                               stdin=child, stdout=child, stderr=child, env={**os.environ, "TERM": "xterm"})
+                               stdin=child, stdout=child, stderr=child, env={**os.environ, "TERM": "xterm"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(child)
     shown = b""
 
