@@ -213,14 +213,14 @@ def test_cli_chat_at_a_terminal_edits_the_line_and_brings_back_the_last_one(tmp_
     try:
         until(b">>> ")
         os.write(terminal, b"abd\x1b[Dc\r")  # left arrow, then c: abcd
-        until(b"tok/s")
+        until(b">>> ", 2)  # each key waits for its prompt: one sent before goes to the terminal's own echo
         os.write(terminal, b"\x1b[A\r")  # up arrow: abcd again
-        until(b"tok/s", 2)
         until(b">>> ", 3)
         os.write(terminal, b"half a li")
         time.sleep(0.5)
         process.send_signal(signal.SIGINT)  # Ctrl-C at the prompt: the line is dropped, the chat goes on
         until(b"(/bye or Ctrl-D leaves)")
+        until(b">>> ", 4)  # the next prompt: a key sent before it went to the interrupted one
         os.write(terminal, b"\x04")  # Ctrl-D leaves
         assert process.wait(60) == 0
     finally:
