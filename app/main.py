@@ -186,8 +186,9 @@ class LoadingEngine:
 def stop_on_sigterm() -> None:
     """SIGTERM (kill, systemd, docker stop) ends the app as Ctrl-C does: the server closes and the process's
     temporary folders (gradio's cache, the exports) are removed, where the signal's default left them in
-    /tmp. Gradio's loop catches the KeyboardInterrupt; uvicorn (`serve`) shuts down on the signal, then sends
-    it again to the handler it found, this one."""
+    /tmp. Gradio's loop catches the KeyboardInterrupt (before it, the command ends with status 130, as at a
+    Ctrl-C); uvicorn (`serve`) shuts down on the signal, then sends it again to the handler it found, this
+    one."""
     def stop(signum, frame) -> None:
         raise KeyboardInterrupt
 
@@ -196,6 +197,7 @@ def stop_on_sigterm() -> None:
 
 def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,
            open_browser: bool = False, auth: tuple[str, str] | None = None) -> None:
+    stop_on_sigterm()  # from the start: a page served while the model loads can be stopped so too
     store = Store.open(db_path)  # first: a bad --db fails before the model loads
     print(f"History: {store.path}", file=sys.stderr, flush=True)
     engine = LoadingEngine(config)
@@ -205,7 +207,6 @@ def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_p
     server, _, _ = app.launch(server_name=url_host(host), server_port=port, quiet=True, show_error=True,
                               footer_links=[], auth=auth, prevent_thread_lock=True, **launch_options())
     app.live_streams.add_route(server)
-    stop_on_sigterm()
     print(f"PhaseScope is running at {url}  (Ctrl-C to stop)", flush=True)
     if open_browser:
         webbrowser.open(url)

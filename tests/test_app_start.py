@@ -192,20 +192,23 @@ def test_sigterm_ends_the_app_as_ctrl_c_does_and_its_temporary_folders_go(tmp_pa
     cache and the exports' folder (conversations) in /tmp, one pair per start."""
     import glob
     import signal
-    import tempfile
     import time
     import urllib.request
 
     from app.bench.browser import free_port
 
+    temporary = tmp_path / "tmp"  # the app's own /tmp (TMPDIR): another run's folders are not counted
+    temporary.mkdir()
+
     def folders() -> set[str]:
-        return {*glob.glob(f"{tempfile.gettempdir()}/phasescope-gradio-*"),
-                *glob.glob(f"{tempfile.gettempdir()}/phasescope-exports-*")}
+        return {*glob.glob(f"{temporary}/phasescope-gradio-*"), *glob.glob(f"{temporary}/phasescope-exports-*")}
 
     before = folders()
+    env = {**os.environ, "TMPDIR": str(temporary)}
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "app.cli", *command, "--port", str(port), "--db",
-                                str(tmp_path / "h.db")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                str(tmp_path / "h.db")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env)
     try:
         for line in process.stdout:
             if "decode:" in line and command == ["ui"] or "API at" in line:  # the page built
@@ -222,6 +225,19 @@ def test_sigterm_ends_the_app_as_ctrl_c_does_and_its_temporary_folders_go(tmp_pa
     finally:
         process.kill()
     assert process.returncode == 0 and folders() - before == set()
+    # and while the model loads, the page already served (ui) or not yet built (serve): as a Ctrl-C then
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", *command, "--port", str(port), "--db",
+                                str(tmp_path / "h.db")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env)
+    try:
+        for line in process.stdout:
+            if "Loading the model" in line:
+                break
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and folders() - before == set()
 
 
 def test_the_command_says_its_version():

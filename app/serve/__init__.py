@@ -16,9 +16,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           auth: tuple[str, str] | None = None, with_ui: bool = False, db_path: str | None = None) -> None:
     import uvicorn
 
-    from ..main import start_engine
+    from ..main import start_engine, stop_on_sigterm
     from .api import create_api
 
+    stop_on_sigterm()  # from the start: a server stopped while its model loads goes as Ctrl-C would
     store = None
     if with_ui:
         from ..history.store import Store
@@ -30,7 +31,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         import gradio as gr
         from fastapi.responses import RedirectResponse
 
-        from ..main import build_app, launch_options, stop_on_sigterm
+        from ..main import build_app, launch_options
 
         page = build_app(engine, store)
         page.live_streams.add_route(api, prefix="/ui")  # before the mount, which would take the path
@@ -38,7 +39,6 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         api.add_api_route("/", lambda: RedirectResponse("/ui/"), include_in_schema=False)
         api.add_api_route("/favicon.ico", lambda: RedirectResponse("/ui/favicon.ico"), include_in_schema=False)
         api = gr.mount_gradio_app(api, page, path="/ui", auth=auth, footer_links=[], **launch_options())
-        stop_on_sigterm()
     url = url_of(host, port)
     print(f"PhaseScope API at {url}/v1 (metrics at {url}/metrics{', UI at ' + url + '/ui' if with_ui else ''})  "
           "(Ctrl-C to stop)", flush=True)
