@@ -192,7 +192,8 @@ def stop_on_sigterm() -> None:
     def stop(signum, frame) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    if threading.current_thread() is threading.main_thread():  # the only thread a handler may be set from
+        signal.signal(signal.SIGTERM, stop)
 
 
 def launch(config: EngineConfig, host: str = "127.0.0.1", port: int = 7860, db_path: str | None = None,
