@@ -83,7 +83,7 @@ def _csv(rows: Rows) -> str:
                                  step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
                                  step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
                                  step["token_prob"], step["batch_size"], message["cached_prompt_tokens"],
-                                 message["replaced_by"], precision, switches, message.get("held_ms") or "",
+                                 message["replaced_by"], precision, switches, message.get("held_ms"),
                                  _ms(step.get("held_ns"))])
     return out.getvalue()
 
@@ -102,12 +102,12 @@ def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) ->
             message[key] = json.loads(message[key]) if message[key] else None
     return {**message, "metrics": summary,
             "steps": [{**s, "start_ms": s["start_ns"] / 1e6, "latency_ms": s["latency_ns"] / 1e6,
-                       "held_ms": _ms(s.get("held_ns")) or None} for s in steps]}
+                       "held_ms": _ms(s.get("held_ns"))} for s in steps]}
 
 
-def _ms(ns: int | None) -> float | str:
-    """A stored duration in ns as ms; "" where there is none."""
-    return "" if ns is None else ns / 1e6
+def _ms(ns: int | None) -> float | None:
+    """A stored duration in ns as ms; None where there is none (the CSV writes it as an empty cell)."""
+    return None if ns is None else ns / 1e6
 
 
 def to_json(store: Store, session_id: int | None = None) -> dict:

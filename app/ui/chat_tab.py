@@ -249,7 +249,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
             if not trace.failed:
                 session.converse(text, trace)
             for name, held_ms in ((trace.finished and trace.finished.held_ms) or {}).items():
-                if name in panels.HELD_BY and (held_s := held_seconds({name: held_ms})):
+                if name in panels.HELD_BY and (held_s := held_seconds(held_ms)):
                     session.warn(t(session.lang, panels.HELD_BY[name], seconds=held_s))
             _show_warnings(session)  # the reply's last ones (its end not saved, an error): here, in the queue,
             # as toasts; finish draws the tab outside the queue, where Gradio 6 shows none
