@@ -604,7 +604,7 @@ def _remote_line(finished) -> str:
     """A remote reply's timing line: what was measured here (the server's cache is not visible), and
     the server's own timings where it sends them (llama.cpp's server does), and its gauges where its /metrics
     has them."""
-    from app.remote.client import gauges_text, server_gauges
+    from app.remote.client import gauges_text, server_gauges, server_timings
     from app.ui.trace import held_seconds
 
     m = finished.metrics
@@ -613,7 +613,7 @@ def _remote_line(finished) -> str:
     line = (f"{prompt}TTFT {_num(m.ttft_ms, 0)} ms · TPOT {_num(m.tpot_ms, 2)} ms · "
             f"decode {_num(m.decode_tokens_per_s)} tok/s ({chunks} chunks) · E2E {_num(m.e2e_ms, 0)} ms (client-side)")
     server = finished.server or {}
-    if isinstance(timings := server.get("timings"), dict) and timings:
+    if timings := server_timings(server):
         line += (f" · server: prompt {timings.get('prompt_n', 0)} tok in {timings.get('prompt_ms', 0):,.1f} ms, "
                  f"decode {timings.get('predicted_per_second', 0):,.1f} tok/s, cached {timings.get('cache_n', 0)}")
     if held_s := held_seconds(finished.held_ms):  # a PhaseScope server's Lab held the request there

@@ -37,6 +37,13 @@ SERVER_METRICS = (*(name for names in SERVER_GAUGES.values() for name in names),
 SERVER_INFO = ("engine_info", "cache_config_info")
 
 
+def server_timings(server: dict) -> dict:
+    """A server's `timings` (llama.cpp's, PhaseScope's) as kept in Finished.server; {} where it sent none, or
+    sent something of another shape (they are only read as a dict)."""
+    timings = server.get("timings")
+    return timings if isinstance(timings, dict) else {}
+
+
 def server_gauges(scraped: dict[str, float]) -> dict[str, float]:
     """A scrape's SERVER_GAUGES by what they say ({"kv_cache_usage": 0.12, "running": 3.0, "waiting": 0.0}),
     each from the first of its names the server has: a fraction of the KV cache in use, and requests."""
@@ -273,8 +280,7 @@ class _Stream:
         usage = self.usage
         prompt = usage.get("prompt_tokens", 0)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        timings = self.server.get("timings")
-        timings = timings if isinstance(timings, dict) else {}  # a server's own object: only read as it should be
+        timings = server_timings(self.server)
         prefill_ms = timings.get("prompt_ms") or (self._t_ms(self.token_ns[0]) if self.token_ns else 0.0)
         metrics = request_metrics(submit_ns=self.submit_ns, token_ns=self.token_ns, end_ns=end_ns,
                                   prefill_ms=prefill_ms, num_prompt_tokens=prompt,
