@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 MODULE = "gradio.component_meta"
 
@@ -53,10 +54,16 @@ def skip_stub_regeneration() -> None:
         sys.meta_path.insert(0, _SkipStubs())
 
 
+def private_folder(prefix: str) -> Path:
+    """A new folder only this user can read (mkdtemp's 0700), removed when the process exits: for the files
+    gradio serves (its cache, the History tab's and the Lab's downloads)."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return Path(folder)
+
+
 def private_cache() -> None:
-    """Before gradio is imported (some of its modules read the setting then): its cache in a folder only
-    this user can read (mkdtemp's 0700), removed when the process exits; unless GRADIO_TEMP_DIR names one."""
+    """Before gradio is imported (some of its modules read the setting then): its cache in a private_folder;
+    unless GRADIO_TEMP_DIR names one."""
     if not os.environ.get("GRADIO_TEMP_DIR"):
-        folder = tempfile.mkdtemp(prefix="phasescope-gradio-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        os.environ["GRADIO_TEMP_DIR"] = folder
+        os.environ["GRADIO_TEMP_DIR"] = str(private_folder("phasescope-gradio-"))

@@ -1,10 +1,7 @@
 """The History tab: saved sessions, newest first; open one to continue it, rename, delete, export."""
 from __future__ import annotations
 
-import atexit
 import functools
-import shutil
-import tempfile
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +9,7 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 from ..cli import setup_flags
+from ..gradio_import import private_folder
 from ..i18n import DEFAULT, K, t
 from .chat_tab import ChatTab, model_line_html, render
 from .panels import attention, counted, with_attention, without_attention
@@ -164,9 +162,7 @@ def _no_files() -> list[gr.DownloadButton]:
 def export_folder() -> Path:
     """A private folder for the export files the download buttons serve, removed when the process exits
     (Gradio serves copies from its own cache, which the app's delete_cache empties)."""
-    folder = Path(tempfile.mkdtemp(prefix="phasescope-exports-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder
+    return private_folder("phasescope-exports-")
 
 
 def _export_buttons(texts: Texts, label: str, id_prefix: str, interactive: bool,
