@@ -383,8 +383,15 @@ MARKDOWN = [
     "Use:\n~~~bash\npip install x\n~~~\nThen [the site](https://example.com/a?b=1&c=2).",
     "- [ ] todo\n- [x] done\n\nSee https://example.com/a_b?c=1&d=2. (https://x.io/page) \"https://q.r\"",
     "&copy; & <b>x</b> <img src=x onerror=\"window.__pwned=1\"> 5 > 3",
+    "A hash in a line: `" + "0f" * 60 + "`, and a long line in a block:\n```\nprint('" + "a" * 200 + "')\n```",
     "Here:\n\n```python\ndef open_block():\n    return",  # a block the text leaves open runs to its end
 ]
+# the elements drawn past the right edge of the message they are in (a code block's own lines scroll inside it)
+PAST_THE_EDGE = """(selector) => [...document.querySelectorAll(selector)].flatMap((message) => {
+  const edge = message.getBoundingClientRect().right + 1;
+  return [...message.querySelectorAll('*')].filter((e) => !e.closest('pre') || e.tagName === 'PRE')
+    .filter((e) => e.getBoundingClientRect().right > edge).map((e) => e.outerHTML.slice(0, 80));
+})"""
 NORMALIZED = """(root) => {
   const normalized = (node) => {
     const copy = node.cloneNode(true);
@@ -416,6 +423,7 @@ def test_a_streaming_reply_is_drawn_as_markdown_as_it_will_be_when_it_ends(page)
         by_gradio, by_page = gradio.evaluate(NORMALIZED)
         assert by_gradio == by_page
     assert page.evaluate("() => window.__pwned === undefined")
+    assert [] == page.evaluate(PAST_THE_EDGE, "#ps-chatbot [data-testid=user]")  # a long hash breaks in its line
     # a closed block has Gradio's copy button (Gradio's action on the message copies its code); an open one none
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     gradio.evaluate("(root) => { const drawn = document.createElement('div'); drawn.id = 'ps-test-drawn'; "
