@@ -98,7 +98,9 @@ def test_chat_whole_and_streamed_give_the_same_greedy_text_with_usage_and_timing
     assert timings["prompt_n"] + timings["cache_n"] == whole.usage.prompt_tokens
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
 
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12, stream=True,
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},  # the same text in parts
+                                          {"type": "text", "text": " of France? One word."}]}]
+    stream = client.chat.completions.create(model=MODEL, messages=parts, temperature=0, max_tokens=12, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -315,6 +317,9 @@ def test_a_prompt_longer_than_the_context_window_is_said_as_openai_says_it(serve
     (b"", "application/json", "the request body must be a JSON object"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]}, "application/json",
      "the last message must be the user's, not the assistant's"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]},
+     "application/json", "content parts of type 'image_url' are not supported here: the model reads text"),
 ])
 def test_bad_request_bodies_are_said_in_one_line(server, body, content_type, said):
     code, answer = post(f"{server}/v1/chat/completions", body, content_type=content_type)

@@ -31,14 +31,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content: text is read; any other kind (image_url, input_audio, file) is
+    refused by check_supported with its name, rather than by pydantic with a union's first complaint."""
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str = ""
 
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -110,6 +114,11 @@ class ChatRequest(_Common):
                            param="response_format")
         if self.tools:
             raise APIError(400, "tools are not supported here: this server does not call tools", param="tools")
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.type != "text":
+                    raise APIError(400, f"content parts of type {part.type!r} are not supported here: the model "
+                                        "reads text", param=f"messages.{i}.content.{j}")
 
     def chat(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
