@@ -299,6 +299,16 @@ def test_bad_requests_get_openai_errors(server, body, status):
     assert answer["error"]["message"] and answer["error"]["type"]
 
 
+def test_null_is_a_field_not_set(server):
+    """OpenAI's API allows null for its optional fields (some clients send it for what their user left unset)."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "logprobs", "presence_penalty", "stop", "seed"])
+    code, answer = post(f"{server}/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **nulls})
+    assert code == 200 and 1 == len(answer["choices"]) and 3 == answer["usage"]["completion_tokens"], answer
+    code, answer = post(f"{server}/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None, **nulls})
+    assert code == 200 and 2 == answer["usage"]["completion_tokens"], answer
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]}, "messages"),
     ("completions", {"prompt": "word " * 9000}, "prompt"),

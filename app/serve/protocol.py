@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from engine import DecodeStep, Finished, IncrementalDetokenizer, PromptToken, SamplingParams, TopToken, token_bytes
 
@@ -54,6 +55,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _takes_null(field: FieldInfo) -> bool:
+    return type(None) in get_args(field.annotation)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields this server does not use (user, metadata, ...) pass
 
@@ -72,6 +77,16 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=10)  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's keys are) -> -100 to 100
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: exactly max_tokens (load tests)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_set(cls, body):
+        """`"temperature": null` (OpenAI's API allows null for every optional field, and some clients send
+        it for what their user left unset) is the field not set, where the field has no meaning for null."""
+        if not isinstance(body, dict):
+            return body
+        return {key: value for key, value in body.items()
+                if value is not None or key not in cls.model_fields or _takes_null(cls.model_fields[key])}
 
     def sampling(self, max_tokens: int | None, limit: int, defaults: dict | None = None) -> SamplingParams:
         """The engine's sampling parameters; no max_tokens: up to the limit (the context caps it too).
