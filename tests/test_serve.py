@@ -299,6 +299,19 @@ def test_bad_requests_get_openai_errors(server, body, status):
     assert answer["error"]["message"] and answer["error"]["type"]
 
 
+@pytest.mark.parametrize("method, path", [("POST", "/v1/embeddings"), ("GET", "/v1/chat/completions"),
+                                          ("GET", "/docs")])
+def test_a_path_not_served_is_answered_with_those_that_are(server, method, path):
+    request = urllib.request.Request(f"{server}{path}", method=method, data=b"{}" if method == "POST" else None,
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=10)
+    message = json.loads(answer.value.read())["error"]["message"]
+    assert answer.value.code in (404, 405) and message.startswith(f"{method} {path} is not served here; this "
+                                                                   "server serves GET /health, ")
+    assert "POST /v1/chat/completions" in message and "GET /v1/models/{name}," in message
+
+
 def test_null_is_a_field_not_set(server):
     """OpenAI's API allows null for its optional fields (some clients send it for what their user left unset)."""
     nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "logprobs", "presence_penalty", "stop", "seed"])

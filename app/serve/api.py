@@ -18,6 +18,7 @@ from dataclasses import replace
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from engine import (DecodeStep, Engine, Event, Finished, KVPoolTooSmall, PrefillChunk, PromptToken, PromptTooLong,
@@ -42,7 +43,10 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
     model_defaults = model_sampling(engine.config.model)  # the model's own, for what a request leaves out
     metrics = metrics or ServerMetrics(engine, model)
     replies = RecentReplies()
-    api = FastAPI(title="PhaseScope", summary="An OpenAI-compatible API that measures prefill and decode.")
+    # /openapi.json stays; FastAPI's /docs and /redoc pages load their scripts from a CDN: blank offline, and
+    # a call to another host from the user's browser when online
+    api = FastAPI(title="PhaseScope", summary="An OpenAI-compatible API that measures prefill and decode.",
+                  docs_url=None, redoc_url=None)
     api.state.metrics = metrics
 
     @api.exception_handler(APIError)
@@ -56,9 +60,16 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
         return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @api.exception_handler(HTTPException)
-    async def http_error(_, exc: HTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+    async def http_error(request: Request, exc: HTTPException):
+        """A path or method this server does not serve (an embeddings client, a GET to a POST's path): said
+        with what it serves, rather than starlette's bare 'Not Found'."""
+        message, kind = str(exc.detail), "invalid_request_error"
+        if exc.status_code in (404, 405):
+            served = ", ".join(f"{method} {route.path_format}" for route in api.routes if isinstance(route, APIRoute)
+                               for method in sorted(route.methods))
+            message = f"{request.method} {request.url.path} is not served here; this server serves {served}"
+            kind = "not_found_error" if exc.status_code == 404 else kind
+        return JSONResponse(APIError(exc.status_code, message, kind).body(), status_code=exc.status_code)
 
     def check_key(request: Request) -> None:
         if api_key is None:
