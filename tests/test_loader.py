@@ -232,6 +232,37 @@ def test_a_conversion_that_cannot_be_written_says_so_in_one_line(tmp_path, token
     assert [] == [p for p in (tmp_path / "cache" / "converted").iterdir() if p.name != "hashes.json"]  # no half cache
 
 
+def test_a_damaged_conversion_is_made_again_and_a_concurrent_one_is_taken(tmp_path, tokenizer, monkeypatch):
+    """The converted-weights cache is the app's own: a cut file there (a disk's error) is converted again
+    rather than failing every start; a second process that converts the same file at once takes the first's."""
+    import safetensors.torch
+    import transformers
+    from conftest import tiny_model
+    from engine.loader import convert_gguf
+
+    gguf, cache = tmp_path / "m.gguf", str(tmp_path / "cache")
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    model = tiny_model(tokenizer).model
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    weights = convert_gguf(gguf, cache) / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:len(whole) // 2])
+    assert convert_gguf(gguf, cache) / "model.safetensors" == weights and weights.read_bytes() == whole
+
+    save_model = safetensors.torch.save_model
+
+    def another_process_first(model, path):  # the other process renames its folder in while this one writes
+        save_model(model, path)
+        if not weights.exists():
+            weights.parent.mkdir()
+            weights.write_bytes(whole)
+
+    monkeypatch.setattr(safetensors.torch, "save_model", another_process_first)
+    weights.write_bytes(whole[:100])
+    assert convert_gguf(gguf, cache) / "model.safetensors" == weights and weights.read_bytes() == whole
+
+
 @pytest.mark.parametrize("kept, said", [
     (3_000, r"the file ends at byte 3,000, inside its header \(a copy or download that did not finish\?\)"),
     (50_000_000, r"the file is 50,000,000 bytes but its tensors run to byte [\d,]+ \(a copy or download"),
