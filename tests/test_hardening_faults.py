@@ -66,6 +66,31 @@ def test_the_chat_tab_says_not_saving_and_goes_on(tmp_path, tiny_engine):
     assert session.warnings and "could not be saved" in session.warnings[0].lower() + hook.error
 
 
+def test_a_damaged_database_is_one_line_that_names_it_and_says_what_saves_it(tmp_path, tiny_engine):
+    """A file a disk damaged under its steps: what reads the damaged pages says so in one line, in the CLI and
+    in the store's error the page shows, not as a traceback."""
+    from app.history.store import StoreError
+
+    path = tmp_path / "h.db"
+    store = Store.open(path)
+    for i in range(3):
+        record(tiny_engine, store, f"turn {i}", SamplingParams(max_new_tokens=200, ignore_eos=True))
+    store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    size = path.stat().st_size
+    with path.open("r+b") as f:  # the steps were written last: the file's second half holds them
+        f.seek(size // 2 // 4096 * 4096)
+        f.write(b"\xff" * (size - f.tell()))
+    store = Store.open(path, upgrade=False)
+    with pytest.raises(StoreError, match=f"^cannot read the history database {path}: database disk image is "
+                                         f"malformed \\(damaged: `sqlite3 {path} .recover > saved.sql` keeps"):
+        store.count_steps()
+    out = subprocess.run([sys.executable, "-m", "app.cli", "export", "--db", str(path), "--all", "--format", "json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert 2 == out.returncode and "Traceback" not in out.stderr and 1 == len(out.stderr.splitlines())
+    assert out.stderr.startswith(f"phasescope: error: cannot read the history database {path}: database disk")
+
+
 def test_a_model_that_fails_to_load_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)

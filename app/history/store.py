@@ -260,7 +260,7 @@ class Store:
         """One write transaction, its lock taken up front (BEGIN IMMEDIATE): with a deferred BEGIN, a
         transaction that reads and then writes fails at once ("database is locked") when another process
         wrote in between, instead of waiting its turn."""
-        with self._lock:
+        with self._lock, self._said("write"):
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 yield
@@ -268,6 +268,18 @@ class Store:
                 self.db.conn.rollback()
                 raise
             self.db.execute("COMMIT")
+
+    @contextmanager
+    def _said(self, doing: str) -> Iterator[None]:
+        """SQLite's errors (a full disk, a damaged file, a lock held too long) as a StoreError, one line that
+        names the file, which the page and the CLI show as they show the store's other errors."""
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            hint = (f" (damaged: `sqlite3 {self.path} .recover > saved.sql` keeps what it can)"
+                    if "malformed" in str(exc) else "")
+            where = f" {self.path}" if self.path else ""
+            raise StoreError(f"cannot {doing} the history database{where}: {exc}{hint}") from exc
 
     def close(self) -> None:
         with self._lock:
@@ -420,7 +432,7 @@ class Store:
     # --- reading ----------------------------------------------------------------------------------
 
     def _query(self, sql: str, params: list | dict | None = None) -> list[dict]:
-        with self._lock:
+        with self._lock, self._said("read"):
             return list(self.db.query(sql, params))
 
     def sessions(self, search: str = "") -> list[dict]:
@@ -451,7 +463,7 @@ class Store:
                                "AND replaced_by IS NULL", [session_id]).fetchone()[0]
 
     def latest_reply(self, session_id: int) -> int | None:
-        with self._lock:
+        with self._lock, self._said("read"):
             return self._latest_reply(session_id)
 
     def has_session(self, session_id: int) -> bool:

@@ -235,7 +235,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         it cannot be written (a history over the export limit, a full disk), why, under the selection's line."""
         try:
             path = write_export(store, fmt, folder, force=True)  # named as the tab names it
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, StoreError) as exc:  # StoreError: a damaged database
             why = with_attention(shown, t(lang_choice, "error.other", detail=exc))
             return gr.DownloadButton(value=None, interactive=False), why
         return gr.DownloadButton(value=str(path), interactive=True), without_attention(shown)
@@ -244,12 +244,12 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         """The selection's line and its session's export files, as they are now in the database (the line
         without its percentiles, and why, where the files cannot be written); without files, the line only
         (the files, in no language, stay as they were written)."""
-        title = escape(str(store.session(session_id)["title"]))
-        label = t(lang_choice, "saved.selected", id=session_id, title=title)
-        kept = [gr.skip() for _ in FORMATS]
-        try:
+        kept, label = [gr.skip() for _ in FORMATS], ""
+        try:  # StoreError: a damaged database, one SQLite cannot read
+            title = escape(str(store.session(session_id)["title"]))
+            label = t(lang_choice, "saved.selected", id=session_id, title=title)
             paths, data = write_exports(store, folder, session_id) if files else ([], checked_json(store, session_id))
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, StoreError) as exc:
             return [label + attention(t(lang_choice, "error.other", detail=exc)), *(_no_files() if files else kept)]
         session = data["sessions"][0]
         label += (percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
@@ -274,8 +274,12 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     def open_session(session_id, shown, lang_choice, current):
         if line := refused(session_id, shown, lang_choice):
             return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line, gr.skip())
+        try:
+            session = load_chat(store, session_id, lang_choice)
+        except StoreError as exc:  # a damaged database
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(),
+                    with_attention(shown, t(lang_choice, "error.other", detail=exc)), gr.skip())
         chat.leave(current)  # the chat it replaces: its reply, if one runs, stops drawing over this one
-        session = load_chat(store, session_id, lang_choice)
         session.endpoint = current.endpoint if current else None  # it goes on where the model line says
         note = backend_note(store.session(session_id)["device"], session.endpoint, lang_choice)
         trace = session.traces[-1] if session.traces else None
@@ -288,7 +292,11 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             line = with_attention(shown, t(lang_choice, "saved.title_first"))
         if line:
             return gr.skip(), table_value(query, lang_choice), line, *[gr.skip() for _ in FORMATS]
-        store.rename_session(session_id, new_title)
+        try:
+            store.rename_session(session_id, new_title)
+        except StoreError as exc:  # a full disk, a damaged database
+            line = with_attention(shown, t(lang_choice, "error.other", detail=exc))
+            return gr.skip(), table_value(query, lang_choice), line, *[gr.skip() for _ in FORMATS]
         return "", table_value(query, lang_choice), *selection(session_id, lang_choice)  # the new title's files
 
     def ask_to_delete(session_id, shown, lang_choice):
