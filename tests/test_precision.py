@@ -187,7 +187,8 @@ def test_llama_bench_depth_rows_are_named_as_ours(tmp_path):
 
 def test_a_wrong_llama_bench_path_stops_the_bench_before_it_starts(tmp_path):
     """A mistyped --llama-bench fails at once, not after the twenty minutes before llama.cpp's turn; one
-    that stops running meanwhile leaves the rows measured so far."""
+    that stops running meanwhile, or answers with something else than its JSON rows, leaves the rows
+    measured so far."""
     from app.bench.extras import llama_bench
 
     plain = tmp_path / "llama-bench"
@@ -200,6 +201,12 @@ def test_a_wrong_llama_bench_path_stops_the_bench_before_it_starts(tmp_path):
     lines = []
     assert llama_bench(str(tmp_path / "gone"), "model.gguf", 512, 128, 1, log=lines.append) == []
     assert "llama-bench did not run" in lines[0]
+    for printed in ("usage: llama-bench [options]", "[1, 2]", '[{"avg_ts": 1}]'):  # another tool, an old one
+        plain.write_text(f"#!/bin/sh\necho '{printed}'\n")
+        plain.chmod(0o755)
+        lines.clear()
+        assert llama_bench(str(plain), "model.gguf", 512, 128, 1, log=lines.append) == []
+        assert f"llama-bench did not answer with llama-bench's JSON rows (is {plain} llama-bench?)" in lines[0]
 
 
 def test_too_many_ranks_or_an_unknown_mode_stop_the_bench_before_it_measures():

@@ -357,6 +357,9 @@ def app_ready_s(model: str | None, precision: str) -> dict:
     return {"page_s": round(page, 2), "model_s": round(served, 2), "precision": precision}
 
 
+LLAMA_BENCH_KEYS = {"n_prompt", "n_gen", "avg_ts", "stddev_ts"}  # what a row of `llama-bench -o json` gives
+
+
 def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int, log,
                 depths: tuple[int, ...] = (), more_pp: tuple[int, ...] = ()) -> list[tuple[str, str, list[float]]]:
     """llama.cpp's own benchmark on the same GGUF and thread count, when a llama-bench binary is at
@@ -381,7 +384,15 @@ def llama_bench(path: str | None, gguf: str, pp: int, tg: int, repetitions: int,
         if out.returncode != 0:
             log(f"  llama.cpp: {name} failed: {out.stderr.strip()[-300:]}")
             return None
-        return json.loads(out.stdout)
+        try:  # a list of rows, each with these keys; else not llama-bench, or one too old for -o json
+            rows = json.loads(out.stdout)
+            if all(isinstance(row, dict) and LLAMA_BENCH_KEYS <= row.keys() for row in rows):
+                return rows
+        except (ValueError, TypeError):
+            pass
+        log(f"  llama.cpp: {name} did not answer with llama-bench's JSON rows (is {binary} llama-bench?): "
+            f"{out.stdout.strip()[:120]!r}")
+        return None
 
     rows = run(["-pg", f"{pp},{tg}"], "llama-bench", 1800)
     if rows is None:
