@@ -953,6 +953,10 @@ def test_lab_tab_runs_an_experiment_and_reopens_it(page, app_db, tmp_path, brows
     with page.expect_download() as download:  # the run as JSON, written in the app's private folder
         page.click("#ps-lab-json")
     assert json.loads(Path(download.value.path()).read_text(encoding="utf-8"))["experiment"] == "batching"
+    with page.expect_download() as download:  # the figure as a page that opens offline, written at the click
+        page.click("#ps-lab-html")
+    assert download.value.suggested_filename.endswith("-batching-en.html")
+    assert "Plotly.newPlot" in Path(download.value.path()).read_text(encoding="utf-8")
     size = page.viewport_size
     page.set_viewport_size({"width": 390, "height": 844})  # a phone: whole words in the table, which scrolls alone
     page.wait_for_function("() => document.documentElement.scrollWidth <= 390")

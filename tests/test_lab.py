@@ -297,20 +297,28 @@ def test_lines_stay_above_bars_counted_on_the_right_axis_and_log_axes_read_whole
     assert fig.layout.xaxis.dtick is None and lab.figure(turns).layout.xaxis.dtick == 1  # turns count 1, 2, 3
 
 
-def test_a_run_whose_download_files_cannot_be_written_is_shown_all_the_same(tmp_path, monkeypatch):
-    """A full disk or an unwritable temporary folder: the run's figure and report are shown, its download
-    buttons stay hidden, and a one-line warning says why (it was a traceback and no result)."""
+def test_a_runs_files_are_written_at_their_click_and_one_that_cannot_be_is_said(tmp_path, monkeypatch):
+    """Showing a run writes nothing (its 4.8 MB page was written at every run shown or language switch and
+    kept until the app ended); its button writes the file, in the page's language. A full disk or an
+    unwritable temporary folder: a one-line warning (it was a traceback and no result)."""
     from app.ui import lab_tab
 
-    (tmp_path / "a-file").write_text("not a folder")
-    monkeypatch.setattr(lab_tab, "exports_folder", lambda: tmp_path / "a-file")
+    monkeypatch.setattr(lab_tab, "exports_folder", lambda: tmp_path)
     result = lab.LabResult("batching", "lab.batching.title", "A poem.", {"new_tokens": 24}, "lab.col.batch",
                            "lab.w.aggregate_tps", [lab.Series("lab.col.batch", [1, 2], [133.0, 237.0])],
                            [{"lab.col.batch": 1}], "A sentence.", {"lab.batching.tpot": True})
-    with pytest.warns(UserWarning, match=r"could not be written \(\[Errno 20\] Not a directory"):
-        status, plot, report, json_file, html_file, shown = lab_tab._show(result, 3, "en")
-    assert "lab run #3" in status and plot.visible and report.startswith("## ")
-    assert (json_file.visible, html_file.visible) == (False, False) and shown == (result.to_dict(), 3)
+    status, plot, report, json_button, html_button, shown = lab_tab._show(result, 3, "en")
+    assert "lab run #3" in status and plot.visible and report.startswith("## ") and shown == (result.to_dict(), 3)
+    assert json_button.visible and html_button.visible and [] == list(tmp_path.iterdir())
+    saved = lab_tab.write_export("json", shown, "zh")
+    assert saved.name == "lab-3-batching-zh.json" and json.loads(saved.read_text("utf-8"))["title"].startswith("批处理")
+    page = lab_tab.write_export("html", shown, "en")
+    assert page.name == "lab-3-batching-en.html" and "Plotly.newPlot" in page.read_text("utf-8")
+
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setattr(lab_tab, "exports_folder", lambda: tmp_path / "a-file")
+    with pytest.raises(OSError, match=r"Not a directory"):
+        lab_tab.write_export("json", shown, "en")
 
 
 def test_the_roofline_probe_survives_a_cut_short_cache_file_and_one_it_cannot_write(tmp_path, monkeypatch):

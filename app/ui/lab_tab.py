@@ -30,9 +30,9 @@ FIRST = "kv-cache"
 
 @functools.cache
 def exports_folder() -> Path:
-    """Where the runs shown write their download files: a private folder, made at the first and removed when
-    the process exits, as the History tab's (a shared one in /tmp kept 4.8 MB per run shown for good, and
-    another user could have made it first)."""
+    """Where the download files of the runs shown are written: a private folder, made at the first and
+    removed when the process exits, as the History tab's (a shared one in /tmp kept 4.8 MB per run shown for
+    good, and another user could have made it first)."""
     return export_folder()
 
 
@@ -58,26 +58,30 @@ def _runs_list(store: Store, lang: str, value: int | None = None) -> list:
             gr.Button(interactive=bool(choices))]
 
 
-def _exports(result: lab.LabResult, run_id: int | None, lang: str) -> tuple[Path, Path]:
-    """The run as JSON and its figure as a standalone page (plotly.js inlined: it opens offline), in lang.
-    The figure's own camera button saves a PNG."""
-    stem = exports_folder() / f"lab-{run_id or 'unsaved'}-{result.experiment}-{lang}"
-    stem.with_suffix(".json").write_text(json.dumps(result.in_language(lang).to_dict(), indent=1, ensure_ascii=False),
-                                         encoding="utf-8")
-    lab.figure(result, lang).write_html(stem.with_suffix(".html"), include_plotlyjs=True)
-    return stem.with_suffix(".json"), stem.with_suffix(".html")
+EXPORTS = ("json", "html")  # the run as JSON, its figure as a standalone page
+
+
+def write_export(kind: str, shown: tuple[dict, int | None], lang: str) -> Path:
+    """The run on show as JSON, or its figure as a standalone page (plotly.js inlined: it opens offline; the
+    figure's own camera button saves a PNG), in lang. Written when its button is clicked, not whenever a
+    run is shown: the page is 4.8 MB, which a shown run kept in the temporary folder (often memory) until
+    the app ended, and 50-150 ms of every run shown or language switch."""
+    data, run_id = shown
+    result = lab.LabResult.from_dict(data)
+    path = exports_folder() / f"lab-{run_id or 'unsaved'}-{result.experiment}-{lang}.{kind}"
+    if kind == "json":
+        path.write_text(json.dumps(result.in_language(lang).to_dict(), indent=1, ensure_ascii=False),
+                        encoding="utf-8")
+    else:
+        lab.figure(result, lang).write_html(path, include_plotlyjs=True)
+    return path
 
 
 def _show(result: lab.LabResult, run_id: int | None, lang: str) -> list:
-    """status, plot, report, the two downloads, and the run shown (drawn again in another language)."""
-    try:
-        downloads = [gr.DownloadButton(value=str(path), visible=True) for path in _exports(result, run_id, lang)]
-    except OSError as exc:  # a full disk or an unwritable temporary folder: the run is shown all the same
-        gr.Warning(t(lang, "lab.export_failed", detail=exc))
-        downloads = [gr.DownloadButton(visible=False), gr.DownloadButton(visible=False)]
+    """status, plot, report, the two download buttons, and the run shown (drawn again in another language)."""
     status = t(lang, "lab.done", seconds=result.seconds, run=run_id or "-") if run_id else t(lang, "lab.not_saved")
-    return [status, gr.Plot(lab.figure(result, lang), visible=True), result.markdown(lang), *downloads,
-            (result.to_dict(), run_id)]
+    return [status, gr.Plot(lab.figure(result, lang), visible=True), result.markdown(lang),
+            *[gr.Button(visible=True) for _ in EXPORTS], (result.to_dict(), run_id)]
 
 
 def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
@@ -98,10 +102,11 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
         # drawn with the saved runs when the page loads (redraw)
         runs = texts(gr.Dropdown, choices=[], value=None, label=K("lab.saved"), scale=3, elem_id="ps-lab-runs")
         reopen = texts(gr.Button, value=K("lab.open"), scale=1, elem_id="ps-lab-open")
-        json_file = texts(gr.DownloadButton, label=K("lab.export_json"), visible=False, scale=1,
-                          elem_id="ps-lab-json")
-        html_file = texts(gr.DownloadButton, label=K("lab.export_figure"), visible=False, scale=1,
-                          elem_id="ps-lab-html")
+        json_file = texts(gr.Button, value=K("lab.export_json"), visible=False, scale=1, elem_id="ps-lab-json")
+        html_file = texts(gr.Button, value=K("lab.export_figure"), visible=False, scale=1, elem_id="ps-lab-html")
+    # the file a button above asks for, written at its click, then downloaded through this button, which the
+    # page clicks (as the History tab's files of all sessions)
+    download = gr.DownloadButton(visible="hidden", elem_id="ps-lab-file")
     shown = [status, plot, report, json_file, html_file, shown_run]
 
     def say(line: str) -> list:
@@ -188,3 +193,18 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
     stop.click(stop_all, [stops], None, queue=False)
     reopen.click(on_open, [runs, lang], [*shown, experiment, prompt, quick])
     texts.on_switch(redraw, [experiment, runs, shown_run], [experiment, runs, reopen, *shown])
+
+    def export(kind, shown_now, lang_choice):
+        if not shown_now:
+            return gr.DownloadButton(value=None, interactive=False)
+        try:
+            return gr.DownloadButton(value=str(write_export(kind, shown_now, lang_choice)), interactive=True)
+        except OSError as exc:  # a full disk or an unwritable temporary folder
+            gr.Warning(t(lang_choice, "lab.export_failed", detail=exc))
+            return gr.DownloadButton(value=None, interactive=False)
+
+    for kind, button in zip(EXPORTS, (json_file, html_file)):
+        # queued: Gradio shows a queued event's gr.Warning as a toast
+        written = button.click(functools.partial(export, kind), [shown_run, lang], [download])
+        written.then(None, js="() => { const file = document.querySelector('#ps-lab-file');"
+                              " if (file && !file.disabled) file.click(); }")
