@@ -683,7 +683,7 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page.wait_for_selector("#ps-history-selected:has-text('已选择')")
         selected = page.inner_text("#ps-history-selected")
         assert "#1" in selected and "运行方式" in selected  # its line and its run line
-        with page.expect_download() as download:  # its files as they were written: they have no language
+        with page.expect_download() as download:  # its file, written at the click: it has no language
             page.click("#ps-export-json")
         assert "Phases" == json.loads(Path(download.value.path()).read_text())["sessions"][0]["title"]
         page.get_by_text("English").click()

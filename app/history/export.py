@@ -119,7 +119,7 @@ def _json(rows: Rows) -> dict:
     for session, messages_rows in rows:
         metrics = [message_metrics(m, steps) if m["role"] == "assistant" else None for m, steps in messages_rows]
         messages = [_message_json(m, steps, metric) for (m, steps), metric in zip(messages_rows, metrics)]
-        # the History tab shows these (render_all), made from the metrics above: each step is read once
+        # the History tab shows these (checked_json), made from the metrics above: each step is read once
         replies, percentiles_of = replies_summary([m for m in metrics if m is not None])
         sessions.append({**session, "settings": json.loads(session["settings"] or "{}"),
                          "summary": {"replies": replies, **percentiles_of}, "messages": messages})
@@ -206,15 +206,6 @@ def checked_json(store: Store, session_id: int | None = None) -> dict:
     History tab's line shows of a session)."""
     check_size(store, session_id)
     return to_json(store, session_id)
-
-
-def render_all(store: Store, session_id: int | None = None) -> tuple[dict[str, str], dict]:
-    """Every format's text after one size check and one read of the store, and the JSON export's data: its
-    sessions' summaries are what the History tab shows, so it need not read the steps again for them."""
-    check_size(store, session_id)
-    rows = _read(store, session_id)
-    data = _json(rows)
-    return {"csv": _csv(rows), "json": _json_text("json", data), "trace": _json_text("trace", _trace(rows))}, data
 
 
 def write_export(store: Store, fmt: str, path: Path, session_id: int | None = None, force: bool = False) -> Path:

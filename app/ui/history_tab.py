@@ -15,7 +15,7 @@ from .chat_tab import ChatTab, model_line_html, render
 from .panels import attention, counted, with_attention, without_attention
 from .trace import held_seconds
 from .language import Texts
-from ..history.export import FORMATS, checked_json, export_filename, render_all, write_export
+from ..history.export import FORMATS, checked_json, write_export
 from ..history.recorder import load_chat, questions
 from ..history.store import SessionReplying, Store, StoreError, model_name
 
@@ -143,20 +143,9 @@ def turns_table(messages: list[dict], lang: str) -> str:
             '</table></div>')
 
 
-def write_exports(store: Store, folder: Path, session_id: int | None) -> tuple[list[str], dict]:
-    """One file per format, named without user text; returns their paths and the JSON export's data."""
-    texts, data = render_all(store, session_id)
-    paths = []
-    for fmt in FORMATS:
-        path = folder / export_filename(fmt, session_id)
-        path.write_text(texts[fmt], encoding="utf-8", newline="")
-        paths.append(str(path))
-    return paths, data
-
-
-def _no_files() -> list[gr.DownloadButton]:
-    """A row of download buttons with nothing to download."""
-    return [gr.DownloadButton(value=None, interactive=False) for _ in FORMATS]
+def _export_buttons_on(on: bool) -> list[gr.Button]:
+    """The selected session's row of export buttons: on while a session is selected."""
+    return [gr.Button(interactive=on) for _ in FORMATS]
 
 
 def export_folder() -> Path:
@@ -165,15 +154,14 @@ def export_folder() -> Path:
     return private_folder("phasescope-exports-")
 
 
-def _export_buttons(texts: Texts, label: str, id_prefix: str, interactive: bool,
-                    button=gr.DownloadButton) -> list[gr.Button]:
-    """A label above a row of one (download) button per export format (beside the buttons, the narrow label
-    broke "sessions:" over three lines)."""
+def _export_buttons(texts: Texts, label: str, id_prefix: str, interactive: bool) -> list[gr.Button]:
+    """A label above a row of one button per export format (beside the buttons, the narrow label broke
+    "sessions:" over three lines)."""
     with gr.Column(min_width=300):
         texts(gr.Markdown, value=K(label))
         with gr.Row():
-            return [button(fmt.upper(), size="sm", min_width=80, interactive=interactive, elem_id=f"{id_prefix}-{fmt}")
-                    for fmt in FORMATS]
+            return [gr.Button(fmt.upper(), size="sm", min_width=80, interactive=interactive,
+                              elem_id=f"{id_prefix}-{fmt}") for fmt in FORMATS]
 
 
 def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.Tab, texts: Texts,
@@ -205,10 +193,11 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
 
     with gr.Row():
         one = _export_buttons(texts, "saved.selected_exports", "ps-export", interactive=False)
-        every = _export_buttons(texts, "saved.all_exports", "ps-export-all", interactive=True, button=gr.Button)
-    # the file of all sessions, written when its button is clicked (seconds with a long history), then
-    # downloaded through this button, which the page clicks (a DownloadButton serves a file written before)
-    every_file = gr.DownloadButton(visible="hidden", elem_id="ps-export-all-file")
+        every = _export_buttons(texts, "saved.all_exports", "ps-export-all", interactive=True)
+    # a file is written when its button is clicked (seconds with a long history; a selection wrote all three
+    # of its session's, 14 MB for 15,000 steps, kept until the app ended), then downloaded through this
+    # button, which the page clicks (a DownloadButton serves a file written before)
+    file = gr.DownloadButton(visible="hidden", elem_id="ps-export-file")
 
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
         return sessions_table(store, query or "", lang_choice)
@@ -230,31 +219,30 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         table_now, hint = table_and_hint(query, lang_choice)
         return table_now, gr.skip() if session_id is not None else hint
 
-    def export_all(fmt, shown, lang_choice):
-        """The file of all sessions in one format, as the database is now, for the page to download; where
-        it cannot be written (a history over the export limit, a full disk), why, under the selection's line."""
+    def export(fmt, session_id, shown, lang_choice):
+        """The file of one session (session_id) or all (None) in one format, as the database is now, for the
+        page to download; where it cannot be written (a session deleted meanwhile, a history over the export
+        limit, a full disk), why, under the selection's line."""
         try:
-            path = write_export(store, fmt, folder, force=True)  # named as the tab names it
+            path = write_export(store, fmt, folder, session_id, force=True)  # named as the tab names it
         except (ValueError, OSError, StoreError) as exc:  # StoreError: a damaged database
             why = with_attention(shown, t(lang_choice, "error.other", detail=exc))
             return gr.DownloadButton(value=None, interactive=False), why
         return gr.DownloadButton(value=str(path), interactive=True), without_attention(shown)
 
-    def selection(session_id, lang_choice, files: bool = True) -> list:
-        """The selection's line and its session's export files, as they are now in the database (the line
-        without its percentiles, and why, where the files cannot be written); without files, the line only
-        (the files, in no language, stay as they were written)."""
-        kept, label = [gr.skip() for _ in FORMATS], ""
+    def selection(session_id, lang_choice) -> list:
+        """The selection's line, as the session is now in the database, and its export buttons (the line
+        without its percentiles, and why, where the session is over the export limit or cannot be read)."""
+        label = ""
         try:  # StoreError: a damaged database, one SQLite cannot read
             title = escape(str(store.session(session_id)["title"]))
             label = t(lang_choice, "saved.selected", id=session_id, title=title)
-            paths, data = write_exports(store, folder, session_id) if files else ([], checked_json(store, session_id))
-        except (ValueError, OSError, StoreError) as exc:
-            return [label + attention(t(lang_choice, "error.other", detail=exc)), *(_no_files() if files else kept)]
-        session = data["sessions"][0]
+            session = checked_json(store, session_id)["sessions"][0]
+        except (ValueError, StoreError) as exc:
+            return [label + attention(t(lang_choice, "error.other", detail=exc)), *_export_buttons_on(False)]
         label += (percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
                   + turns_table(session["messages"], lang_choice))
-        return [label, *([gr.DownloadButton(value=p, interactive=True) for p in paths] if files else kept)]
+        return [label, *_export_buttons_on(True)]
 
     def select(rows, lang_choice, event: gr.SelectData):
         session_id = int(rows.iloc[event.index[0], 0])
@@ -297,7 +285,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         except StoreError as exc:  # a full disk, a damaged database
             line = with_attention(shown, t(lang_choice, "error.other", detail=exc))
             return gr.skip(), table_value(query, lang_choice), line, *[gr.skip() for _ in FORMATS]
-        return "", table_value(query, lang_choice), *selection(session_id, lang_choice)  # the new title's files
+        return "", table_value(query, lang_choice), *selection(session_id, lang_choice)
 
     def ask_to_delete(session_id, shown, lang_choice):
         if line := refused(session_id, shown, lang_choice):
@@ -316,14 +304,22 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             return [gr.skip(), line, gr.Button(visible=False), table_value(query, lang_choice)] + \
                 [gr.skip() for _ in (*FORMATS, *acting)]
         return [None, t(lang_choice, "saved.deleted"), gr.Button(visible=False), table_value(query, lang_choice),
-                *_no_files(), *acting_on(False)]
+                *_export_buttons_on(False), *acting_on(False)]
+
+    def export_selected(fmt, session_id, shown, lang_choice):
+        if line := refused(session_id, shown, lang_choice):
+            return gr.DownloadButton(value=None, interactive=False), line
+        return export(fmt, session_id, shown, lang_choice)
 
     for trigger in (search.submit, refresh.click, page.select):
         trigger(listing, [search, selected, lang], [table, chosen], queue=False)
-    for fmt, button in zip(FORMATS, every):
-        written = button.click(functools.partial(export_all, fmt), [chosen, lang], [every_file, chosen], queue=False)
-        written.then(None, js="() => { const file = document.querySelector('#ps-export-all-file');"
-                              " if (file && !file.disabled) file.click(); }")
+    for fmt, button, all_button in zip(FORMATS, one, every):
+        for written in (button.click(functools.partial(export_selected, fmt), [selected, chosen, lang],
+                                     [file, chosen], queue=False),
+                        all_button.click(functools.partial(export, fmt, None), [chosen, lang], [file, chosen],
+                                         queue=False)):
+            written.then(None, js="() => { const file = document.querySelector('#ps-export-file');"
+                                  " if (file && !file.disabled) file.click(); }")
     table.select(select, [table, lang], [selected, chosen, confirm, *one, *acting], queue=False)
     open_button.click(open_session, [selected, chosen, lang, chat.session],
                       [*chat.outputs, tabs, chosen, chat.model_line], queue=False)
@@ -336,8 +332,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         """The table, and the selection's line in the new language: the selection stays, with its files."""
         if session_id is None or not store.has_session(session_id):
             table_now, hint = table_and_hint(query, lang_choice)
-            return table_now, None, hint, *_no_files(), *acting_on(False)
-        return (table_value(query, lang_choice), session_id, *selection(session_id, lang_choice, files=False),
-                *acting_on(True))
+            return table_now, None, hint, *_export_buttons_on(False), *acting_on(False)
+        return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice), *acting_on(True)
 
     texts.on_switch(redraw, [search, selected], [table, selected, chosen, *one, *acting])
