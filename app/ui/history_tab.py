@@ -172,8 +172,11 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         search = texts(gr.Textbox, placeholder=K("saved.search"), show_label=False, scale=5,
                        elem_id="ps-history-search")
         refresh = texts(gr.Button, value=K("saved.refresh"), scale=1, elem_id="ps-history-refresh")
+    # titles shown to 48 characters (in full where the cell is clicked): an 80-character one widened its
+    # column until the figures went off the right
     table = gr.Dataframe(headers=columns(DEFAULT), value=[], interactive=False, wrap=True, show_label=False,
-                         elem_id="ps-history-table")  # filled when the page loads (on_switch)
+                         max_chars=48, elem_id="ps-history-table")  # filled when the page loads (on_switch)
+
     chosen = gr.HTML(t(DEFAULT, "saved.select_hint"), elem_id="ps-history-selected")
     with gr.Row():  # off until a session is selected (acting)
         open_button = texts(gr.Button, value=K("saved.open"), variant="primary", interactive=False,
