@@ -45,13 +45,27 @@ PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens per prefill chunk with prompt_logpr
 T = TypeVar("T")
 
 
+def memory_bytes(device: torch.device) -> int:
+    """The memory a KV pool can take: the machine's (the GPU's free memory on CUDA)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def default_kv_budget_bytes(device: torch.device) -> int:
     """An eighth of the machine's memory (of the GPU's free memory on CUDA), at most 2 GiB."""
-    if device.type == "cuda":
-        total = torch.cuda.mem_get_info(device)[0]
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(64 << 20, min(total // 8, 2 << 30))
+    return max(64 << 20, min(memory_bytes(device) // 8, 2 << 30))
+
+
+def _checked_budget(mb: float, device: torch.device) -> int:
+    """--kv-cache-mb in bytes, refused where the device has not that much memory (torch's allocator said
+    it in a traceback; on a CPU an empty pool a little under the memory's size is allocated, and the
+    process is killed when it fills)."""
+    budget, room = int(mb * 1_000_000), memory_bytes(device)
+    if budget > room:
+        where = "free on this GPU" if device.type == "cuda" else "of memory on this machine"
+        raise ValueError(f"--kv-cache-mb {mb:,.10g} is more than the {room / 1e6:,.0f} MB {where}: lower it")
+    return budget
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -102,7 +116,7 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         self._token_strings: dict[int, str] = {}  # token_string's, as tokens come
         mb = self.config.kv_cache_mb
-        self.pool_budget = int(mb * 1_000_000) if mb else default_kv_budget_bytes(loaded.device)
+        self.pool_budget = _checked_budget(mb, loaded.device) if mb else default_kv_budget_bytes(loaded.device)
         self.pool = _new_pool(self.runner, self.config, self.pool_budget)
         _set_switches(self.runner, self.config)
         self.drafter = self._drafter(draft)

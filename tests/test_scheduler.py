@@ -211,6 +211,16 @@ def test_a_request_larger_than_the_pool_is_refused_clearly(tokenizer):
     assert "length" == engine.generate(user("Hi"), greedy(4)).reason  # the engine goes on
 
 
+def test_a_pool_larger_than_the_memory_is_refused_in_one_line(tokenizer):
+    """It was torch's allocator's traceback ('can't allocate memory: you tried to allocate ...')."""
+    from engine.engine import memory_bytes
+
+    too_much = memory_bytes(torch.device("cpu")) // 1_000_000 * 2
+    with pytest.raises(ValueError, match=r"^--kv-cache-mb [\d,]+ is more than the [\d,]+ MB of memory on this "
+                                         "machine: lower it$"):
+        Engine(tiny_model(tokenizer), EngineConfig(kv_cache_mb=too_much))
+
+
 def test_a_request_waits_while_the_pool_is_full(tokenizer):
     engine = Engine(tiny_model(tokenizer), EngineConfig(prefix_caching=False, kv_cache_mb=6 * BLOCK_MB))  # 96 tokens
     requests = [engine.new_request(user(p), greedy(40)) for p in ("First prompt here", "Second prompt here")]
