@@ -218,14 +218,14 @@ class EngineConfig:
         if not isinstance(self.kv_sinks, int) or self.kv_sinks < 0:
             raise ValueError(f"kv_sinks must be an integer >= 0, got {self.kv_sinks!r}")
         if self.speculative and not self.kv_cache:
-            raise ValueError("speculative decoding verifies drafts against the KV cache: it needs kv_cache on")
+            raise ValueError("speculative decoding verifies drafts against the KV cache: it cannot run without one")
         for name in ("kv_block_tokens", "max_running", "max_step_tokens", "draft_tokens", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_step_tokens <= self.max_running:
-            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed max_running "
-                             f"({self.max_running}), or prompts could never be prefilled beside a full batch")
+            raise ValueError(f"max_running ({self.max_running}) must be below max_step_tokens ({self.max_step_tokens}, "
+                             "the tokens one step runs), or prompts could never be prefilled beside a full batch")
         if self.kv_cache_mb is not None and (not isinstance(self.kv_cache_mb, (int, float)) or self.kv_cache_mb <= 0):
             raise ValueError(f"kv_cache_mb must be a number of MB > 0, got {self.kv_cache_mb!r}")
 

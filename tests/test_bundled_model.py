@@ -133,7 +133,9 @@ def test_cli_generate_json_prints_every_event():
     (["--prompt", ""], "the message is empty"),
     (["--prompt", " ", "--model", "/no/such/model"], "the message is empty"),  # said before any model loads
     (["--prompt", "hi", "--model", "/no/such/model"], "model path not found: /no/such/model"),
-    (["--prompt", "hi", "--top-p", "2"], "top_p must be in (0.0, 1.0], got 2.0"),
+    (["--prompt", "hi", "--top-p", "2"], "--top-p must be in (0.0, 1.0], got 2.0"),  # named as typed
+    (["--prompt", "hi", "--kv-cache-mb", "0"], "--kv-cache-mb must be a number of MB > 0, got 0.0"),
+    (["--prompt", "hi", "--max-running", "4096"], "--max-running (4096) must be below max_step_tokens (2048, "),
     (["--prompt", "word " * 9000], "context window is 8,192 tokens"),
     ([], "no prompt: phasescope generate"),
     (["hi", "--prompt", "hi"], "give the prompt once"),
