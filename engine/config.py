@@ -80,8 +80,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias takes token ids >= 0, got {token_id!r}")
             _check_range(f"logit_bias of token {token_id}", value, -100.0, 100.0)
         object.__setattr__(self, "logit_bias", tuple((int(i), float(b)) for i, b in bias))
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1 (torch's generator's range) or None "
+                             f"(random), got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a sequence of non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))

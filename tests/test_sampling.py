@@ -24,7 +24,8 @@ from engine.text import IncrementalDetokenizer, TextStream
     ("presence_penalty", -3, r"\[-2.0, 2.0\]"),
     ("logit_bias", ((5, 100.5),), r"logit_bias of token 5 must be in \[-100.0, 100.0\]"),
     ("logit_bias", ((-1, 1.0),), "logit_bias takes token ids >= 0"),
-    ("seed", -3, ">= 0"),
+    ("seed", -3, r"from 0 to 2\*\*64 - 1"),
+    ("seed", 2**64, r"from 0 to 2\*\*64 - 1"),  # torch's generator overflowed: the page said "internal error"
 ])
 def test_invalid_sampling_values_name_field_and_range(field, value, allowed):
     with pytest.raises(ValueError, match=f"{field} must .*{allowed}" if field != "logit_bias" else allowed):
