@@ -917,6 +917,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:  # what read the output went away (`phasescope generate --json | head -1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor fail again flushing at exit
+        return 128 + signal.SIGPIPE  # quietly, as a tool the signal ends: the shell's 141
     except (ModelError, StoreError, ValueError, OSError) as exc:
         print(f"phasescope: error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -148,6 +148,17 @@ def test_cli_errors_are_one_line(args, message):
     assert "Traceback" not in result.stderr
 
 
+def test_cli_output_read_in_part_ends_quietly():
+    """`phasescope generate --json | head -1`: the reader goes away; the command stops as Unix tools do
+    (the shell's 141), without 'error: [Errno 32] Broken pipe' twice."""
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", "generate", "--json", "--max-new-tokens", "200",
+                                "--temperature", "0", "Write a long story."], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert '"type": "Started"' in process.stdout.readline()
+    process.stdout.close()
+    assert 141 == process.wait(timeout=120) and "" == process.stderr.read()
+
+
 def test_cli_generate_takes_the_prompt_as_an_argument_an_option_or_from_stdin():
     prompt = "Name two colours.\nThen name a fruit."
     greedy = ["--max-new-tokens", "8", "--temperature", "0"]
