@@ -810,6 +810,12 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     page.click("#ps-explain-next")  # before Start: nothing to step, and the prompt's tokens stay
     page.wait_for_timeout(2500)
     assert "3 characters, 9 UTF-8 bytes → 5 tokens" in page.inner_text("#ps-explain-tokens")
+    prompt = page.input_value("#ps-explain-prompt textarea")
+    page.fill("#ps-explain-prompt textarea", "word " * 9000)  # past the context: said of a prompt, not a chat
+    page.click("#ps-explain-start")
+    page.wait_for_selector(".toast-body:has-text('with the chat template, and at most 8,192 fit here: shorten it')")
+    page.fill("#ps-explain-prompt textarea", prompt)
+    page.wait_for_selector("#ps-explain-tokens:has-text('5 tokens')")
     page.click("#ps-explain-start")  # prefill, held after its token
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     assert "Prefill" in page.inner_text("#ps-explain-steps")

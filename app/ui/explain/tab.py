@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import SamplingParams
+from engine import PromptTooLong, SamplingParams
 
 from ...i18n import DEFAULT, K, t
 from ..language import Texts, user_error
@@ -107,6 +107,9 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
             sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=float(temperature),
                                       top_k=int(top_k), top_p=float(top_p))
             request = engine.new_request([{"role": "user", "content": text or ""}], sampling)
+        except PromptTooLong as exc:  # a prompt, not the chat's conversation
+            raise gr.Error(t(lang_choice, "explain.too_long", tokens=exc.num_tokens, limit=exc.limit),
+                           print_exception=False) from None
         except ValueError as exc:
             raise gr.Error(user_error(lang_choice, exc), print_exception=False) from None  # a toast, no traceback
         engine.allow(request, 0)  # held after the prefill and its token
