@@ -241,7 +241,7 @@ class Engine:
             raise ValueError(f"logit_bias names a token outside the vocabulary of {vocab:,}")
         if sampling.max_new_tokens > limits.max_new_tokens:
             raise ValueError(f"{sampling.max_new_tokens:,} new tokens asked for; the limit is "
-                             f"{limits.max_new_tokens:,}")
+                             f"{limits.max_new_tokens:,} (--limit-new-tokens)")
         # n new tokens need n - 1 positions after the prompt (the last one is never fed back)
         max_new = min(sampling.max_new_tokens, self.context_window - len(prompt_ids) + 1)
         chunk = self.config.prefill_chunk if prefill_chunk is None else prefill_chunk

@@ -159,7 +159,7 @@ def test_without_a_kv_cache_the_tokens_are_the_same_and_every_step_costs_more(to
 
 
 def test_speculation_needs_the_kv_cache():
-    with pytest.raises(ValueError, match="needs kv_cache"):
+    with pytest.raises(ValueError, match="verifies drafts against the KV cache: it cannot run without one"):
         EngineConfig(speculative="prompt-lookup", kv_cache=False)
     with pytest.raises(ValueError, match="speculative must be one of"):
         EngineConfig(speculative="guess")

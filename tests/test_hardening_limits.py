@@ -35,7 +35,7 @@ def test_message_prompt_and_new_token_limits_refuse_with_one_line(tiny):
     with pytest.raises(PromptTooLong) as refused:
         engine.new_request_from_ids(list(range(100, 140)))
     assert "提示词元上限为 30 个（--limit-prompt-tokens）" in user_error("zh", refused.value)
-    with pytest.raises(ValueError, match=r"11 new tokens asked for; the limit is 10"):
+    with pytest.raises(ValueError, match=r"11 new tokens asked for; the limit is 10 \(--limit-new-tokens\)"):
         engine.new_request_from_ids([5, 6], SamplingParams(max_new_tokens=11))
     engine.new_request_from_ids([5, 6], SamplingParams(max_new_tokens=10))  # at the limit: fine
 
@@ -93,7 +93,7 @@ def test_the_cli_says_which_limit(tmp_path):
     out = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--prompt", "hi", "--max-new-tokens", "10",
                           "--limit-new-tokens", "5"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == "phasescope: error: 10 new tokens asked for; the limit is 5"
+    assert out.stderr.strip().splitlines()[-1] == "phasescope: error: 10 new tokens asked for; the limit is 5 (--limit-new-tokens)"
 
 
 @pytest.mark.model
