@@ -340,6 +340,7 @@ def test_a_prompt_longer_than_the_context_window_is_said_as_openai_says_it(serve
     (b"", "application/json", "the request body must be a JSON object"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]}, "application/json",
      "the last message must be the user's, not the assistant's"),
+    ({"messages": []}, "application/json", "messages is empty"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]},
      "application/json", "content parts of type 'image_url' are not supported here: the model reads text"),

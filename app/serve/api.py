@@ -187,6 +187,8 @@ def _validation_message(error: dict) -> tuple[str, str | None]:
     if loc == ("body",):  # no body, or one that is not a JSON object (a form, text, a list)
         return "the request body must be a JSON object (Content-Type: application/json)", None
     where = ".".join(str(part) for part in loc[1:])
+    if kind == "too_short" and error.get("ctx", {}).get("actual_length") == 0:  # an empty list of messages
+        return f"{where} is empty", where or None  # not "List should have at least 1 item after validation, not 0"
     message = error.get("msg", "invalid request")
     return (f"{where}: {message}" if where else message), where or None
 

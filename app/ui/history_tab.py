@@ -176,7 +176,6 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     # column until the figures went off the right
     table = gr.Dataframe(headers=columns(DEFAULT), value=[], interactive=False, wrap=True, show_label=False,
                          max_chars=48, elem_id="ps-history-table")  # filled when the page loads (on_switch)
-
     chosen = gr.HTML(t(DEFAULT, "saved.select_hint"), elem_id="ps-history-selected")
     with gr.Row():  # off until a session is selected (acting)
         open_button = texts(gr.Button, value=K("saved.open"), variant="primary", interactive=False,
