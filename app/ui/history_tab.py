@@ -154,6 +154,14 @@ def export_folder() -> Path:
     return private_folder("phasescope-exports-")
 
 
+def download_when_written(written, file: gr.DownloadButton) -> None:
+    """After `written`, an event that wrote a file into `file` (a hidden DownloadButton), the page clicks
+    `file`: a DownloadButton serves a file written before its click, so one written at a click goes through
+    it (the History tab's and the Lab's files)."""
+    written.then(None, js=f"() => {{ const file = document.querySelector('#{file.elem_id}');"
+                          " if (file && !file.disabled) file.click(); }")
+
+
 def _export_buttons(texts: Texts, label: str, id_prefix: str, interactive: bool) -> list[gr.Button]:
     """A label above a row of one button per export format (beside the buttons, the narrow label broke
     "sessions:" over three lines)."""
@@ -320,8 +328,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
                                      [file, chosen], queue=False),
                         all_button.click(functools.partial(export, fmt, None), [chosen, lang], [file, chosen],
                                          queue=False)):
-            written.then(None, js="() => { const file = document.querySelector('#ps-export-file');"
-                                  " if (file && !file.disabled) file.click(); }")
+            download_when_written(written, file)
     table.select(select, [table, lang], [selected, chosen, confirm, *one, *acting], queue=False)
     open_button.click(open_session, [selected, chosen, lang, chat.session],
                       [*chat.outputs, tabs, chosen, chat.model_line], queue=False)

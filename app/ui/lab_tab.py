@@ -19,7 +19,7 @@ import gradio as gr
 from .. import lab
 from ..history.store import Store, StoreError
 from ..i18n import DEFAULT, K, t
-from .history_tab import export_folder
+from .history_tab import download_when_written, export_folder
 from .language import Texts, user_error
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
@@ -205,6 +205,4 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
     for kind, button in zip(EXPORTS, (json_file, html_file)):
         # queued: Gradio shows a queued event's gr.Warning as a toast
-        written = button.click(functools.partial(export, kind), [shown_run, lang], [download])
-        written.then(None, js="() => { const file = document.querySelector('#ps-lab-file');"
-                              " if (file && !file.disabled) file.click(); }")
+        download_when_written(button.click(functools.partial(export, kind), [shown_run, lang], [download]), download)
