@@ -29,7 +29,7 @@ from .config import DRAFT_PREFIX, EngineConfig, SamplingParams
 from .errors import EngineBusy, QueueFull
 from .events import (DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken, Speculation, Started,
                      TopToken)
-from .hf_runner import in_dtype, make_runner
+from .hf_runner import TransformersRunner, in_dtype, make_runner
 from .info import ModelInfo, PoolUsage
 from .kv_pool import blocks_for, kv_bytes_formula
 from .loader import LoadedModel, load_model
@@ -540,9 +540,13 @@ class Engine:
         layer's multiply-adds per token, the query width (heads x head_dim), lm_head's multiply-adds."""
         config, info = self.loaded.model.config, self.info
         hidden, heads = config.hidden_size, config.num_attention_heads
-        layer = hidden * (heads + 2 * info.num_kv_heads) * info.head_dim + heads * info.head_dim * hidden \
-            + 3 * hidden * config.intermediate_size
-        return info.num_layers, layer, heads * info.head_dim, hidden * config.vocab_size
+        if isinstance(self.runner, TransformersRunner):  # any architecture: its matrices counted
+            layer, lm_head = self.runner.multiply_adds
+        else:  # the lean Llama family's: q, k, v, o, and the MLP's gate, up and down
+            layer = hidden * (heads + 2 * info.num_kv_heads) * info.head_dim + heads * info.head_dim * hidden \
+                + 3 * hidden * config.intermediate_size
+            lm_head = hidden * config.vocab_size
+        return info.num_layers, layer, heads * info.head_dim, lm_head
 
     def _drafter(self, draft: LoadedModel | None) -> DraftModel | None:
         """The draft model of "draft:PATH" speculative decoding, in the target's precision, with a KV pool

@@ -15,6 +15,9 @@ from .info import PoolUsage
 from .llama import DTYPE_NAMES, LeanLlama
 
 
+CONTEXT_WINDOW = 2048  # for a config that names none
+
+
 class DynamicKVCache:
     num_dropped = 0  # transformers' cache keeps every token (no sliding window)
 
@@ -22,6 +25,9 @@ class DynamicKVCache:
         from transformers import DynamicCache
 
         self.inner = DynamicCache(config=model.config)
+        # what it can grow to, the context window (it allocates nothing ahead: bytes_allocated is what it
+        # holds); never 0, which is a remote server's cache, out of sight
+        self.capacity_tokens = getattr(model.config, "max_position_embeddings", None) or CONTEXT_WINDOW
 
     def _tensors(self) -> list[torch.Tensor]:
         found = []
@@ -35,10 +41,6 @@ class DynamicKVCache:
     @property
     def num_tokens(self) -> int:
         return self.inner.get_seq_length()
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_tokens  # grows as it goes
 
     @property
     def bytes_used(self) -> int:
@@ -88,11 +90,29 @@ class TransformersRunner:
         self.model = model
         self.dtype = model.dtype
         self.precision = DTYPE_NAMES.get(model.dtype, "")
-        self.context_window = getattr(model.config, "max_position_embeddings", 2048)
+        self.context_window = getattr(model.config, "max_position_embeddings", None) or CONTEXT_WINDOW
         self.device = model.device
         # transformers 5.x renamed `past_key_values` to `cache`; accept either.
         parameters = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+
+    @property
+    def multiply_adds(self) -> tuple[int, int]:
+        """(one layer's multiply-adds per token, lm_head's), counted from the model's own matrices, for
+        architectures whose config names no Llama-style sizes: every Linear (and GPT-2's Conv1D) but the
+        output embedding, spread evenly over the layers."""
+        head = self.model.get_output_embeddings()
+        total = sum(m.weight.numel() for m in self.model.modules()
+                    if m is not head and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"))
+        return total // self.model.config.num_hidden_layers, head.weight.numel()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward pass reads: all but the embeddings, of which it reads only the rows
+        it needs (unless the output embedding is the same table: lm_head reads all of it)."""
+        head = self.model.get_output_embeddings().weight
+        by_rows = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)} - {id(head)}
+        return sum(p.nbytes for p in self.model.parameters() if id(p) not in by_rows)
 
     def new_cache(self, capacity_tokens: int) -> DynamicKVCache:
         return DynamicKVCache(self.model)

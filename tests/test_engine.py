@@ -81,6 +81,34 @@ def test_transformers_fallback_gives_the_same_tokens(tiny):
     assert lean.metrics.kv_bytes == fallback.metrics.kv_bytes
 
 
+def test_the_fallback_counts_what_the_lean_formula_counts(tiny):
+    lean, fallback = Engine(tiny, EngineConfig(precision="fp32")), Engine(tiny, runner=TransformersRunner(tiny.model))
+    assert lean._flop_shape == fallback._flop_shape
+    assert lean.runner.weight_bytes == fallback.runner.weight_bytes
+
+
+def test_an_architecture_the_lean_path_does_not_know_runs_with_its_cache_in_sight(tokenizer):
+    """GPT-2 names no Llama-style sizes (intermediate_size): its FLOPs are counted from its matrices, and its
+    cache, which transformers grows as it goes, is the engine's own, not a remote server's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from app.ui.explain.views import Shape
+    from app.ui.trace import cache_visible
+    from engine import LoadedModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=128,
+                                       vocab_size=len(tokenizer))).eval()
+    engine = Engine(LoadedModel(model, tokenizer, "tiny-gpt2", "in-process", torch.device("cpu"), torch.float32))
+    assert "transformers" == engine.runner.name
+    events = list(engine.stream(user("Hi"), GREEDY))
+    steps = [e for e in events if isinstance(e, DecodeStep)]
+    assert 6 == len(steps) and events[-1].error is None
+    layer = 32 * 3 * 32 + 32 * 32 + 2 * 32 * 4 * 32  # c_attn (q, k, v), c_proj, the MLP's c_fc and c_proj
+    assert (2, layer, 32, 32 * len(tokenizer)) == engine._flop_shape and steps[1].flops > 2 * 2 * layer
+    assert 128 == events[0].kv_capacity_tokens and cache_visible(events[0])
+    assert (4 * 32, 2 * 2 * 32 * 4 * steps[-1].kv_tokens) == (Shape.of(engine).intermediate, steps[-1].kv_bytes)
+
+
 def test_penalties_give_the_tokens_of_a_plain_greedy_loop_that_applies_them(tiny):
     """OpenAI's frequency and presence penalties over the reply, CTRL's repetition penalty over prompt and
     reply, then argmax: transformers' model step by step against the engine (the lean forward)."""

@@ -169,7 +169,7 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFA
                               line=dict(color=CACHED_COLOR, width=1),
                               hovertemplate=t(lang, "chart.kept_hover", n=number, tokens=kept_tokens, mb=kept_mb)
                               + "<extra></extra>"))
-    if started is not None:
+    if started is not None and started.kv_capacity_bytes:  # transformers' caches allocate nothing ahead
         capacity = started.kv_capacity_bytes / 1e6
         traces.append(dict(type="scatter", mode="lines", name=t(lang, "chart.allocated"), showlegend=number == 1,
                            x=[xs[0], xs[-1]], y=[capacity, capacity],

@@ -59,7 +59,16 @@ class Shape:
     def of(cls, engine: Engine) -> Shape:
         config, info = engine.loaded.model.config, engine.info  # info: the sizes the engine already worked out
         return cls(info.num_layers, config.hidden_size, config.num_attention_heads, info.num_kv_heads, info.head_dim,
-                   config.intermediate_size, config.vocab_size, getattr(engine.runner, "weight_bytes", 0))
+                   mlp_width(config), config.vocab_size, getattr(engine.runner, "weight_bytes", 0))
+
+
+def mlp_width(config) -> int:
+    """The MLP's inner width: the Llama family's intermediate_size, GPT-2's n_inner (4 x hidden unset), OPT's
+    ffn_dim."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim"):
+        if getattr(config, name, None):
+            return getattr(config, name)
+    return 4 * config.hidden_size
 
 
 # --- tokens --------------------------------------------------------------------------------------
