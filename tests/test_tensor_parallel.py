@@ -141,6 +141,11 @@ def test_the_engine_on_two_ranks_decodes_the_same_tokens(tokenizer):
             return [t.prob for e in events if e.type == "PrefillChunk" for t in e.prompt_logprobs]
 
         assert prompt_probs(split) == pytest.approx(prompt_probs(one), rel=1e-3) and len(prompt_probs(one)) == 39
+        # the Lab's experiments that time the forward's stages, or start engines of their own, say why not
+        from app import lab
+
+        assert "" == lab.cannot_run(split, "kv-cache") == lab.cannot_run(one, "stages")
+        assert lab.cannot_run(split, "stages").endswith("start without --tensor-parallel.")
     finally:
         split.close()
     assert not multiprocessing.active_children()

@@ -30,6 +30,10 @@ class Experiment:
     title_key: str  # its title in the UI's catalogues (app/i18n)
     runs: str  # "module.function" in this package, (Lab, prompt) -> LabResult
     default_prompt: str
+    # what of the engine it needs: "lean", the lean forward's KV pool and switches (any architecture runs
+    # the rest); "one_process", also that forward in this process, not tensor-parallel ranks (it times each
+    # stage of the forward, or starts engines of its own)
+    needs: str = ""
 
     def title(self, lang: str = DEFAULT) -> str:
         return t(lang, self.title_key)
@@ -43,26 +47,27 @@ class Experiment:
 POEM = "Write a short poem about the sea."
 EXPERIMENTS = {e.name: e for e in [
     Experiment("kv-cache", "lab.exp.kv_cache", "decode.kv_cache",
-               "Explain what a KV cache is and why a language model needs one."),
+               "Explain what a KV cache is and why a language model needs one.", needs="lean"),
     Experiment("chunked-prefill", "lab.exp.chunked_prefill", "prefill.chunked_prefill",
                "Summarize the following notes on how language models serve many users at once. " * 4),
     Experiment("prefix-cache", "lab.exp.prefix_cache", "prefill.prefix_cache",
                "You are a patient teacher. A language model reads the prompt in one pass (prefill), filling a cache "
                "of keys and values, then writes one token per step (decode), reading every weight and the cache each "
-               "time. Explain to a student why the second message of a chat can start faster than the first."),
+               "time. Explain to a student why the second message of a chat can start faster than the first.",
+               needs="lean"),
     Experiment("attention", "lab.exp.attention", "prefill.attention",
-               "Attention lets every token look at every token before it. "),
+               "Attention lets every token look at every token before it. ", needs="lean"),
     Experiment("tensor-parallel", "lab.exp.tensor_parallel", "prefill.tensor_parallel",
-               "Split every layer across two devices and add the partial results. "),
-    Experiment("speculative", "lab.exp.speculative", "decode.speculative", PARAGRAPH),
+               "Split every layer across two devices and add the partial results. ", needs="one_process"),
+    Experiment("speculative", "lab.exp.speculative", "decode.speculative", PARAGRAPH, needs="lean"),
     # a story that does not repeat itself: what a window forgets is gone for good
     Experiment("kv-compression", "lab.exp.kv_compression", "decode.kv_compression",
-               " ".join(LONG_TEXT.read_text(encoding="utf-8").split()[:900])),
+               " ".join(LONG_TEXT.read_text(encoding="utf-8").split()[:900]), needs="lean"),
     Experiment("batching", "lab.exp.batching", "decode.batching", POEM),
-    Experiment("flash-decoding", "lab.exp.flash_decoding", "decode.flash_decoding", PARAGRAPH),
-    Experiment("precision", "lab.exp.precision", "decode.precision", POEM),
+    Experiment("flash-decoding", "lab.exp.flash_decoding", "decode.flash_decoding", PARAGRAPH, needs="one_process"),
+    Experiment("precision", "lab.exp.precision", "decode.precision", POEM, needs="one_process"),
     Experiment("stages", "lab.exp.stages", "profile.stages",
-               "Explain where the time goes when a language model answers a question. "),
+               "Explain where the time goes when a language model answers a question. ", needs="one_process"),
     Experiment("roofline", "lab.exp.roofline", "profile.roofline",
                "A roofline shows whether a step is limited by compute or by memory bandwidth. "),
 ]}
@@ -73,15 +78,38 @@ def prompt_for(name: str, prompt: str | None) -> str:
     return prompt if prompt and prompt.strip() else EXPERIMENTS[name].default_prompt
 
 
+def unmet(engine: Engine, name: str) -> str:
+    """What of the engine an experiment needs and this one lacks ("" for nothing: it can run): "lean" where
+    the model runs on transformers' forward, "one_process" where the lean forward runs in tensor-parallel
+    ranks."""
+    needs = EXPERIMENTS[name].needs
+    if needs and engine.info.model_path != "lean-llama":
+        return "lean"
+    if needs == "one_process" and not getattr(engine.runner, "explains", False):
+        return "one_process"
+    return ""
+
+
+def cannot_run(engine: Engine, name: str, lang: str = DEFAULT) -> str:
+    """Why an experiment cannot run on this engine, in one line ("" where it can)."""
+    missing = unmet(engine, name)
+    if not missing:
+        return ""
+    key = {"lean": "lab.needs_lean", "one_process": "lab.needs_one_process"}[missing]
+    return t(lang, key, title=EXPERIMENTS[name].title(lang), model=engine.info.name)
+
+
 def run(engine: Engine, name: str, prompt: str | None = None, quick: bool = False,
         progress: Callable[[str], None] | None = None, stop=None) -> LabResult:
     """Run one experiment on the engine (on the thread that steps it; not while it serves) and return its
     result, timed and with the machine it ran on. Raises LabStopped when stop is set between measurements."""
+    if cannot_run(engine, name):
+        raise ValueError(cannot_run(engine, name))
     start = time.perf_counter()
     result = EXPERIMENTS[name].run(Lab(engine, quick, progress, stop), prompt_for(name, prompt))
     result.seconds, result.quick, result.machine = round(time.perf_counter() - start, 2), quick, machine(engine)
     return result
 
 
-__all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "figure", "prompt_for", "run", "said",
-           "settings_line", "words", "write_image"]
+__all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "cannot_run", "figure", "prompt_for",
+           "run", "said", "settings_line", "words", "write_image"]

@@ -124,8 +124,12 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
 
         def work() -> None:
             try:
-                outcome["result"] = engine.call(lambda: lab.run(engine, name, text, is_quick, progress.put, event),
-                                                name="lab")  # the chats' phase line says what they wait for
+                # said at once (the engine's turn is not waited for); reading the engine waits for its load
+                outcome["refused"] = lab.cannot_run(engine, name, lang_choice)
+                if not outcome["refused"]:
+                    outcome["result"] = engine.call(lambda: lab.run(engine, name, text, is_quick, progress.put,
+                                                                    event),
+                                                    name="lab")  # the chats' phase line says what they wait for
             except BaseException as exc:  # shown to the user below
                 outcome["error"] = exc
 
@@ -140,6 +144,9 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
             if line:
                 yield say(t(lang_choice, "lab.running", step=lab.words(lang_choice, line)))
         error = outcome.get("error")
+        if outcome.get("refused"):  # the experiment needs what this engine lacks
+            yield say(outcome["refused"])
+            return
         if isinstance(error, lab.LabStopped):
             yield say(t(lang_choice, "lab.stopped"))
             return
