@@ -47,6 +47,18 @@ def tiny_model(tokenizer, kind: str = "llama", seed: int = 0, max_positions: int
     return LoadedModel(model, tokenizer, f"tiny-{kind}", "in-process", torch.device("cpu"), torch.float32)
 
 
+@pytest.fixture(scope="session")
+def gpt2_folder(tokenizer, tmp_path_factory):
+    """A tiny random GPT-2 saved as a model folder: an architecture the lean forward does not know."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=512,
+                               vocab_size=len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def tiny(tokenizer) -> LoadedModel:
     return tiny_model(tokenizer)

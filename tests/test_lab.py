@@ -90,22 +90,17 @@ def test_cli_names_the_experiments_and_refuses_an_unknown_one():
     assert wrong.stderr.strip().splitlines()[-1].startswith("phasescope: error: no experiment 'kv-cach'")
 
 
-def test_experiments_that_need_the_lean_forward_are_said_so_and_all_runs_the_others(tokenizer, tmp_path):
+def test_experiments_that_need_the_lean_forward_are_said_so_and_all_runs_the_others(gpt2_folder, tmp_path):
     """GPT-2 runs on transformers' forward: an experiment that needs the lean one (its KV pool, switches or
     stage times) is refused in one line, before it measures anything; `all` leaves those out and runs the
     rest, which measure it as they do the lean one."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=512,
-                               vocab_size=len(tokenizer))).save_pretrained(tmp_path / "gpt2")
-    tokenizer.save_pretrained(tmp_path / "gpt2")
-    command = [sys.executable, "-m", "app.cli", "lab", "--quick", "--model", str(tmp_path / "gpt2"),
+    command = [sys.executable, "-m", "app.cli", "lab", "--quick", "--model", str(gpt2_folder),
                "--db", str(tmp_path / "h.db")]
     one = subprocess.run([*command, "stages"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert one.returncode == 2 and "Traceback" not in one.stderr
     assert one.stderr.strip().splitlines()[-1] == (
         "phasescope: error: “Where the time goes” needs the lean forward of the Llama family (Llama, SmolLM, "
-        "Mistral, Qwen2), its KV pool and switches; gpt2 runs on transformers' forward.")
+        f"Mistral, Qwen2), its KV pool and switches; {gpt2_folder.name} runs on transformers' forward.")
     every = subprocess.run([*command, "all", "--output", "json"], capture_output=True, text=True, cwd=ROOT,
                            timeout=300)
     assert every.returncode == 0, every.stderr[-2000:]

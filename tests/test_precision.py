@@ -220,6 +220,15 @@ def test_too_many_ranks_or_an_unknown_mode_stop_the_bench_before_it_measures():
                                                           "bf16, int8, separated by commas, got 'fp32,int4'")
 
 
+def test_a_model_on_transformers_forward_is_told_what_measures_it(gpt2_folder):
+    out = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--quick", "--model", str(gpt2_folder)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"phasescope: error: bench measures the lean forward of the Llama family; {gpt2_folder.name} (gpt2) runs "
+        "on transformers' forward: measure its TTFT and TPOT with `phasescope generate --json` or the page")
+
+
 def test_headline_figures_read_what_the_run_measured_and_leave_out_the_rest():
     """Each figure the run measured, the numbers that miss their goals in bold (as the README shows them)."""
     from app.bench.figures import headline

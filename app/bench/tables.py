@@ -21,6 +21,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
 from engine.hf_runner import in_dtype, make_runner
+from engine.llama import LeanLlama
 from engine.tensor_parallel import split_plan
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
@@ -113,6 +114,10 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     measurement's cost grows with its text (every 4th prefix for int8 prefill's quality, 96 tokens of the
     long text)."""
     loaded = load_model(model, device=device, dtype="float32")
+    if not LeanLlama.supports(loaded.model):  # its modes, switches and scheduler are the lean forward's
+        raise ValueError(f"bench measures the lean forward of the Llama family; {loaded.name} "
+                         f"({loaded.model.config.model_type}) runs on transformers' forward: measure its TTFT and "
+                         "TPOT with `phasescope generate --json` or the page")
     if tensor_parallel > 1:
         split_plan(loaded.model.config, tensor_parallel)  # too many ranks for the heads: said now, not at the end
     engines = mode_engines(loaded, list(modes))
