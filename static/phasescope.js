@@ -7,7 +7,9 @@
 // textbox #ps-stream at its end, on a new chat and when a saved chat is opened. The message format is
 // app/ui/live.py's.
 (() => {
-  const CONFIG = {displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"]};
+  // showSendToCloud: plotly.js 3's "Share chart..." button would upload the figure to Plotly Cloud
+  const CONFIG = {displaylogo: false, showSendToCloud: false, responsive: true,
+                  modeBarButtonsToRemove: ["select2d", "lasso2d"]};
   // While a reply streams, a chart is redrawn at most every CHART_EVERY_MS, and less often when its
   // redraws are slow: Plotly.extendTraces replots a whole figure for a few new points (10-25 ms of a
   // 2-core machine's CPU each, 30-50 ms the first time, taken from the decode it shows), so that a

@@ -117,6 +117,8 @@ def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page
                            "return p && p.data.some(t => t.name === 'decode' && (t.x || []).length > 0); }",
                            polling=100, timeout=60_000)
     streaming = plot_traces(page, "ps-latency").get("decode", 0)
+    # plotly.js 3's "Share chart..." (an upload to Plotly Cloud) is not among the figure's buttons
+    assert not page.evaluate("() => document.querySelector('#ps-latency .js-plotly-plot')._context.showSendToCloud")
     # new points join the drawn figure; its x axis runs ahead of them, so that the next ones only move the
     # trace (no replot)
     plot = "document.querySelector('#ps-latency .js-plotly-plot')"

@@ -333,6 +333,7 @@ def test_a_runs_files_are_written_at_their_click_and_one_that_cannot_be_is_said(
     assert saved.name == "lab-3-batching-zh.json" and json.loads(saved.read_text("utf-8"))["title"].startswith("批处理")
     page = lab_tab.write_export("html", shown, "en")
     assert page.name == "lab-3-batching-en.html" and "Plotly.newPlot" in page.read_text("utf-8")
+    assert '"showSendToCloud": false' in page.read_text("utf-8")  # no upload to Plotly Cloud from the page
 
     (tmp_path / "a-file").write_text("not a folder")
     monkeypatch.setattr(lab_tab, "exports_folder", lambda: tmp_path / "a-file")

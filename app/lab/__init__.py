@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..bench.texts import LONG_TEXT, PARAGRAPH
 from ..i18n import DEFAULT, t
 
-from .figure import figure, write_image
+from .figure import figure, write_html, write_image
 from .lab import Lab, LabStopped
 from .result import LabResult, Series, machine, said, settings_line, words
 
@@ -112,4 +112,4 @@ def run(engine: Engine, name: str, prompt: str | None = None, quick: bool = Fals
 
 
 __all__ = ["EXPERIMENTS", "Experiment", "LabResult", "LabStopped", "Series", "cannot_run", "figure", "prompt_for",
-           "run", "said", "settings_line", "words", "write_image"]
+           "run", "said", "settings_line", "words", "write_html", "write_image"]

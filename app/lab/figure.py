@@ -58,6 +58,17 @@ def figure(result: LabResult, lang: str = DEFAULT) -> go.Figure:
     return fig
 
 
+# plotly.js 3 shows a "Share chart..." button that uploads the figure to Plotly Cloud unless told not to: a
+# figure of this machine's measurements stays on it
+PLOTLY_CONFIG = {"displaylogo": False, "showSendToCloud": False}
+
+
+def write_html(fig: go.Figure, path: Path) -> Path:
+    """The figure as a standalone HTML page with plotly.js inlined (opens offline)."""
+    fig.write_html(path, include_plotlyjs=True, config=PLOTLY_CONFIG)
+    return path
+
+
 def write_image(fig: go.Figure, path: Path) -> Path:
     """The figure as PNG through kaleido (which drives a Chromium it finds, here Debian's), else as a
     standalone HTML page with plotly.js inlined (opens offline). Returns the file written."""
@@ -67,5 +78,4 @@ def write_image(fig: go.Figure, path: Path) -> Path:
         fig.write_image(path.with_suffix(".png"), width=1000, height=500)
         return path.with_suffix(".png")
     except Exception:  # no kaleido, or no browser for it: the interactive page instead
-        fig.write_html(path.with_suffix(".html"), include_plotlyjs=True)
-        return path.with_suffix(".html")
+        return write_html(fig, path.with_suffix(".html"))

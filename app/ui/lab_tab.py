@@ -73,7 +73,7 @@ def write_export(kind: str, shown: tuple[dict, int | None], lang: str) -> Path:
         path.write_text(json.dumps(result.in_language(lang).to_dict(), indent=1, ensure_ascii=False),
                         encoding="utf-8")
     else:
-        lab.figure(result, lang).write_html(path, include_plotlyjs=True)
+        lab.write_html(lab.figure(result, lang), path)
     return path
 
 
