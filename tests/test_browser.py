@@ -524,6 +524,21 @@ def test_empty_and_too_long_messages(page):
     assert "done" == wait_phase(page, "done")
 
 
+def test_every_control_has_a_name_a_screen_reader_can_say_in_each_tab_and_language(page):
+    """Gradio names a control given no label after its class: a screen reader said 'Textbox' for the message
+    box and the History tab's search and title, 'Dataframe' for its table."""
+    gradio_default = re.compile(r'- (\w+) "(Textbox|Dataframe|Radio|Dropdown|Checkbox|Slider|Number|Button|Plot)"')
+    for language, tabs in [("English", ["Chat", "Explain", "History", "Lab"]), ("简体中文", ["对话", "讲解", "历史", "实验室"])]:
+        page.get_by_text(language, exact=True).click()
+        for tab in tabs:
+            page.get_by_role("tab", name=tab).click()
+            page.wait_for_timeout(300)
+            snapshot = page.locator("body").aria_snapshot()
+            assert not gradio_default.findall(snapshot), (language, tab, gradio_default.findall(snapshot))
+            assert re.search(r'- textbox "(Message|消息|Search|搜索|Prompt|提示词)', snapshot), (language, tab)
+    page.get_by_text("English", exact=True).click()  # the next test's page starts where this one's language is
+
+
 def test_two_tabs_generate_at_once_without_cross_talk(browser, app_url, tmp_path):
     from app.bench.browser import HISTORY_CELLS, open_history
 

@@ -334,7 +334,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                             sanitize_html=True, render_markdown=True, feedback_options=None, editable="user",
                             placeholder=K("chat.welcome"))  # shown while the chat is empty
             with gr.Row():
-                message = texts(gr.Textbox, placeholder=K("chat.placeholder"), show_label=False, scale=6,
+                message = texts(gr.Textbox, placeholder=K("chat.placeholder"), label=K("chat.message"),
+                                show_label=False, scale=6,  # the label: what a screen reader names it
                                 elem_id="ps-message", autofocus=True, lines=1, max_lines=8)
                 send = texts(gr.Button, value=K("chat.send"), variant="primary", scale=1, min_width=70,
                              elem_id="ps-send")

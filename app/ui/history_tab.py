@@ -63,7 +63,8 @@ def sessions_table(store: Store, search: str, lang: str) -> gr.Dataframe:
 
 def _table(rows: list[list], total: int, lang: str) -> gr.Dataframe:
     note = t(lang, "saved.recent", shown=len(rows), total=total) if total > len(rows) else None
-    return gr.Dataframe(value=rows, headers=columns(lang), label=note, show_label=note is not None)
+    return gr.Dataframe(value=rows, headers=columns(lang), label=note or t(lang, "saved.sessions"),
+                        show_label=note is not None)  # unshown, the label is what a screen reader names it
 
 
 def engines_line(messages: list[dict], lang: str) -> str:
@@ -177,19 +178,20 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     folder = export_folder()
     selected = gr.State(None)
     with gr.Row():
-        search = texts(gr.Textbox, placeholder=K("saved.search"), show_label=False, scale=5,
-                       elem_id="ps-history-search")
+        search = texts(gr.Textbox, placeholder=K("saved.search"), label=K("saved.search_label"), show_label=False,
+                       scale=5, elem_id="ps-history-search")
         refresh = texts(gr.Button, value=K("saved.refresh"), scale=1, elem_id="ps-history-refresh")
     # titles shown to 48 characters (in full where the cell is clicked): an 80-character one widened its
     # column until the figures went off the right
-    table = gr.Dataframe(headers=columns(DEFAULT), value=[], interactive=False, wrap=True, show_label=False,
+    table = gr.Dataframe(headers=columns(DEFAULT), value=[], interactive=False, wrap=True,
+                         label=t(DEFAULT, "saved.sessions"), show_label=False,
                          max_chars=48, elem_id="ps-history-table")  # filled when the page loads (on_switch)
     chosen = gr.HTML(t(DEFAULT, "saved.select_hint"), elem_id="ps-history-selected")
     with gr.Row():  # off until a session is selected (acting)
         open_button = texts(gr.Button, value=K("saved.open"), variant="primary", interactive=False,
                             elem_id="ps-history-open")
-        title = texts(gr.Textbox, placeholder=K("saved.new_title"), show_label=False, scale=3,
-                      elem_id="ps-history-title")
+        title = texts(gr.Textbox, placeholder=K("saved.new_title"), label=K("saved.new_title"), show_label=False,
+                      scale=3, elem_id="ps-history-title")
         rename = texts(gr.Button, value=K("saved.rename"), interactive=False, elem_id="ps-history-rename")
         delete = texts(gr.Button, value=K("saved.delete"), variant="stop", interactive=False,
                        elem_id="ps-history-delete")

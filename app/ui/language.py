@@ -62,7 +62,8 @@ class Texts:
 
 def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:
     """The language switch (English / 简体中文) and the browser storage that remembers it."""
-    choice = gr.Radio([(name, code) for code, name in LANGUAGES.items()], value=DEFAULT, show_label=False,
+    choice = gr.Radio([(name, code) for code, name in LANGUAGES.items()], value=DEFAULT, label="Language · 语言",
+                      show_label=False,  # the label: what a screen reader names the group
                       container=False, elem_id="ps-language", scale=0, min_width=280)
     return choice, gr.BrowserState(None, storage_key="phasescope-language")
 
