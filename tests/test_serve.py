@@ -464,6 +464,9 @@ def test_on_the_network_the_api_needs_its_key_and_the_ui_a_login():
         assert opener.open(f"{url}/ui/config", timeout=10).status == 200
         for path in ("/", "/favicon.ico"):  # a browser at the server's root is sent to the page
             assert opener.open(f"{url}{path}", timeout=10).geturl() == f"{url}/ui{path}"
+        with pytest.raises(urllib.error.HTTPError) as missing:  # a mistyped address is told where the page is
+            opener.open(f"{url}/iu/", timeout=10)
+        assert json.loads(missing.value.read())["error"]["message"].endswith(", GET /ui/ (the page)")
     finally:
         process.terminate()
         process.wait(timeout=30)

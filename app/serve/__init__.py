@@ -38,6 +38,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         # a browser at the server's root: the page, and its icon
         api.add_api_route("/", lambda: RedirectResponse("/ui/"), include_in_schema=False)
         api.add_api_route("/favicon.ico", lambda: RedirectResponse("/ui/favicon.ico"), include_in_schema=False)
+        api.state.served.append("GET /ui/ (the page)")  # what a 404 lists
         api = gr.mount_gradio_app(api, page, path="/ui", auth=auth, footer_links=[], **launch_options())
     url = url_of(host, port)
     print(f"PhaseScope API at {url}/v1 (metrics at {url}/metrics{', UI at ' + url + '/ui' if with_ui else ''})  "

@@ -65,7 +65,8 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
         with what it serves, rather than starlette's bare 'Not Found'."""
         message, kind = str(exc.detail), "invalid_request_error"
         if exc.status_code in (404, 405):
-            message = f"{request.method} {request.url.path} is not served here; this server serves {served}"
+            message = (f"{request.method} {request.url.path} is not served here; this server serves "
+                       f"{', '.join(api.state.served)}")
             kind = "not_found_error" if exc.status_code == 404 else kind
         return JSONResponse(APIError(exc.status_code, message, kind).body(), status_code=exc.status_code)
 
@@ -172,9 +173,9 @@ def create_api(engine: Engine, api_key: str | None = None, metrics: ServerMetric
             return _sse(answer.chunks(body.include_usage))
         return await answer.whole()
 
-    # the API's own routes, as a 404 lists them (not those `serve --ui` adds for its page)
-    served = ", ".join(f"{method} {route.path_format}" for route in api.routes if isinstance(route, APIRoute)
-                       for method in sorted(route.methods))
+    # the API's own routes, as a 404 lists them (`serve --ui` adds its page's)
+    api.state.served = [f"{method} {route.path_format}" for route in api.routes if isinstance(route, APIRoute)
+                        for method in sorted(route.methods)]
     return api
 
 
