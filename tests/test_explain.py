@@ -121,6 +121,27 @@ def test_every_view_renders_in_each_language(engine, lang):
 
 
 @pytest.mark.parametrize("lang", LANGUAGES)
+def test_a_walk_through_on_transformers_forward_says_its_stages_are_not_timed(tokenizer, lang):
+    """GPT-2 runs on transformers' forward, which times no stage: the pipeline says so rather than '0.4 ms in
+    all stages' (only sampling's), and the steps read the model's own weights, not 'all 0 MB'."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from engine import LoadedModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=len(tokenizer))).eval()
+    gpt2 = Engine(LoadedModel(model, tokenizer, "tiny-gpt2", "in-process", torch.device("cpu"), torch.float32))
+    walk = stepped(gpt2, 2)
+    pipeline = views.pipeline_html(gpt2, walk.trace, lang)
+    assert "[1, 64] → [1, 256]" in pipeline  # the MLP's width, 4 x hidden (GPT-2's n_inner unset)
+    assert "not timed stage by stage" in pipeline or "不按阶段计时" in pipeline
+    html = views.steps_html(gpt2, walk, "mean", "mean", lang)
+    assert gpt2.runner.weight_bytes > 64 * len(tokenizer) * 4  # lm_head, tied to the embedding, reads all of it
+    assert f"{gpt2.runner.weight_bytes / 1e6:,.0f} MB" in html
+    walk.cancel()
+    gpt2.step()
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
 def test_a_walk_through_without_a_kv_cache_says_each_step_computes_the_sequence_again(engine, lang):
     """--no-kv-cache: a decode step is a prefill of the whole sequence so far, and its keys and values are
     scratch; the step, the pipeline, the summary and the cache's line say so, with the step's FLOPs."""

@@ -242,6 +242,8 @@ def pipeline_html(engine: Engine, trace: ReplyTrace | None, lang: str) -> str:
         fields["note"] = t(lang, "pipe.note_decode_no_cache", tokens=tokens, ms=trace.steps[-1].forward_ms)
     if phase == "prefill" and trace.num_cached_tokens:
         fields["note"] += " " + t(lang, "pipe.note_cached", n=trace.num_cached_tokens)
+    if phase != "idle" and not getattr(engine.runner, "explains", False):  # transformers', tensor parallelism's
+        fields["note"] += " " + t(lang, "pipe.note_untimed")
     svg = _svg_template()
     for name, value in fields.items():
         svg = svg.replace("{{" + name + "}}", escape(value))
