@@ -36,12 +36,22 @@
     return document.querySelector(`#ps-${name} .ps-plot`);
   }
 
+  // On a phone's width the legend, at the right above the plot, reached the title at the left ("KV 缓存大小"
+  // under "已分配"): below NARROW_PX the title takes the top line, and the legend's rows (up to three) the
+  // room between it and the plot.
+  const NARROW_PX = 520;
+  function fitted(layout, div) {
+    if (div.clientWidth >= NARROW_PX || !layout.title || !layout.margin || !layout.height) return layout;
+    return {...layout, margin: {...layout.margin, t: 96},
+            title: {...layout.title, yref: "container", y: 1 - 6 / layout.height, yanchor: "top"}};
+  }
+
   function draw(name, spec) {
     const div = chartDiv(name);
     if (!div || !window.Plotly) return;
     const chart = charts[name];
     chart.queue = chart.spec = null;  // points and figures queued before this figure are in it
-    timed(chart, () => window.Plotly.react(div, spec.data, spec.layout, CONFIG));
+    timed(chart, () => window.Plotly.react(div, spec.data, fitted(spec.layout, div), CONFIG));
   }
 
   function schedule(name) {

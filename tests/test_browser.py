@@ -303,6 +303,16 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
                                     ".filter(t => t.scrollWidth > t.clientWidth).length")
         assert 0 == overflowing and 0 < page.locator("#ps-kpis .ps-tile").count()
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # nothing scrolls sideways
+        # each chart's title on a line of its own, clear of the legend ("KV 缓存大小" ran under "已分配")
+        # (the reply's last figure may come just after its phase line)
+        apart = """() => ['latency', 'kv'].every(name => {
+            const plot = document.querySelector(`#ps-${name} .js-plotly-plot`);
+            const [title, legend] = ['.gtitle', '.legend'].map(s => plot?.querySelector(s)?.getBoundingClientRect());
+            return title && legend && title.bottom <= legend.top; })"""
+        page.wait_for_function(apart, timeout=10_000)
+        page.get_by_text("简体中文", exact=True).click()
+        page.wait_for_function("() => document.querySelector('#ps-kv .gtitle')?.textContent.includes('缓存')")
+        page.wait_for_function(apart, timeout=10_000)
         page.get_by_role("tab").nth(1).click()  # the Explain tab's "Demos:" on a line, not a letter per line
         assert page.locator("#ps-demos > :first-child").bounding_box()["width"] > 300
         candidates, grid = (page.locator(f"#ps-explain-{name}").bounding_box() for name in ("candidates", "kv"))
