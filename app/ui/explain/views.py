@@ -320,7 +320,8 @@ def kv_grid_figure(engine: Engine, walk: Walkthrough | None, lang: str):
         title = t(lang, "explain.kv_grid_sized" if engine.config.kv_cache else "explain.kv_grid_no_cache",
                   tokens=kv_tokens, layers=info.num_layers, mb=trace.kv[1] / 1e6, shown=len(positions))
     drawn = charts.has_points(data)
-    layout = _layout(title, margin=dict(l=55, r=15, t=45, b=40),
+    # the title on two lines (<br>): on one, a phone's width cut its end off
+    layout = _layout(title, margin=dict(l=55, r=15, t=60, b=40),
                      xaxis=dict(title=dict(text=t(lang, "explain.position")), visible=drawn),
                      yaxis=dict(title=dict(text=t(lang, "explain.layer")), autorange="reversed", visible=drawn))
     return go.Figure(dict(data=data, layout=layout), _validate=False)
