@@ -43,7 +43,8 @@ def engine_line(engine) -> str:
     """What runs, for a terminal's first lines: the model, device, precision, forward path and decode step,
     and the switches set away from their defaults (a run with --no-kv-cache says so where it starts)."""
     info, (precision, flags) = engine.info, setup_flags(engine.setup)
-    line = f"{info.name} on {info.device} ({precision}, {info.model_path}, decode: {info.decode_path})"
+    plain = "" if info.chat_template else ", no chat template"  # a base model: the messages joined as text
+    line = f"{info.name} on {info.device} ({precision}, {info.model_path}, decode: {info.decode_path}{plain})"
     return f"{line} with {flags}" if flags else line
 
 

@@ -162,7 +162,8 @@ class Engine:
         return ModelInfo(self.loaded.name, self.loaded.source, str(self.loaded.device),
                          str(dtype).removeprefix("torch."), self.runner.name,
                          getattr(self.runner, "decode_path", "PyTorch ops"), self.runner.precision,
-                         config.num_hidden_layers, kv_heads, head_dim, self.context_window, per_token)
+                         config.num_hidden_layers, kv_heads, head_dim, self.context_window, per_token,
+                         bool(getattr(self.tokenizer, "chat_template", None)))
 
     @property
     def setup(self) -> dict:

@@ -19,6 +19,7 @@ class ModelInfo:
     head_dim: int
     context_window: int
     kv_bytes_per_token: int  # by the formula
+    chat_template: bool = True  # False: a base model's tokenizer, the messages joined as plain text
 
 
 @dataclass(frozen=True, slots=True)

@@ -239,6 +239,23 @@ def test_model_panel_shows_the_kv_formula(tiny_engine):
 
 
 @pytest.mark.parametrize("lang", LANGUAGES)
+def test_a_tokenizer_without_a_chat_template_is_said_where_the_model_is(tiny, lang):
+    """A base model's tokenizer names no chat template: the messages are joined as plain text, which the
+    model continues; the model line says so, and the terminal's first line."""
+    import copy
+
+    from app.cli import engine_line
+    from engine import Engine, LoadedModel
+
+    note = {"en": "No chat template", "zh": "没有对话模板"}[lang]
+    assert note not in panels.model_html(Engine(tiny).info, lang)
+    tokenizer = copy.copy(tiny.tokenizer)
+    tokenizer.chat_template = None
+    plain = Engine(LoadedModel(tiny.model, tokenizer, "tiny-base", "in-process", tiny.device, tiny.dtype))
+    assert note in panels.model_html(plain.info, lang) and "no chat template)" in engine_line(plain)
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
 def test_model_panel_names_the_switches_that_change_what_the_page_shows(tiny_engine, lang):
     """A class comparing runs sees how this engine runs: without a KV cache, a window, speculation..."""
     config = EngineConfig(kv_cache=False, attention="eager", split_kv=False)

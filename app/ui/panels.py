@@ -207,8 +207,9 @@ def model_html(info: ModelInfo, lang: str = DEFAULT, config: EngineConfig | None
     line = t(lang, "model.line", weights=escape(weights), forward=escape(info.model_path),
              decode=escape(info.decode_path), context=info.context_window)
     switches = switches_text(config, lang) if config is not None else ""
+    plain = "" if info.chat_template else "<br>" + escape(t(lang, "model.no_template"))
     return (f'<div class="ps-model"><b>{escape(info.name)}</b> · {escape(info.device)} · {line}<br>{formula}'
-            f'{"<br>" + escape(switches) if switches else ""}</div>')
+            f'{"<br>" + escape(switches) if switches else ""}{plain}</div>')
 
 
 def kv_measured_html(trace: ReplyTrace | None, info: ModelInfo, lang: str = DEFAULT) -> str:
