@@ -29,6 +29,21 @@ def _rope(config: dict) -> tuple[str, float]:
     return rope_type, float(parameters.get("rope_theta") or config.get("rope_theta") or 10000.0)
 
 
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors weights: model.safetensors, or the shards its index names (a model of more
+    than a few GB comes in several files); none where neither is there."""
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    try:
+        shards = json.loads((folder / SHARD_INDEX).read_text())["weight_map"].values()
+    except (OSError, ValueError, KeyError, AttributeError):
+        return []
+    return [folder / name for name in sorted(set(shards))]
+
+
 def supports(folder: Path) -> bool:
     """A folder this loader reads: a Llama-family config with the default RoPE, and safetensors weights."""
     try:
@@ -36,7 +51,7 @@ def supports(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (config.get("model_type") in SUPPORTED_MODEL_TYPES and _rope(config)[0] == "default"
-            and (folder / "model.safetensors").exists())
+            and bool(weight_files(folder)))
 
 
 def _linear(tensors: dict, name: str) -> SimpleNamespace:
@@ -108,11 +123,15 @@ def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) ->
         raise ModelError(f"{folder / 'config.json'} lacks {exc.args[0]}, which a {raw['model_type']} model "
                          "needs") from exc
     config.generation_eos_token_id = generation_config(folder).get("eos_token_id") or config.eos_token_id
-    weights = folder / "model.safetensors"
-    with safe_open(str(weights), framework="pt", device=str(device)) as f:
-        tensors = {name: f.get_tensor(name).to(dtype) for name in f.keys()}
-    stat = weights.stat()  # a file rewritten in place gets a new size or time, so a new key
-    key = f"{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
+    tensors, key = {}, ""
+    for weights in weight_files(folder):
+        if not weights.exists():
+            raise ModelError(f"{folder} lacks {weights.name}, one of the weights' files {SHARD_INDEX} names")
+        with safe_open(str(weights), framework="pt", device=str(device)) as f:
+            tensors.update({name: f.get_tensor(name).to(dtype) for name in f.keys()})
+        stat = weights.stat()  # a file rewritten in place gets a new size or time, so a new key
+        key += f"{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
+    key += str(dtype)
     try:
         return FolderModel(config, tensors, device, dtype, key)
     except KeyError as exc:  # a tensor it names

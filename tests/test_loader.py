@@ -117,6 +117,27 @@ def test_a_folder_that_lacks_a_tensor_a_tokenizer_or_a_size_is_said_so(tmp_path,
             load_model(str(tmp_path), "cpu", "float32", lean=lean)
 
 
+def test_a_model_in_several_weights_files_is_read_from_its_folder_too(tmp_path, tokenizer):
+    """A model of more than a few GB comes in shards that model.safetensors.index.json names: read straight
+    from the folder as one file is (transformers' model object took the cold start's longest part)."""
+    from conftest import tiny_model
+    from engine.folder_model import FolderModel
+    from engine.loader import load_model
+
+    tiny = tiny_model(tokenizer, hidden=128)
+    tiny.model.save_pretrained(tmp_path, max_shard_size="2MB")
+    tokenizer.save_pretrained(tmp_path)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and not (tmp_path / "model.safetensors").exists()
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32", lean=True)
+    assert isinstance(loaded.model, FolderModel) and all(str(shard) in loaded.model.cache_key for shard in shards)
+    ids = tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"]
+    torch.testing.assert_close(_logits(loaded.model, ids), _logits(tiny.model, ids), atol=1e-5, rtol=1e-5)
+    shards[-1].unlink()  # a download that left one out
+    with pytest.raises(ModelError, match=rf"^{tmp_path} lacks {shards[-1].name}, one of the weights' files "):
+        load_model(str(tmp_path), device="cpu", dtype="float32", lean=True)
+
+
 def test_the_bundled_model_loads_from_its_folder_with_the_same_logits(bundled):
     from engine.loader import load_model
 
