@@ -134,7 +134,9 @@ class SequenceKV:
         end = self.reserve(pos, kv.shape[2])
         if self.pool.kv.dtype == torch.int8:
             kv = quantize_rows(kv)
-        self.pool.kv[layer][:, :, self._slots(pos, end)] = kv  # [2, KV, slots, D]
+        # in the pool's format (half-precision activations, an fp32 or fp16 cache): a slice converts as it
+        # writes, but indices (blocks not in a row) must be given the same dtype
+        self.pool.kv[layer][:, :, self._slots(pos, end)] = kv.to(self.pool.kv.dtype)  # [2, KV, slots, D]
         if layer == self.pool.num_layers - 1:
             self.num_tokens = max(self.num_tokens, end)
 

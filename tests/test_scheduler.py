@@ -137,6 +137,23 @@ def test_a_part_filled_last_block_is_reused_by_a_copy():
     assert 6 == pool.allocate(tokens[:6] + [99, 98, 97], 12).num_tokens  # part of a full block, too
 
 
+@pytest.mark.parametrize("pool_dtype, rows_dtype", [(torch.float32, torch.float16),
+                                                     (torch.float16, torch.bfloat16)])
+def test_half_precision_rows_go_into_a_cache_of_another_format_on_scattered_blocks(pool_dtype, rows_dtype):
+    """fp16 or bf16 activations with an fp32 or fp16 cache (--kv-dtype): a slice of the pool converts what
+    it is given, indices (a sequence's blocks not in a row) refused it, which failed the Lab's kv-compression
+    run under --precision fp16."""
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=6, block_size=2, dtype=pool_dtype)
+    first, second = pool.allocate([], 4), pool.allocate([], 2)
+    pool.free(first)
+    scattered = pool.allocate([], 6)
+    assert [0, 1, 3] == scattered.block_ids  # the first's two blocks, then one past the second's
+    rows = torch.randn(2, 1, 6, 4).to(rows_dtype)
+    keys, values = scattered.update_kv(0, 0, rows)
+    assert torch.equal(torch.stack([keys, values]), rows.to(pool_dtype))
+    pool.free(second)
+
+
 def pool_after_six_tokens() -> tuple[KVPool, list[int]]:
     """A pool of three 4-token blocks after a finished sequence of 6 tokens: one full block cached and
     one part-filled (2 rows), one block free."""
