@@ -548,8 +548,9 @@ def test_the_history_table_shows_the_most_recent_sessions_and_says_how_many_ther
     assert (SHOWN_SESSIONS, SHOWN_SESSIONS + 5) == (len(rows), total)
     assert ids[-1] == rows[0][0]  # newest first
     table = sessions_table(store, "", "en")
-    assert f"The {SHOWN_SESSIONS} most recent of {SHOWN_SESSIONS + 5} sessions" in table.label
+    assert f"The {SHOWN_SESSIONS} most recent of {SHOWN_SESSIONS + 5} sessions" in table.label and table.show_label
     assert [["chat 0"]] == [[row[1]] for row in session_rows(store, "chat 0")[0]]  # search reaches the old ones
-    assert sessions_table(store, "chat 0", "en").label is None
+    found = sessions_table(store, "chat 0", "en")  # all of them shown: no note, the label only a screen reader's
+    assert ("Sessions", False) == (found.label, found.show_label)
     store.create_session("remote", "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "endpoint http://h/v1", "", {})
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" == session_rows(store, "remote")[0][0][3]  # a path: its file's name
