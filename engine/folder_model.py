@@ -110,7 +110,8 @@ def _config(raw: dict) -> SimpleNamespace:
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=raw["rms_norm_eps"],
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
         intermediate_size=raw["intermediate_size"],
-        rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"))
+        rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"),
+        sliding_window=raw.get("sliding_window"), use_sliding_window=raw.get("use_sliding_window", False))
 
 
 def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) -> FolderModel:

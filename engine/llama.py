@@ -26,6 +26,15 @@ from .quantize import Int8Cache, Int8Linear, linear_factory
 from .sampling import top_logits, top_logits_batch, top_tempered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def attention_window(config) -> int | None:
+    """How many of the last tokens the model's attention sees, where its config sets a sliding window
+    (Mistral 7B v0.1's 4,096; Qwen2's only with use_sliding_window): the lean forward attends to every
+    token, so its context window ends there, where the two agree. None: it sees them all."""
+    if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None) or None
 INT8_FORMAT = 1  # the layout of the cached int8 weights: raise it when LeanLlama's fusing or quantizing changes
 # Rows per MLP pass on CPU: a long prompt's [T, 2*I] gate/up output (25 MB at 2,048 tokens for SmolLM2)
 # leaves the caches between the matrix products; 512 rows at a time stay in L3 (pp2048's MLP 9 % faster in
@@ -142,7 +151,8 @@ class LeanLlama:
         uniform = [h // (self.num_heads // self.num_kv_heads) for h in range(self.num_heads)]
         self.kv_head_of = None if kv_head_of in (None, uniform) else torch.tensor(kv_head_of, device=model.device)
         self.eps = config.rms_norm_eps
-        self.context_window = min(config.max_position_embeddings, max_positions)
+        self.context_window = min(config.max_position_embeddings, max_positions,
+                                  attention_window(config) or max_positions)
         make = linear_factory(self.precision, self.device)
         weights_key = getattr(model, "cache_key", None)  # a model read from a folder: its int8 form is kept
         if make is Int8Linear and weights_key:

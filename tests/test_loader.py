@@ -117,6 +117,28 @@ def test_a_folder_that_lacks_a_tensor_a_tokenizer_or_a_size_is_said_so(tmp_path,
             load_model(str(tmp_path), "cpu", "float32", lean=lean)
 
 
+@pytest.mark.parametrize("kind, window, context", [("mistral", 64, 64), ("mistral", None, 256),
+                                                   ("qwen2", 64, 256)])
+def test_a_sliding_window_ends_the_context_where_the_lean_forward_agrees(tmp_path, tokenizer, kind, window, context):
+    """The lean forward attends to every token: a model trained to see only the last N (Mistral 7B v0.1's
+    sliding window; Qwen2's only where use_sliding_window is on) has its context end at N, from its config
+    as from its folder."""
+    import json
+
+    from conftest import tiny_model
+    from engine.hf_runner import make_runner
+    from engine.loader import load_model
+
+    tiny = tiny_model(tokenizer, kind)  # 256 positions
+    tiny.model.config.sliding_window = window
+    assert context == make_runner(tiny.model, "fp32").context_window
+    tiny.model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert window == json.loads((tmp_path / "config.json").read_text()).get("sliding_window")
+    folder = load_model(str(tmp_path), "cpu", "float32", lean=True).model
+    assert context == make_runner(folder, "fp32").context_window
+
+
 def test_a_model_in_several_weights_files_is_read_from_its_folder_too(tmp_path, tokenizer):
     """A model of more than a few GB comes in shards that model.safetensors.index.json names: read straight
     from the folder as one file is (transformers' model object took the cold start's longest part)."""
