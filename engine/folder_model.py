@@ -51,7 +51,7 @@ def supports(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (config.get("model_type") in SUPPORTED_MODEL_TYPES and _rope(config)[0] == "default"
-            and bool(weight_files(folder)))
+            and config.get("hidden_act", "silu") == "silu" and bool(weight_files(folder)))
 
 
 def _linear(tensors: dict, name: str) -> SimpleNamespace:
@@ -111,7 +111,8 @@ def _config(raw: dict) -> SimpleNamespace:
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
         intermediate_size=raw["intermediate_size"],
         rope_theta=_rope(raw)[1], eos_token_id=raw.get("eos_token_id"),
-        sliding_window=raw.get("sliding_window"), use_sliding_window=raw.get("use_sliding_window", False))
+        sliding_window=raw.get("sliding_window"), use_sliding_window=raw.get("use_sliding_window", False),
+        hidden_act=raw.get("hidden_act", "silu"))
 
 
 def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) -> FolderModel:

@@ -133,7 +133,11 @@ class LeanLlama:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        return getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
+        """A Llama-family model with the family's SiLU MLP (a config naming another activation runs on
+        transformers' forward)."""
+        config = model.config
+        return (getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
+                and getattr(config, "hidden_act", "silu") == "silu")
 
     def __init__(self, model: torch.nn.Module, precision: str = "auto", max_positions: int = 32768,
                  cache_dir: str | None = None) -> None:

@@ -139,6 +139,24 @@ def test_a_sliding_window_ends_the_context_where_the_lean_forward_agrees(tmp_pat
     assert context == make_runner(folder, "fp32").context_window
 
 
+def test_a_llama_with_another_activation_runs_on_transformers_forward(tmp_path, tokenizer):
+    """The lean forward's MLP is SiLU's, as the family's: a config naming GELU would have run on it with the
+    wrong activation."""
+    from conftest import tiny_model
+    from engine import Engine
+    from engine.folder_model import supports
+    from engine.loader import load_model
+
+    tiny = tiny_model(tokenizer)
+    tiny.model.config.hidden_act = "gelu"
+    tiny.model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert not supports(tmp_path)
+    assert "transformers" == Engine(load_model(str(tmp_path), "cpu", "float32", lean=True)).runner.name
+    tiny.model.config.hidden_act = "silu"
+    assert "lean-llama" == Engine(tiny).runner.name  # the same model with SiLU
+
+
 def test_a_model_in_several_weights_files_is_read_from_its_folder_too(tmp_path, tokenizer):
     """A model of more than a few GB comes in shards that model.safetensors.index.json names: read straight
     from the folder as one file is (transformers' model object took the cold start's longest part)."""
