@@ -37,13 +37,21 @@
   }
 
   // On a phone's width the legend, at the right above the plot, reached the title at the left ("KV 缓存大小"
-  // under "已分配"): below NARROW_PX the title takes the top line, and the legend's rows (up to three) the
-  // room between it and the plot.
+  // under "已分配"): below NARROW_PX the title takes the top line, and the legend's rows (one to four, as
+  // its entries wrap) the room between it and the plot, the top margin grown to hold them once drawn.
   const NARROW_PX = 520;
+  const TITLE_PX = 30;
   function fitted(layout, div) {
     if (div.clientWidth >= NARROW_PX || !layout.title || !layout.margin || !layout.height) return layout;
     return {...layout, margin: {...layout.margin, t: 96},
             title: {...layout.title, yref: "container", y: 1 - 6 / layout.height, yanchor: "top"}};
+  }
+
+  function fitLegend(div) {
+    const legend = div.querySelector(".legend");
+    if (div.clientWidth >= NARROW_PX || !legend || !div.layout.margin) return;
+    const needed = Math.ceil(TITLE_PX + legend.getBBox().height + 8);
+    if (needed > div.layout.margin.t) window.Plotly.relayout(div, {"margin.t": needed});
   }
 
   function draw(name, spec) {
@@ -51,7 +59,10 @@
     if (!div || !window.Plotly) return;
     const chart = charts[name];
     chart.queue = chart.spec = null;  // points and figures queued before this figure are in it
-    timed(chart, () => window.Plotly.react(div, spec.data, fitted(spec.layout, div), CONFIG));
+    timed(chart, () => {
+      window.Plotly.react(div, spec.data, fitted(spec.layout, div), CONFIG);
+      fitLegend(div);
+    });
   }
 
   function schedule(name) {
