@@ -94,15 +94,18 @@ def test_experiments_that_need_the_lean_forward_are_said_so_and_all_runs_the_oth
     """GPT-2 runs on transformers' forward: an experiment that needs the lean one (its KV pool, switches or
     stage times) is refused in one line, before it measures anything; `all` leaves those out and runs the
     rest, which measure it as they do the lean one."""
-    command = [sys.executable, "-m", "app.cli", "lab", "--quick", "--model", str(gpt2_folder),
-               "--db", str(tmp_path / "h.db")]
-    one = subprocess.run([*command, "stages"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert one.returncode == 2 and "Traceback" not in one.stderr
-    assert one.stderr.strip().splitlines()[-1] == (
-        "phasescope: error: “Where the time goes” needs the lean forward of the Llama family (Llama, SmolLM, "
-        f"Mistral, Qwen2), its KV pool and switches; {gpt2_folder.name} runs on transformers' forward.")
-    every = subprocess.run([*command, "all", "--output", "json"], capture_output=True, text=True, cwd=ROOT,
-                           timeout=300)
+    from engine import load_model
+
+    gpt2 = Engine(load_model(str(gpt2_folder), "cpu", "float32", lean=True))
+    with pytest.raises(ValueError) as refused:  # `phasescope lab stages`: this line, exit 2
+        lab.run(gpt2, "stages", quick=True)
+    assert str(refused.value) == (
+        "“Where the time goes” needs the lean forward of the Llama family (Llama, SmolLM, Mistral, Qwen2), its "
+        f"KV pool and switches; {gpt2_folder.name} runs on transformers' forward.")
+    assert lab.cannot_run(gpt2, "stages", "zh").startswith("「时间花在哪里」需要")
+    every = subprocess.run([sys.executable, "-m", "app.cli", "lab", "all", "--quick", "--model", str(gpt2_folder),
+                            "--db", str(tmp_path / "h.db"), "--output", "json"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
     assert every.returncode == 0, every.stderr[-2000:]
     ran = set(json.loads(every.stdout))
     assert {"chunked-prefill", "batching", "roofline"} == ran
