@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -435,11 +436,28 @@ class Engine:
 
     def _runner_for(self, config: EngineConfig):
         """A new forward over the loaded weights in the config's precision (a half-precision copy where
-        it asks for one) and tensor parallelism."""
-        model = self.loaded.model
-        if config.load_dtype in ("float16", "bfloat16"):
-            model = in_dtype(model, getattr(torch, config.load_dtype))
+        it asks for one, fp32 weights where the loaded ones are half: see fp32_weights) and tensor
+        parallelism."""
+        dtype = getattr(torch, config.load_dtype)
+        model = self.fp32_weights().model if dtype == torch.float32 else in_dtype(self.loaded.model, dtype)
         return make_runner(model, config.precision, cache_dir=config.cache_dir, tensor_parallel=config.tensor_parallel)
+
+    def fp32_weights(self) -> LoadedModel:
+        """The model in fp32 for an fp32 or int8 forward (and a precision's reference). Loaded in half precision
+        (`--precision fp16`), an fp32 forward had run the half weights and called itself fp32, and int8 failed
+        ('expected scalar type Float but found Half'): they are read again from their file in fp32 (an upcast
+        copy would keep the half's rounding; only a model built in-process is upcast) and kept as the
+        engine's from then on."""
+        if self.loaded.model.dtype == torch.float32:
+            return self.loaded
+        if Path(self.loaded.source).exists():  # a folder, or a GGUF file (the bundled one: its converted cache)
+            fp32 = load_model(self.loaded.source, self.config.device, "float32", self.config.cache_dir, lean=True)
+            fp32 = dataclasses.replace(fp32, name=self.loaded.name, source=self.loaded.source)
+        else:
+            fp32 = dataclasses.replace(self.loaded, model=in_dtype(self.loaded.model, torch.float32),
+                                       dtype=torch.float32)
+        self.loaded = fp32
+        return fp32
 
     def stop(self) -> None:
         self._stopped.set()

@@ -57,6 +57,27 @@ def test_int8_is_refused_where_the_lean_path_cannot_run(tokenizer):
     assert "transformers" == make_runner(model, "auto").name  # other architectures fall back
 
 
+def test_a_model_loaded_in_half_precision_switches_to_fp32_and_int8_from_its_file(tmp_path, tokenizer):
+    """Started with --precision fp16, the page's switch to fp32 ran the fp16 weights and called them fp32,
+    and to int8 failed every reply ('expected scalar type Float but found Half'): the fp32 weights are read
+    again from the folder (exactly the fp32 load's, not an upcast of the half ones)."""
+    from engine import load_model
+
+    tiny_model(tokenizer).model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = Engine(load_model(str(tmp_path), "cpu", "float16", lean=True), EngineConfig(precision="fp16"))
+    reference = make_runner(load_model(str(tmp_path), "cpu", "float32", lean=True).model, "fp32")
+    ids = torch.tensor(tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"])
+    engine.switch_precision("fp32")
+    assert ("fp32", "float32") == (engine.info.precision, engine.info.dtype)
+    logits = [runner.forward(ids, 0, runner.new_cache(len(ids))) for runner in (engine.runner, reference)]
+    assert torch.equal(*logits)
+    for precision in ("int8", "bf16", "fp16"):
+        engine.switch_precision(precision)
+        finished = engine.generate([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=4))
+        assert finished.error is None and 4 == finished.metrics.num_generated_tokens, precision
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of auto, fp32, fp16, bf16, int8"):
         EngineConfig(precision="int4")

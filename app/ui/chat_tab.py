@@ -290,7 +290,8 @@ def make_switch(engine: Engine, measured: dict):
             return engine.info.precision, gr.skip(), gr.skip()
         from ..bench.extras import precision_report  # the bench's modules import torch
 
-        measured["report"] = engine.call(lambda: precision_report(engine.loaded, engine.runner), name="precision")
+        measured["report"] = engine.call(lambda: precision_report(engine.fp32_weights(), engine.runner),
+                                         name="precision")
         model = panels.model_html(engine.info, lang, engine.config)
         return gr.skip(), model, panels.precision_html(measured["report"], lang)
 
