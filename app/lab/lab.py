@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine import SWITCHES, DecodeStep, EngineConfig, Event, Request, SamplingParams
+from engine import SWITCHES, DecodeStep, EngineConfig, Event, Finished, Request, SamplingParams
 
 if TYPE_CHECKING:
     from engine import Engine
@@ -76,7 +76,10 @@ class Lab:
         weights and time per stage; time_stages: the time per stage alone."""
         request = self.request(engine, prompt, max_new_tokens, **options)
         request.explain, request.time_stages = explain, time_stages
-        return request, list(engine.run(request))
+        events = list(engine.run(request))
+        if isinstance(events[-1], Finished) and events[-1].error:  # said as it is, not as a figure of nothing
+            raise RuntimeError(events[-1].error)
+        return request, events
 
 
 def decode_steps(events: list[Event]) -> list[DecodeStep]:
