@@ -81,6 +81,8 @@ def _new_pool(runner, config: EngineConfig, budget_bytes: int):
     """The runner's KV pool under the config: its format, and prefix caching (which needs a cache)."""
     # without a KV cache nothing is kept to reuse; a sliding window's blocks are its own
     prefix_caching = config.prefix_caching and config.kv_cache and config.kv_window is None
+    if config.kv_window is not None and runner.name != "lean-llama":  # transformers' caches do not slide
+        raise ValueError(f"--kv-window needs the lean forward, not {runner.name}")
     if config.kv_dtype == "auto":
         return runner.new_pool(budget_bytes, config.kv_block_tokens, prefix_caching)
     if runner.name != "lean-llama":

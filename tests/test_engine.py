@@ -107,6 +107,9 @@ def test_an_architecture_the_lean_path_does_not_know_runs_with_its_cache_in_sigh
     assert (2, layer, 32, 32 * len(tokenizer)) == engine._flop_shape and steps[1].flops > 2 * 2 * layer
     assert 128 == events[0].kv_capacity_tokens and cache_visible(events[0])
     assert (4 * 32, 2 * 2 * 32 * 4 * steps[-1].kv_tokens) == (Shape.of(engine).intermediate, steps[-1].kv_bytes)
+    for switch in (dict(kv_window=64), dict(kv_dtype="int8"), dict(attention="eager"), dict(kv_cache=False)):
+        with pytest.raises(ValueError, match="need the lean forward, not transformers|needs the lean forward"):
+            engine.variant(**switch)  # said, not ignored (a window on transformers' cache ran as no window)
 
 
 def test_penalties_give_the_tokens_of_a_plain_greedy_loop_that_applies_them(tiny):
