@@ -16,7 +16,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# `bench --quick` and `lab all --quick` end to end, every section and experiment (3-4 minutes here)
+# `bench --quick`, `lab all --quick` and the GPU check scripts (on the CPU) end to end (3-4 minutes here)
 sweep: $(STAMP)
 	$(BIN)/python -m pytest -m sweep
 

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# whole scripts, 20-30 s each here: in `make sweep`, which .ci/run runs beside `make test`
+pytestmark = pytest.mark.sweep
 ROOT = Path(__file__).resolve().parents[1]
 
 
