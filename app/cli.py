@@ -777,8 +777,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
     results = {}
     try:
         for name in names:
-            if len(names) > 1 and lab.cannot_run(engine, name, args.lang):  # all: the others still run
-                log(f"lab {name}: left out: {lab.cannot_run(engine, name, args.lang)}")
+            if len(names) > 1 and (refusal := lab.cannot_run(engine, name, args.lang)):  # all: the rest runs
+                log(f"lab {name}: left out: {refusal}")
                 continue
             log(f"lab {name}{' (quick)' if args.quick else ''}:")
             result = lab.run(engine, name, args.prompt, args.quick,

@@ -103,8 +103,8 @@ def run(engine: Engine, name: str, prompt: str | None = None, quick: bool = Fals
         progress: Callable[[str], None] | None = None, stop=None) -> LabResult:
     """Run one experiment on the engine (on the thread that steps it; not while it serves) and return its
     result, timed and with the machine it ran on. Raises LabStopped when stop is set between measurements."""
-    if cannot_run(engine, name):
-        raise ValueError(cannot_run(engine, name))
+    if refusal := cannot_run(engine, name):
+        raise ValueError(refusal)
     start = time.perf_counter()
     result = EXPERIMENTS[name].run(Lab(engine, quick, progress, stop), prompt_for(name, prompt))
     result.seconds, result.quick, result.machine = round(time.perf_counter() - start, 2), quick, machine(engine)
