@@ -34,7 +34,7 @@ from .hf_runner import TransformersRunner, in_dtype, make_runner
 from .info import ModelInfo, PoolUsage
 from .kv_pool import blocks_for, kv_bytes_formula
 from .loader import LoadedModel, load_model
-from .prompt import PromptTooLong, check_messages, fit_conversation, render_prompt
+from .prompt import PromptTooLong, check_messages, fit_conversation, has_chat_template, render_prompt
 from .request import Request, Status
 from .sampling import SeenTokens, make_generator, sample, top_logits, top_tempered
 from .scheduler import Scheduler
@@ -166,7 +166,7 @@ class Engine:
                          str(dtype).removeprefix("torch."), self.runner.name,
                          getattr(self.runner, "decode_path", "PyTorch ops"), self.runner.precision,
                          config.num_hidden_layers, kv_heads, head_dim, self.context_window, per_token,
-                         bool(getattr(self.tokenizer, "chat_template", None)))
+                         has_chat_template(self.tokenizer))
 
     @property
     def setup(self) -> dict:

@@ -52,6 +52,11 @@ def reply_message(text: str, token_ids: list[int]) -> dict:
     return {"role": "assistant", "content": text, "token_ids": list(token_ids)}
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer has a chat template; a base model's has none (its messages are joined as text)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """The whole conversation through the tokenizer's chat template, as token ids.
 
@@ -61,7 +66,7 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     again, a reply can split differently (SmolLM2 writes "\n\n" as one token; its tokenizer, before a
     digit, as two), and the cache's match ends there."""
     texts = [{"role": m["role"], "content": valid_text(m["content"])} for m in messages]
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         return tokenizer("\n\n".join(m["content"] for m in texts))["input_ids"]
     text = tokenizer.apply_chat_template(texts, tokenize=False, add_generation_prompt=True)
     ids, done, end = [], 0, 0  # the ids so far, how much of text they cover, where the last message ends

@@ -78,24 +78,17 @@ def prompt_for(name: str, prompt: str | None) -> str:
     return prompt if prompt and prompt.strip() else EXPERIMENTS[name].default_prompt
 
 
-def unmet(engine: Engine, name: str) -> str:
-    """What of the engine an experiment needs and this one lacks ("" for nothing: it can run): "lean" where
-    the model runs on transformers' forward, "one_process" where the lean forward runs in tensor-parallel
-    ranks."""
+def cannot_run(engine: Engine, name: str, lang: str = DEFAULT) -> str:
+    """Why an experiment cannot run on this engine, in one line ("" where it can): it needs the lean forward
+    and the model runs on transformers', or it needs that forward in this process and it runs in
+    tensor-parallel ranks."""
     needs = EXPERIMENTS[name].needs
     if needs and engine.info.model_path != "lean-llama":
-        return "lean"
-    if needs == "one_process" and not getattr(engine.runner, "explains", False):
-        return "one_process"
-    return ""
-
-
-def cannot_run(engine: Engine, name: str, lang: str = DEFAULT) -> str:
-    """Why an experiment cannot run on this engine, in one line ("" where it can)."""
-    missing = unmet(engine, name)
-    if not missing:
+        key = "lab.needs_lean"
+    elif needs == "one_process" and not getattr(engine.runner, "explains", False):
+        key = "lab.needs_one_process"
+    else:
         return ""
-    key = {"lean": "lab.needs_lean", "one_process": "lab.needs_one_process"}[missing]
     return t(lang, key, title=EXPERIMENTS[name].title(lang), model=engine.info.name)
 
 
