@@ -14,6 +14,7 @@ import gradio as gr
 
 from engine import EngineConfig
 
+from . import STATIC
 from .cli import engine_line
 from .i18n import DEFAULT, K, t
 from .ui import chat_tab, explain, history_tab, lab_tab, language
@@ -28,7 +29,6 @@ from .startup import settle
 if TYPE_CHECKING:
     from engine import Engine
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
 TITLE = "PhaseScope"
 FONTS = ("system-ui", "Noto Sans CJK SC", "Noto Sans SC", "PingFang SC", "Microsoft YaHei", "sans-serif")
 

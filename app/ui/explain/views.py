@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from html import escape
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
 from engine import DecodeStep, Request, SamplingParams, token_bytes
 
+from ... import STATIC
 from ...i18n import t
 from .. import charts
 from ..trace import ReplyTrace
@@ -22,7 +22,7 @@ from ..trace import ReplyTrace
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
 
-PIPELINE_SVG = Path(__file__).resolve().parents[3] / "static" / "pipeline.svg"
+PIPELINE_SVG = STATIC / "pipeline.svg"
 SHOWN_PROMPT_TOKENS = 48  # the prompt's last tokens shown (the chat template's system prompt is long)
 SHOWN_TEXT_TOKENS = 200  # the user's text as tokens: its first ones (a pasted page would fill screens)
 SHOWN_TEXT_CHARS = 120  # the text itself, quoted above them
