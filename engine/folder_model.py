@@ -54,16 +54,37 @@ def supports(folder: Path) -> bool:
             and config.get("hidden_act", "silu") == "silu" and bool(weight_files(folder)))
 
 
-def _linear(tensors: dict, name: str) -> SimpleNamespace:
-    return SimpleNamespace(weight=tensors[f"{name}.weight"], bias=tensors.get(f"{name}.bias"))
+class _Linear:
+    """A linear's weight and bias, read from the model's file in its dtype each time they are taken."""
 
+    def __init__(self, model: FolderModel, name: str) -> None:
+        if f"{name}.weight" not in model._tensors:
+            raise KeyError(f"{name}.weight")
+        self._model, self._name = model, name
 
-def _norm(tensors: dict, name: str) -> SimpleNamespace:
-    return SimpleNamespace(weight=tensors[f"{name}.weight"])
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._model._read(f"{self._name}.weight")
+
+    @property
+    def weight_shape(self) -> torch.Size:
+        """[out, in], without converting the weight (int8 rows from their cache need no more)."""
+        return self._model._tensors[f"{self._name}.weight"].shape
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        has_bias = f"{self._name}.bias" in self._model._tensors
+        return self._model._read(f"{self._name}.bias") if has_bias else None
 
 
 class FolderModel:
-    """The weights and config of a Llama-family model, named as transformers names them."""
+    """The weights and config of a Llama-family model, named as transformers names them.
+
+    It holds the file's tensors as they are, memory-mapped, and gives a linear's weight converted to the
+    model's dtype where it is taken (LeanLlama fuses, quantizes or slices it, and keeps only that): a
+    bf16 file run in fp32 or int8 is not held a second time, converted, beside what the forward keeps,
+    and int8 rows read from their cache never make the float weights at all. The embedding (which a tied
+    head shares) and the norms are converted once."""
 
     def __init__(self, config: SimpleNamespace, tensors: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, cache_key: str | None = None) -> None:
@@ -73,19 +94,27 @@ class FolderModel:
         # list: an instruct model's end of turn and end of text), else config.json's
         self.generation_config = SimpleNamespace(eos_token_id=config.generation_eos_token_id)
         self._tensors = tensors
+
+        def norm(name: str) -> SimpleNamespace:
+            return SimpleNamespace(weight=self._read(f"{name}.weight"))
+
         layers = [SimpleNamespace(
-            self_attn=SimpleNamespace(**{p: _linear(tensors, f"model.layers.{i}.self_attn.{p}")
+            self_attn=SimpleNamespace(**{p: _Linear(self, f"model.layers.{i}.self_attn.{p}")
                                          for p in ("q_proj", "k_proj", "v_proj", "o_proj")}),
-            mlp=SimpleNamespace(**{p: _linear(tensors, f"model.layers.{i}.mlp.{p}")
+            mlp=SimpleNamespace(**{p: _Linear(self, f"model.layers.{i}.mlp.{p}")
                                    for p in ("gate_proj", "up_proj", "down_proj")}),
-            input_layernorm=_norm(tensors, f"model.layers.{i}.input_layernorm"),
-            post_attention_layernorm=_norm(tensors, f"model.layers.{i}.post_attention_layernorm"),
+            input_layernorm=norm(f"model.layers.{i}.input_layernorm"),
+            post_attention_layernorm=norm(f"model.layers.{i}.post_attention_layernorm"),
         ) for i in range(config.num_hidden_layers)]
         # tied embedding and head: safetensors keeps one tensor, under either name
-        embed = tensors.get("model.embed_tokens.weight", tensors.get("lm_head.weight"))
+        embed = self._read("model.embed_tokens.weight" if "model.embed_tokens.weight" in tensors else "lm_head.weight")
         self.model = SimpleNamespace(layers=layers, embed_tokens=SimpleNamespace(weight=embed),
-                                     norm=_norm(tensors, "model.norm"), rotary_emb=self.rotary)
-        self.lm_head = SimpleNamespace(weight=tensors.get("lm_head.weight", embed))
+                                     norm=norm("model.norm"), rotary_emb=self.rotary)
+        self.lm_head = _Linear(self, "lm_head") if "lm_head.weight" in tensors else SimpleNamespace(weight=embed)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """A tensor in the model's dtype and on its device: the file's own where they match (no copy)."""
+        return self._tensors[name].to(device=self.device, dtype=self.dtype)
 
     def rotary(self, probe: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' default RoPE: (cos, sin) of positions [1, P], each [1, P, head_dim]."""
@@ -96,9 +125,8 @@ class FolderModel:
         return angles.cos()[None].to(probe.dtype), angles.sin()[None].to(probe.dtype)
 
     def to(self, dtype: torch.dtype) -> FolderModel:
-        """A copy in another dtype (half-precision modes)."""
-        return FolderModel(self.config, {k: v.to(dtype) for k, v in self._tensors.items()}, self.device, dtype,
-                           f"{self.cache_key}|{dtype}")
+        """The same weights in another dtype (half-precision modes), converted from the file's where taken."""
+        return FolderModel(self.config, self._tensors, self.device, dtype, f"{self.cache_key}|{dtype}")
 
 
 def _config(raw: dict) -> SimpleNamespace:
@@ -129,8 +157,8 @@ def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) ->
     for weights in weight_files(folder):
         if not weights.exists():
             raise ModelError(f"{folder} lacks {weights.name}, one of the weights' files {SHARD_INDEX} names")
-        with safe_open(str(weights), framework="pt", device=str(device)) as f:
-            tensors.update({name: f.get_tensor(name).to(dtype) for name in f.keys()})
+        with safe_open(str(weights), framework="pt", device="cpu") as f:  # memory-mapped, as the file holds them
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
         stat = weights.stat()  # a file rewritten in place gets a new size or time, so a new key
         key += f"{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
     key += str(dtype)

@@ -142,7 +142,7 @@ def in_dtype(model, dtype: torch.dtype):
     """The model with its weights in dtype: itself, or a converted copy (the loaded one stays as it is)."""
     if model.dtype == dtype:
         return model
-    if isinstance(model, torch.nn.Module):  # its to() converts in place; a FolderModel's returns a copy
+    if isinstance(model, torch.nn.Module):  # its to() converts in place; a FolderModel's reads its file anew
         model = copy.deepcopy(model)
     return model.to(dtype)
 

@@ -57,11 +57,16 @@ def _fused(make, *parts: tuple[torch.nn.Module, int]):
         bias = torch.cat([b if b is not None else linear.weight.new_zeros(linear.weight.shape[0])
                           for b, (linear, _) in zip(biases, parts)])
     if isinstance(make, Int8Cache):
-        shape = (sum(linear.weight.shape[0] for linear, _ in parts), parts[0][0].weight.shape[1])
+        shape = (sum(_shape(linear)[0] for linear, _ in parts), _shape(parts[0][0])[1])
         cached = make.cached(shape, bias)
         if cached is not None:
             return cached
     return make(torch.cat([_paired(linear.weight, heads) for linear, heads in parts]).detach(), bias)
+
+
+def _shape(linear) -> torch.Size:
+    """A linear's weight's [out, in]; a FolderModel's says it without converting the weight to its dtype."""
+    return linear.weight_shape if hasattr(linear, "weight_shape") else linear.weight.shape
 
 
 def _paired(t: torch.Tensor | None, pair_heads: int) -> torch.Tensor | None:

@@ -230,6 +230,32 @@ def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeyp
     assert torch.equal(first, logits()) and before == len(quantized)  # ... and read back next time
 
 
+def test_a_half_precision_folder_is_held_as_its_file_and_cached_int8_rows_convert_no_weight(tmp_path, tokenizer,
+                                                                                          monkeypatch):
+    # a bf16 file (most downloads) run in fp32 or int8 had every weight converted to fp32 and kept beside
+    # what the forward keeps: a 0.5 B model held 2.1 GB more in int8 than the rows it runs
+    from conftest import tiny_model
+    from engine.folder_model import FolderModel
+    from engine.hf_runner import make_runner
+    from engine.loader import load_model
+
+    folder, cache = tmp_path / "model", str(tmp_path / "cache")
+    tiny_model(tokenizer, hidden=128).model.to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ids = tokenizer("Prefill reads the prompt; decode writes the reply.")["input_ids"]
+    loaded = load_model(str(folder), "cpu", "float32", lean=True)
+    assert {t.dtype for t in loaded.model._tensors.values()} == {torch.bfloat16}  # the file's, not a copy
+    reference = load_model(str(folder), "cpu", "float32").model  # transformers' model, upcast as it loads
+    torch.testing.assert_close(_logits(loaded.model, ids), _logits(reference, ids), atol=1e-5, rtol=1e-5)
+
+    make_runner(loaded.model, "int8", cache_dir=cache)  # quantizes, and keeps the rows
+    read = []
+    real = FolderModel._read
+    monkeypatch.setattr(FolderModel, "_read", lambda self, name: read.append(name) or real(self, name))
+    make_runner(load_model(str(folder), "cpu", "float32", lean=True).model, "int8", cache_dir=cache)
+    assert "model.norm.weight" in read and not [name for name in read if name.endswith("proj.weight")]
+
+
 def test_the_engines_tokenizer_reads_like_transformers(bundled):
     from engine.loader import load_tokenizer, model_folder
     from engine.tokenizer import FolderTokenizer
