@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 from .config import CHAT_REPETITION_PENALTY, CHAT_TOP_P, SWITCHES, EngineConfig, Limits, SamplingParams
-from .errors import EngineBusy, KVPoolTooSmall, ModelError, QueueFull
+from .errors import EngineBusy, KVPoolTooSmall, ModelError, NotEnoughMemory, QueueFull
 from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken,
                      Speculation, Started, TopToken)
 from .info import ModelInfo, PoolUsage
@@ -46,6 +46,7 @@ __all__ = [
     "CHAT_REPETITION_PENALTY", "CHAT_TOP_P", "FORWARD_STAGES", "DecodeStep", "Engine", "EngineBusy", "EngineConfig",
     "Event", "Finished", "FirstToken", "Hook",
     "IncrementalDetokenizer", "KVPool", "KVPoolTooSmall", "Limits", "LoadedModel", "ModelError", "ModelInfo",
+    "NotEnoughMemory",
     "PoolUsage", "PrefillChunk", "PromptToken", "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SWITCHES", "SamplingParams", "Started", "Status", "TopToken", "check_messages",
     "default_model_path", "kv_bytes_formula", "load_model", "model_sampling", "percentiles", "render_prompt",

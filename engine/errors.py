@@ -11,6 +11,19 @@ def missing_weight(folder, name: str) -> ModelError:
                       "another model")
 
 
+class NotEnoughMemory(ModelError):
+    """Weights that would not fit in the memory left, said before they are made (the kernel would kill the
+    process midway: a page, its replies and the other tabs gone without a word)."""
+
+    def __init__(self, precision: str, needed: int, free: int, int8_needed: int) -> None:
+        self.precision, self.needed_gb, self.free_gb = precision, needed / 1e9, free / 1e9
+        self.int8_gb = int8_needed / 1e9 if precision != "int8" else None
+        advice = (f"choose int8 (about {self.int8_gb:.1f} GB)" if self.int8_gb is not None
+                  else "close other programs or choose a smaller model")
+        super().__init__(f"the weights need about {self.needed_gb:.1f} GB in {precision} and {self.free_gb:.1f} GB "
+                         f"of memory is free: {advice}")
+
+
 class KVPoolTooSmall(ValueError):
     """A request that could never fit in the pool, however long it waited."""
 

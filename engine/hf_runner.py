@@ -11,6 +11,7 @@ import inspect
 import torch
 
 from .config import DEFAULT_BLOCK_TOKENS
+from .errors import NotEnoughMemory
 from .info import PoolUsage
 from .llama import DTYPE_NAMES, LeanLlama
 
@@ -166,7 +167,10 @@ def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bo
             runner = LeanLlama(model, "int8", cache_dir=cache_dir)
             if runner.fused is not None:
                 return runner
-            precision = "fp32"  # no native step here (no compiler, odd widths): fp32 decodes faster
+            try:  # no native step here (no compiler, odd widths): fp32 decodes faster, where it fits
+                return LeanLlama(model, "fp32", cache_dir=cache_dir)
+            except NotEnoughMemory:
+                return runner
         return LeanLlama(model, precision, cache_dir=cache_dir)
     if precision == "int8":
         raise ValueError(f"precision int8 needs the lean Llama-family path; {model.config.model_type} models "

@@ -21,7 +21,8 @@ from .cuda_graphs import GraphDecode
 from .fused import load_fused_decode
 from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for
-from .loader import cache_root
+from .errors import NotEnoughMemory
+from .loader import cache_root, free_memory
 from .quantize import Int8Cache, Int8Linear, linear_factory
 from .sampling import top_logits, top_logits_batch, top_tempered
 
@@ -162,6 +163,8 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self.context_window = min(config.max_position_embeddings, max_positions,
                                   attention_window(config) or max_positions)
+        if self.device.type == "cpu":
+            self._check_room(config)
         make = linear_factory(self.precision, self.device)
         weights_key = getattr(model, "cache_key", None)  # a model read from a folder: its int8 form is kept
         if make is Int8Linear and weights_key:
@@ -251,6 +254,16 @@ class LeanLlama:
     def top_logits_batch(self, logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
         """top_logits of each row of logits [B, vocab]."""
         return (self.fused.top_logits_batch if self.fused is not None else top_logits_batch)(logits, k)
+
+    def _check_room(self, config) -> None:
+        """Refuse, in one line, weights that would not fit in the memory left (see NotEnoughMemory)."""
+        q, kv, hidden = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, config.hidden_size
+        numel = self.num_layers * (hidden * (2 * q + 2 * kv) + 3 * hidden * config.intermediate_size) \
+            + config.vocab_size * hidden  # the head (tied to the embedding in fp32, it takes no more: counted)
+        element = 1 if self.precision == "int8" else torch.tensor([], dtype=self.dtype).element_size()
+        free = free_memory()
+        if free is not None and numel * element > 0.9 * free:  # a tenth left for activations, the KV cache
+            raise NotEnoughMemory(self.precision, numel * element, free, numel)
 
     def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp

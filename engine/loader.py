@@ -111,6 +111,26 @@ def _remembered_hash(path: Path, folder: Path) -> str:
 WRITE_ERRORS = (OSError, SafetensorError)
 
 
+def free_memory() -> int | None:
+    """Bytes a new allocation can still take: the kernel's MemAvailable (page cache it can drop counts,
+    such as a memory-mapped weights file), or less under a cgroup's limit (a container's); None where
+    neither can be read (not Linux)."""
+    try:
+        found = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    if found is None:
+        return None
+    free = int(found.group(1)) * 1024
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
 def write_atomically(path: Path, write) -> None:
     """write(scratch) to a file beside path, then put it in path's place: another process reads the old
     file or the new one, never half of one. For the caches: one that cannot be written (a full disk, a

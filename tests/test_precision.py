@@ -78,6 +78,34 @@ def test_a_model_loaded_in_half_precision_switches_to_fp32_and_int8_from_its_fil
         assert finished.error is None and 4 == finished.metrics.num_generated_tokens, precision
 
 
+def test_weights_that_would_not_fit_are_refused_in_one_line_and_the_running_precision_stays(tokenizer, monkeypatch):
+    # the kernel kills a process that runs out of memory: a 7 B model switched to fp32 (28 GB) on a 24 GB
+    # machine took the page, its replies and every tab with it, without a word
+    from app.bench.extras import precision_report
+    from app.ui.language import user_error
+    from app.ui.panels import precision_html
+    from engine import NotEnoughMemory, llama
+
+    loaded = tiny_model(tokenizer)  # about 12.6 MB of weights in fp32, 3.2 MB in int8
+    engine = Engine(loaded, EngineConfig(precision="int8"))
+    monkeypatch.setattr(llama, "free_memory", lambda: 6_000_000)
+    with pytest.raises(NotEnoughMemory, match=r"^the weights need about 0\.0 GB in fp32 and 0\.0 GB of memory is "
+                                              r"free: choose int8 \(about 0\.0 GB\)$") as refused:
+        engine.switch_precision("fp32")
+    assert "int8" == engine.info.precision  # still running, as before
+    finished = engine.generate([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=4))
+    assert finished.error is None and 4 == finished.metrics.num_generated_tokens
+    assert refused.value.needed_gb > 0.012 and "请选择 int8" in user_error("zh", refused.value)
+
+    report = precision_report(loaded, engine.runner)  # its fp32 reference would not fit either: speed alone
+    assert "no_reference_gb" in report and "top1_agreement" not in report
+    assert "not compared with fp32" in precision_html(report, "en") and "未与 fp32 对比" in precision_html(report, "zh")
+
+    monkeypatch.setattr(llama, "free_memory", lambda: 1_000_000)
+    with pytest.raises(NotEnoughMemory, match="in int8 .*: close other programs or choose a smaller model$"):
+        make_runner(loaded.model, "int8")
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of auto, fp32, fp16, bf16, int8"):
         EngineConfig(precision="int4")

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P, Engine, SamplingParams
+from engine import CHAT_REPETITION_PENALTY, CHAT_TOP_P, Engine, NotEnoughMemory, SamplingParams
 
 from .browser import ROOT, start_app
 
@@ -241,7 +241,11 @@ def precision_report(loaded, runner) -> dict:
     speed = decode_speed(runner)
     if runner.precision == "fp32":
         return {"precision": "fp32", "decode_tokens_per_s": round(speed, 1)}
-    reference = make_runner(loaded.model, "fp32")
+    try:
+        reference = make_runner(loaded.model, "fp32")
+    except NotEnoughMemory as exc:  # beside this precision's weights: its speed alone, and why
+        return {"precision": runner.precision, "decode_tokens_per_s": round(speed, 1),
+                "no_reference_gb": round(exc.needed_gb, 1)}
     report = quality_vs(reference, runner, loaded.tokenizer)
     reference_speed = decode_speed(reference)
     return {"precision": runner.precision, **report, "decode_tokens_per_s": round(speed, 1),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import (EngineBusy, Event, Request, SamplingParams, Status, model_sampling, sampling_defaults,
+from engine import (EngineBusy, Event, ModelError, Request, SamplingParams, Status, model_sampling, sampling_defaults,
                     sampling_origin)
 
 from ..remote import Endpoint
@@ -285,7 +285,7 @@ def make_switch(engine: Engine, measured: dict):
             return gr.skip(), gr.skip(), gr.skip()
         try:
             engine.call(lambda: engine.switch_precision(precision))
-        except (EngineBusy, ValueError) as exc:
+        except (EngineBusy, ModelError, ValueError) as exc:  # ModelError: the weights would not fit, say
             gr.Warning(user_error(lang, exc))
             return engine.info.precision, gr.skip(), gr.skip()
         from ..bench.extras import precision_report  # the bench's modules import torch

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from engine import EngineBusy, PromptTooLong, QueueFull
+from engine import EngineBusy, NotEnoughMemory, PromptTooLong, QueueFull
 
 from ..i18n import DEFAULT, LANGUAGES, K, t
 
@@ -77,6 +77,9 @@ def user_error(lang: str, error: Exception) -> str:
         return t(lang, "error.queue_full")
     if isinstance(error, EngineBusy):
         return t(lang, "error.busy_held" if error.held else "error.busy")
+    if isinstance(error, NotEnoughMemory):
+        return t(lang, "error.memory_int8" if error.int8_gb is not None else "error.memory", needed=error.needed_gb,
+                 free=error.free_gb, precision=error.precision, int8=error.int8_gb)
     if str(error) in EMPTY_MESSAGES:
         return t(lang, "error.empty")
     return t(lang, "error.other", detail=str(error))
