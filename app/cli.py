@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import re
 import signal
@@ -919,6 +920,12 @@ def main(argv: list[str] | None = None) -> int:
     from app.history.errors import StoreError
     from engine import ModelError
 
+    engine_log = logging.getLogger("engine")  # what a first start does once (a conversion, int8 rows) that
+    if not engine_log.handlers:  # takes a while
+        said = logging.StreamHandler(sys.stderr)
+        said.setFormatter(logging.Formatter("%(message)s"))
+        engine_log.addHandler(said)
+        engine_log.setLevel(logging.INFO)
     try:
         return COMMANDS[args.command](args)
     except BrokenPipeError:  # what read the output went away (`phasescope generate --json | head -1`)

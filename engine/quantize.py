@@ -6,6 +6,7 @@ A handler makes the quantized weights once, at load, and is then called like F.l
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .loader import write_atomically
+
+log = logging.getLogger(__name__)
 
 
 class DenseLinear:
@@ -179,6 +182,9 @@ class Int8Cache:
     def __call__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         linear = self.cached(weight.shape, bias)
         if linear is None:
+            if len(self._made) == len(self._read_groups):  # the first linear made now, not read from the file
+                log.info("quantizing the weights to int8 once (a second for the bundled model, a minute or two "
+                         "for a 7 B one, on two cores); later starts read them from %s", self.path)
             linear = Int8Linear(weight, bias)
             self._made.append(linear)
         return linear

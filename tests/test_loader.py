@@ -1,6 +1,8 @@
 """Finding and loading models, and the errors a user can cause."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -254,6 +256,26 @@ def test_a_half_precision_folder_is_held_as_its_file_and_cached_int8_rows_conver
     monkeypatch.setattr(FolderModel, "_read", lambda self, name: read.append(name) or real(self, name))
     make_runner(load_model(str(folder), "cpu", "float32", lean=True).model, "int8", cache_dir=cache)
     assert "model.norm.weight" in read and not [name for name in read if name.endswith("proj.weight")]
+
+
+def test_what_a_first_start_does_once_is_said_on_stderr_and_not_again(tmp_path, tokenizer):
+    # a 7 B model's first start in int8 quantized for two minutes behind "Loading the model…" alone
+    import subprocess
+    import sys
+
+    from conftest import tiny_model
+
+    folder = tmp_path / "model"
+    tiny_model(tokenizer).model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    command = [sys.executable, "-m", "app.cli", "generate", "--model", str(folder), "--precision", "int8",
+               "--max-new-tokens", "2", "Hi"]
+    env = {**os.environ, "PHASESCOPE_CACHE": str(tmp_path / "cache")}
+    first, again = (subprocess.run(command, capture_output=True, text=True, env=env, timeout=300) for _ in range(2))
+    assert 0 == first.returncode == again.returncode, first.stderr + again.stderr
+    said = [line for line in first.stderr.splitlines() if line.startswith("quantizing the weights to int8 once")]
+    assert len(said) == 1 and str(tmp_path / "cache" / "int8") in said[0]
+    assert "quantizing" not in again.stderr
 
 
 def test_the_engines_tokenizer_reads_like_transformers(bundled):
