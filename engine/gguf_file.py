@@ -42,18 +42,9 @@ def gguf_cut_short(path: Path) -> str | None:
     size = path.stat().st_size
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
-            tensors = struct.unpack_from("<Q", header, 8)[0] if header[:4] == b"GGUF" else 0
-            alignment, at = _DEFAULT_ALIGNMENT, 24
-            for key, value, at in _entries(header):
-                if key == "general.alignment" and isinstance(value, int) and value > 0:
-                    alignment = value
+            tensors, at, alignment = _tensors(header)
             data_end = 0
-            for _ in range(tensors):
-                at += 8 + struct.unpack_from("<Q", header, at)[0]  # the name
-                (dims,) = struct.unpack_from("<I", header, at)
-                shape = struct.unpack_from(f"<{dims}Q", header, at + 4)
-                kind, offset = struct.unpack_from("<IQ", header, at + 4 + 8 * dims)
-                at += 16 + 8 * dims
+            for shape, kind, offset in tensors:
                 block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
                 data_end = max(data_end, offset + math.prod(shape) // block * block_bytes)
     except struct.error:
@@ -65,6 +56,33 @@ def gguf_cut_short(path: Path) -> str | None:
         return (f"the file is {size:,} bytes but its tensors run to byte {needed:,} (a copy or download that did "
                 "not finish?)")
     return None
+
+
+def gguf_parameters(path: Path) -> int | None:
+    """How many numbers a GGUF file's tensors hold; None for a file it cannot read."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as header:
+            return sum(math.prod(shape) for shape, _, _ in _tensors(header)[0])
+    except (OSError, ValueError, struct.error, RecursionError):
+        return None
+
+
+def _tensors(header) -> tuple[list[tuple[tuple[int, ...], int, int]], int, int]:
+    """Each tensor's shape, type and data offset; the offset after their descriptions; the data's alignment."""
+    count = struct.unpack_from("<Q", header, 8)[0] if header[:4] == b"GGUF" else 0
+    alignment, at = _DEFAULT_ALIGNMENT, 24
+    for key, value, at in _entries(header):
+        if key == "general.alignment" and isinstance(value, int) and value > 0:
+            alignment = value
+    tensors = []
+    for _ in range(count):
+        at += 8 + struct.unpack_from("<Q", header, at)[0]  # the name
+        (dims,) = struct.unpack_from("<I", header, at)
+        shape = struct.unpack_from(f"<{dims}Q", header, at + 4)
+        kind, offset = struct.unpack_from("<IQ", header, at + 4 + 8 * dims)
+        at += 16 + 8 * dims
+        tensors.append((shape, kind, offset))
+    return tensors, at, alignment
 
 
 def _entries(header) -> Iterator[tuple[str, object, int]]:

@@ -416,3 +416,19 @@ def test_a_gguf_file_cut_short_is_said_so(tmp_path, kept, said):
         cut.write_bytes(source.read(kept))
     with pytest.raises(ModelError, match=f"^cannot load {cut}: {said}"):
         convert_gguf(cut, str(tmp_path / "cache"))
+
+
+def test_a_gguf_conversion_that_would_not_fit_in_memory_is_refused_before_it_starts(tmp_path, monkeypatch):
+    # transformers dequantizes a whole GGUF file to fp32 at once: a 7 B model's took more than a 24 GB
+    # machine has, and the kernel killed the process without a word
+    from engine import loader
+    from engine.gguf_file import gguf_parameters
+
+    gguf, cache = default_model_path(), tmp_path / "cache"
+    assert 134_515_008 == gguf_parameters(gguf)  # SmolLM2-135M's, embedding and all
+    monkeypatch.setattr(loader, "free_memory", lambda: 500_000_000)
+    with pytest.raises(ModelError, match=r"^converting SmolLM2-135M-Instruct.Q4_1.gguf takes about 1 GB of memory "
+                                         r"\(transformers dequantizes every weight to fp32 at once\) and 0.5 GB is "
+                                         r"free: give the model's Hugging Face folder \(safetensors\)"):
+        loader.convert_gguf(gguf, str(cache))
+    assert not list((cache / "converted").glob("SmolLM2*"))
