@@ -248,10 +248,10 @@ def precision_html(report: dict | None, lang: str = DEFAULT) -> str:
     if report["precision"] == "fp32":
         return (f'<div class="ps-model" data-kpi="precision">'
                 f'{t(lang, "precision.reference", tps=report["decode_tokens_per_s"])}</div>')
-    if "no_reference_gb" in report:
+    if "no_reference_gb" in report:  # fp32's weights would not have fit beside these
         measured = t(lang, "precision.no_reference", tps=report["decode_tokens_per_s"], gb=report["no_reference_gb"])
-        return f'<div class="ps-model" data-kpi="precision"><b>{escape(report["precision"])}</b>: {measured}</div>'
-    measured = t(lang, "precision.measured", agreement=100 * report["top1_agreement"], kl=report["mean_kl_nats"],
-                 positions=report["positions"], ratio=report["decode_vs_fp32"], tps=report["decode_tokens_per_s"],
-                 fp32_tps=report["fp32_decode_tokens_per_s"])
+    else:
+        measured = t(lang, "precision.measured", agreement=100 * report["top1_agreement"], kl=report["mean_kl_nats"],
+                     positions=report["positions"], ratio=report["decode_vs_fp32"],
+                     tps=report["decode_tokens_per_s"], fp32_tps=report["fp32_decode_tokens_per_s"])
     return f'<div class="ps-model" data-kpi="precision"><b>{escape(report["precision"])}</b>: {measured}</div>'
