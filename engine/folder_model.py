@@ -10,6 +10,7 @@ transformers baseline load through loader.load_model.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,6 +43,17 @@ def weight_files(folder: Path) -> list[Path]:
     except (OSError, ValueError, KeyError, AttributeError):
         return []
     return [folder / name for name in sorted(set(shards))]
+
+
+def parameters(folder: Path) -> int:
+    """How many numbers the folder's weights files hold, read from their headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for weights in weight_files(folder):
+        with safe_open(str(weights), framework="pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
 
 
 def supports(folder: Path) -> bool:

@@ -191,6 +191,19 @@ def _check_room_to_convert(gguf: Path) -> None:
                          "is free: give the model's Hugging Face folder (safetensors), which is read as it is")
 
 
+def _check_room_to_load(folder: Path, numbers: int, dtype: torch.dtype) -> None:
+    """Refuse, in one line, a transformers model that would not fit in the memory left in dtype (it is
+    built whole: a 7 B model in fp32 takes 28 GB)."""
+    size, free = torch.tensor([], dtype=dtype).element_size(), free_memory()
+    if free is None or numbers * size <= 0.9 * free:
+        return
+    name = str(dtype).removeprefix("torch.")
+    advice = (f"in bfloat16 (--dtype bfloat16) it takes about {numbers * 2 / 1e9:.1f} GB" if size > 2
+              else "close other programs or choose a smaller model")
+    raise ModelError(f"{folder.name} takes about {numbers * size / 1e9:.1f} GB in {name} on transformers' forward "
+                     f"and {free / 1e9:.1f} GB of memory is free: {advice}")
+
+
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     """Return a folder with the GGUF's weights as safetensors, converting it on the first call."""
     _check_gguf(gguf)
@@ -312,6 +325,8 @@ def load_model(source: str | None, device: str = "auto", dtype: str = "auto", ca
         else:
             from transformers import AutoModelForCausalLM
 
+            if torch_device.type == "cpu":
+                _check_room_to_load(folder, folder_model.parameters(folder), torch_dtype)
             _quiet_transformers()
             model, found = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=torch_dtype, local_files_only=True, use_safetensors=True, trust_remote_code=False,

@@ -432,3 +432,18 @@ def test_a_gguf_conversion_that_would_not_fit_in_memory_is_refused_before_it_sta
                                          r"free: give the model's Hugging Face folder \(safetensors\)"):
         loader.convert_gguf(gguf, str(cache))
     assert not list((cache / "converted").glob("SmolLM2*"))
+
+
+def test_a_model_for_transformers_that_would_not_fit_is_refused_before_it_is_built(gpt2_folder, monkeypatch):
+    # transformers builds the whole model in the dtype asked for: a 7 B model in fp32 (the bench's baseline,
+    # or any architecture the lean forward does not run) took 29.5 GB of a 24 GB machine
+    from engine import loader
+    from engine.folder_model import parameters
+    from engine.loader import load_model
+
+    numbers = parameters(gpt2_folder)
+    monkeypatch.setattr(loader, "free_memory", lambda: numbers * 3)
+    with pytest.raises(ModelError, match=rf"^{gpt2_folder.name} takes about 0.0 GB in float32 on transformers' "
+                                         r"forward and 0.0 GB of memory is free: in bfloat16 \(--dtype bfloat16\)"):
+        load_model(str(gpt2_folder), "cpu", "float32")
+    assert torch.bfloat16 == load_model(str(gpt2_folder), "cpu", "bfloat16").model.dtype  # half the bytes: it fits
