@@ -99,9 +99,12 @@ class FolderModel:
     head shares) and the norms are converted once."""
 
     def __init__(self, config: SimpleNamespace, tensors: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, cache_key: str | None = None) -> None:
+                 dtype: torch.dtype, cache_key: str | None = None, cache_name: str | None = None) -> None:
         self.config, self.device, self.dtype = config, device, dtype
-        self.cache_key = cache_key  # names these weights for caches derived from them (int8)
+        self.cache_key = cache_key  # these weights (the files, their sizes and times): what a cache derives from
+        # where such a cache is kept: one per folder and dtype, so that rows made again (the weights' files
+        # rewritten) take the place of the old ones instead of adding gigabytes beside them
+        self.cache_name = cache_name
         # where generation ends, as transformers reads it: generation_config.json's eos_token_id (often a
         # list: an instruct model's end of turn and end of text), else config.json's
         self.generation_config = SimpleNamespace(eos_token_id=config.generation_eos_token_id)
@@ -138,7 +141,8 @@ class FolderModel:
 
     def to(self, dtype: torch.dtype) -> FolderModel:
         """The same weights in another dtype (half-precision modes), converted from the file's where taken."""
-        return FolderModel(self.config, self._tensors, self.device, dtype, f"{self.cache_key}|{dtype}")
+        return FolderModel(self.config, self._tensors, self.device, dtype, f"{self.cache_key}|{dtype}",
+                           f"{self.cache_name}|{dtype}")
 
 
 def _config(raw: dict) -> SimpleNamespace:
@@ -165,16 +169,16 @@ def load_folder_model(folder: Path, device: torch.device, dtype: torch.dtype) ->
         raise ModelError(f"{folder / 'config.json'} lacks {exc.args[0]}, which a {raw['model_type']} model "
                          "needs") from exc
     config.generation_eos_token_id = generation_config(folder).get("eos_token_id") or config.eos_token_id
-    tensors, key = {}, ""
+    tensors, where, key = {}, "", ""
     for weights in weight_files(folder):
         if not weights.exists():
             raise ModelError(f"{folder} lacks {weights.name}, one of the weights' files {SHARD_INDEX} names")
         with safe_open(str(weights), framework="pt", device="cpu") as f:  # memory-mapped, as the file holds them
             tensors.update({name: f.get_tensor(name) for name in f.keys()})
         stat = weights.stat()  # a file rewritten in place gets a new size or time, so a new key
+        where += f"{weights.resolve()}|"
         key += f"{weights.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
-    key += str(dtype)
     try:
-        return FolderModel(config, tensors, device, dtype, key)
+        return FolderModel(config, tensors, device, dtype, key + str(dtype), where + str(dtype))
     except KeyError as exc:  # a tensor it names
         raise missing_weight(folder, exc.args[0]) from exc

@@ -168,8 +168,8 @@ class LeanLlama:
         make = linear_factory(self.precision, self.device)
         weights_key = getattr(model, "cache_key", None)  # a model read from a folder: its int8 form is kept
         if make is Int8Linear and weights_key:
-            name = hashlib.sha256(f"{INT8_FORMAT}|{weights_key}".encode()).hexdigest()[:20]
-            make = Int8Cache(cache_root(cache_dir) / "int8" / f"{name}.safetensors")
+            name = hashlib.sha256(f"{INT8_FORMAT}|{model.cache_name}".encode()).hexdigest()[:20]
+            make = Int8Cache(cache_root(cache_dir) / "int8" / f"{name}.safetensors", weights_key)
         # fp32 activations (fp32, int8): rotary embedding as one in-place complex product on paired q/k
         # rows; half precision keeps the halves layout (complex half ops are thin on CPU)
         self.pair_rope = self.dtype == torch.float32

@@ -167,15 +167,20 @@ class Int8Cache:
     first that does not match (another layout, a damaged file) on, they are quantized again and the file
     is written anew."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, weights: str = "") -> None:
+        """weights: what the rows are made from (the weights files, their sizes and times), kept in the file:
+        rows made from other weights (the file rewritten since) are made again, in the same file."""
+        self.path, self.weights = path, weights
         self._saved: dict[str, torch.Tensor] = {}
         self._made: list[Int8Linear] = []
         self._read_groups: list[int] = []  # the row group each linear read from the file had
         try:
-            from safetensors.torch import load_file
+            from safetensors import safe_open
 
-            self._saved = load_file(str(path)) if path.exists() else {}
+            if path.exists():
+                with safe_open(str(path), framework="pt") as f:
+                    if (f.metadata() or {}).get("weights", "") == weights:
+                        self._saved = {name: f.get_tensor(name) for name in f.keys()}
         except Exception:  # a damaged or foreign file: quantize again, and replace it
             self._saved = {}
 
@@ -222,7 +227,8 @@ class Int8Cache:
             tensors[f"w{i}"], tensors[f"s{i}"], _ = linear.native_layout()
             if linear.row_group:
                 tensors[f"g{i}"] = torch.tensor([linear.row_group])
-        write_atomically(self.path, lambda scratch: save_file(tensors, str(scratch)))
+        metadata = {"weights": self.weights}
+        write_atomically(self.path, lambda scratch: save_file(tensors, str(scratch), metadata=metadata))
 
 
 def int8_available() -> bool:

@@ -230,6 +230,11 @@ def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeyp
     assert torch.equal(first, logits()) and quantized  # a damaged file is quantized again and rewritten
     before = len(quantized)
     assert torch.equal(first, logits()) and before == len(quantized)  # ... and read back next time
+    os.utime(folder / "model.safetensors", ns=(1, 1))  # the weights' file written again (downloaded anew)
+    assert torch.equal(first, logits()) and len(quantized) > before  # quantized again from it ...
+    assert [saved] == list((cache / "int8").glob("*.safetensors"))  # ... in place of the old rows, not beside
+    before = len(quantized)
+    assert torch.equal(first, logits()) and before == len(quantized)
 
 
 def test_a_half_precision_folder_is_held_as_its_file_and_cached_int8_rows_convert_no_weight(tmp_path, tokenizer,
