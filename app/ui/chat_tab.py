@@ -285,7 +285,7 @@ def make_switch(engine: Engine, measured: dict):
             return gr.skip(), gr.skip(), gr.skip()
         try:
             engine.call(lambda: engine.switch_precision(precision))
-        except (EngineBusy, ModelError, ValueError) as exc:  # ModelError: the weights would not fit, say
+        except (EngineBusy, ModelError, ValueError) as exc:  # ModelError: weights that would not fit
             gr.Warning(user_error(lang, exc))
             return engine.info.precision, gr.skip(), gr.skip()
         from ..bench.extras import precision_report  # the bench's modules import torch
