@@ -114,6 +114,9 @@ def _remembered_hash(path: Path, folder: Path) -> str:
 WRITE_ERRORS = (OSError, SafetensorError)
 
 
+CGROUP = Path("/sys/fs/cgroup")  # a container's memory limit, where there is one
+
+
 def free_memory() -> int | None:
     """Bytes a new allocation can still take: the kernel's MemAvailable (page cache it can drop counts,
     such as a memory-mapped weights file), or less under a cgroup's limit (a container's); None where
@@ -125,12 +128,14 @@ def free_memory() -> int | None:
     if found is None:
         return None
     free = int(found.group(1)) * 1024
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
+    for limit, used in (("memory.max", "memory.current"),  # cgroup v2; v1 (older Docker hosts) says "no limit"
+                        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # with a huge number
+        try:
+            limit_bytes = (CGROUP / limit).read_text().strip()
+            if limit_bytes != "max":
+                free = min(free, int(limit_bytes) - int((CGROUP / used).read_text()))
+        except (OSError, ValueError):
+            pass
     return free
 
 

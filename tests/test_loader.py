@@ -452,3 +452,21 @@ def test_a_model_for_transformers_that_would_not_fit_is_refused_before_it_is_bui
                                          r"forward and 0.0 GB of memory is free: in bfloat16 \(--dtype bfloat16\)"):
         load_model(str(gpt2_folder), "cpu", "float32")
     assert torch.bfloat16 == load_model(str(gpt2_folder), "cpu", "bfloat16").model.dtype  # half the bytes: it fits
+
+
+@pytest.mark.parametrize("files", [
+    {"memory.max": "1500000000\n", "memory.current": "1000000000\n"},  # cgroup v2
+    {"memory/memory.limit_in_bytes": "1500000000\n", "memory/memory.usage_in_bytes": "1000000000\n"},  # v1
+])
+def test_free_memory_is_a_containers_where_it_has_a_limit(tmp_path, monkeypatch, files):
+    from engine import loader
+
+    monkeypatch.setattr(loader, "CGROUP", tmp_path)
+    machine = loader.free_memory()  # the kernel's MemAvailable: no limit here
+    assert machine > 0
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert 500_000_000 == loader.free_memory()  # the container's 0.5 GB left, not the machine's
+    (tmp_path / next(iter(files))).write_text("max\n" if "memory.max" in files else "9223372036854771712\n")
+    assert loader.free_memory() >= machine // 2  # no limit said (MemAvailable moves a little meanwhile)
