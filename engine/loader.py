@@ -148,19 +148,23 @@ def write_atomically(path: Path, write) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(scratch)
         os.replace(scratch, path)
-    except WRITE_ERRORS:
+    except WRITE_ERRORS as exc:  # said: with a full disk a 7 B model's int8 rows took 70 s at every start
+        log.warning("could not keep %s (%s): the next start makes it again", path, _reason(exc))
         try:
             scratch.unlink(missing_ok=True)
         except OSError:
             pass
 
 
-def _cannot_write(folder: Path, exc: Exception, model: torch.nn.Module) -> ModelError:
-    """One line for a converted model that cannot be written, with the room it needs."""
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).rsplit(": ", 1)[-1]
-    megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6  # a tied lm_head once
-    return ModelError(f"cannot write the converted model to {folder}: {reason}; it needs about {megabytes:,.0f} MB "
-                      "(free some space, or set PHASESCOPE_CACHE to another folder)")
+def _reason(exc: Exception) -> str:
+    """Why a write failed, in the system's words ("No space left on device (os error 28)")."""
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).rsplit(": ", 1)[-1]
+
+
+def _cannot_write(folder: Path, exc: Exception, needed: int) -> ModelError:
+    """One line for a converted model that cannot be written, with the room it needs (bytes)."""
+    return ModelError(f"cannot write the converted model to {folder}: {_reason(exc)}; it needs about "
+                      f"{needed / 1e6:,.0f} MB (free some space, or set PHASESCOPE_CACHE to another folder)")
 
 
 def _readable(weights: Path) -> bool:
@@ -184,16 +188,7 @@ def _check_gguf(path: Path) -> None:
 # transformers dequantizes every tensor of a GGUF file to fp32 at once, then builds the model from them:
 # converting the bundled file (135 M numbers) took 0.94 GB above the process's own
 CONVERSION_BYTES_PER_NUMBER = 7
-
-
-def _check_room_to_convert(gguf: Path) -> None:
-    """Refuse, in one line, a conversion that would not fit in the memory left (the kernel would kill the
-    process midway: a GGUF of a 7 B model needs about 52 GB)."""
-    numbers, free = gguf_parameters(gguf), free_memory()
-    if numbers and free is not None and numbers * CONVERSION_BYTES_PER_NUMBER > free:
-        raise ModelError(f"converting {gguf.name} takes about {numbers * CONVERSION_BYTES_PER_NUMBER / 1e9:.0f} GB "
-                         f"of memory (transformers dequantizes every weight to fp32 at once) and {free / 1e9:.1f} GB "
-                         "is free: give the model's Hugging Face folder (safetensors), which is read as it is")
+SHARD_BYTES = 1 << 30  # a conversion made tensor by tensor is written in shards of about this size
 
 
 def _check_room_to_load(folder: Path, numbers: int, dtype: torch.dtype) -> None:
@@ -210,18 +205,20 @@ def _check_room_to_load(folder: Path, numbers: int, dtype: torch.dtype) -> None:
 
 
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
-    """Return a folder with the GGUF's weights as safetensors, converting it on the first call."""
+    """Return a folder with the GGUF's weights as safetensors, converting it on the first call: whole, through
+    transformers' model, or tensor by tensor where that would not fit in the memory left."""
     _check_gguf(gguf)
     converted = cache_root(cache_dir) / "converted"
     target = converted / f"{gguf.stem}-{_remembered_hash(gguf, converted)}"
-    if (target / "model.safetensors").exists():
-        if _readable(target / "model.safetensors"):
-            return target
-        shutil.rmtree(target, ignore_errors=True)  # damaged since (a disk's error, a hand): converted again
+    if _converted(target):
+        return target
+    shutil.rmtree(target, ignore_errors=True)  # damaged since (a disk's error, a hand): converted again
+    numbers, free = gguf_parameters(gguf), free_memory()
+    if numbers and free is not None and numbers * CONVERSION_BYTES_PER_NUMBER > free:
+        return _convert_in_pieces(gguf, converted, target, numbers)
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_room_to_convert(gguf)
     log.info("converting %s once (about 20-30 s for the bundled model on two cores); later starts read %s",
              gguf.name, target)
     try:
@@ -229,27 +226,101 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad file (a cut one: a struct or numpy error)
         raise ModelError(f"cannot load {gguf}: {gguf_cut_short(gguf) or exc}".splitlines()[0]) from exc
-    # Write into a temporary folder and rename, so an interrupted conversion (or a full disk) leaves no half cache.
+
+    def write(folder: Path) -> None:
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are plain floats now
+        config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        save_model(model, str(folder / "model.safetensors"))  # handles the tied embedding/lm_head
+
+    needed = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied lm_head once
+    return _write_conversion(converted, target, needed, write)
+
+
+def _convert_in_pieces(gguf: Path, converted: Path, target: Path, numbers: int) -> Path:
+    """The conversion as transformers makes it (its names, its config, its tokenizer, each tensor dequantized
+    and reordered by its processor), but a tensor at a time into shards of SHARD_BYTES: a 7 B model's GGUF
+    whole takes about 52 GB of memory, tensor by tensor its largest tensor and a shard."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
+
+    from .folder_model import SHARD_INDEX
+
+    log.info("converting %s once, a tensor at a time (at once it would not fit in the memory left); later "
+             "starts read %s", gguf.name, target)
+    try:
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # its config and tokenizer
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with torch.device("meta"):  # the model's names, without its weights
+            names = AutoModelForCausalLM.from_config(config)
+        reader = GGUFReader(str(gguf))
+        processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(
+            config=parsed["config"])
+        mapping = get_gguf_hf_weights_map(names, processor)
+    except Exception as exc:
+        raise ModelError(f"cannot load {gguf}: {gguf_cut_short(gguf) or exc}".splitlines()[0]) from exc
+    config.dtype = torch.float32
+
+    def write(folder: Path) -> None:
+        shard, size, weight_map = {}, 0, {}
+
+        def flush() -> None:
+            name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            shard.clear()
+
+        for tensor in reader.tensors:
+            result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                       tensor_key_mapping=mapping, parsed_parameters=parsed)
+            if result.name in mapping:
+                shard[mapping[result.name]] = torch.from_numpy(np.copy(result.weights)).float()
+                size += shard[mapping[result.name]].nbytes
+                if size >= SHARD_BYTES:
+                    flush()
+                    size = 0
+        if shard:
+            flush()
+        (folder / SHARD_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return _write_conversion(converted, target, numbers * 4, write)
+
+
+def _write_conversion(converted: Path, target: Path, needed: int, write) -> Path:
+    """write(folder) into a temporary folder, renamed to target when whole: an interrupted conversion (or a
+    full disk) leaves no half cache. needed: its bytes, said where they cannot be written."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     except OSError as exc:
-        raise _cannot_write(converted, exc, model) from None
+        raise _cannot_write(converted, exc, needed) from None
     try:
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the weights are plain floats now
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding/lm_head
+        write(tmp)
         tmp.rename(target)
     except WRITE_ERRORS as exc:
-        if _readable(target / "model.safetensors"):  # another process converted the same file meanwhile
+        if _converted(target):  # another process converted the same file meanwhile
             return target
-        raise _cannot_write(converted, exc, model) from None
+        raise _cannot_write(converted, exc, needed) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _converted(target: Path) -> bool:
+    """A conversion there, whole: its weights' files (one, or the shards its index names) all readable."""
+    from .folder_model import weight_files
+
+    files = weight_files(target)
+    return bool(files) and all(_readable(weights) for weights in files)
 
 
 def model_folder(source: str | None, cache_dir: str | None = None) -> Path:
