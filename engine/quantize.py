@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -229,6 +230,24 @@ class Int8Cache:
                 tensors[f"g{i}"] = torch.tensor([linear.row_group])
         metadata = {"weights": self.weights}
         write_atomically(self.path, lambda scratch: save_file(tensors, str(scratch), metadata=metadata))
+        _remove_unnamed(self.path.parent)
+
+
+def _remove_unnamed(folder: Path) -> None:
+    """Remove the int8 files written before each said what it was made from (named by the weights' sizes
+    and times then: none is read again, and a file rewritten left one behind, 7 GB for a 7 B model)."""
+    from safetensors import safe_open
+
+    for old in folder.glob("*.safetensors"):
+        if not re.fullmatch(r"[0-9a-f]{20}\.safetensors", old.name):  # not one LeanLlama named
+            continue
+        try:
+            with safe_open(str(old), framework="pt") as f:
+                unnamed = "weights" not in (f.metadata() or {})
+            if unnamed:
+                old.unlink()
+        except Exception:  # another process's, being replaced; a damaged one: left as it is
+            continue
 
 
 def int8_available() -> bool:

@@ -231,9 +231,14 @@ def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeyp
     assert torch.equal(first, logits()) and quantized  # a damaged file is quantized again and rewritten
     before = len(quantized)
     assert torch.equal(first, logits()) and before == len(quantized)  # ... and read back next time
+    from safetensors.torch import save_file
+
+    before_names = cache / "int8" / "0123456789abcdef0123.safetensors"  # as files were named before
+    save_file({"w0": torch.zeros(2, dtype=torch.int8)}, str(before_names))
     os.utime(folder / "model.safetensors", ns=(1, 1))  # the weights' file written again (downloaded anew)
     assert torch.equal(first, logits()) and len(quantized) > before  # quantized again from it ...
     assert [saved] == list((cache / "int8").glob("*.safetensors"))  # ... in place of the old rows, not beside
+    # (and a file from before the files said what they were made from, never read again, is gone)
     before = len(quantized)
     assert torch.equal(first, logits()) and before == len(quantized)
 
