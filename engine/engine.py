@@ -33,6 +33,7 @@ from .events import (DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk
 from .hf_runner import TransformersRunner, in_dtype, make_runner
 from .info import ModelInfo, PoolUsage
 from .kv_pool import blocks_for, kv_bytes_formula
+from .llama import matrix_numbers
 from .loader import LoadedModel, load_model
 from .prompt import PromptTooLong, check_messages, fit_conversation, has_chat_template, render_prompt
 from .request import Request, Status
@@ -560,14 +561,11 @@ class Engine:
         """forward_flops' constants, read from the config once (it runs for every token): layers, one
         layer's multiply-adds per token, the query width (heads x head_dim), lm_head's multiply-adds."""
         config, info = self.loaded.model.config, self.info
-        hidden, heads = config.hidden_size, config.num_attention_heads
         if isinstance(self.runner, TransformersRunner):  # any architecture: its matrices counted
             layer, lm_head = self.runner.multiply_adds
-        else:  # the lean Llama family's: q, k, v, o, and the MLP's gate, up and down
-            layer = hidden * (heads + 2 * info.num_kv_heads) * info.head_dim + heads * info.head_dim * hidden \
-                + 3 * hidden * config.intermediate_size
-            lm_head = hidden * config.vocab_size
-        return info.num_layers, layer, heads * info.head_dim, lm_head
+        else:  # the lean Llama family's, from the whole model's config (a tensor-parallel runner holds slices)
+            layer, lm_head = matrix_numbers(config)
+        return info.num_layers, layer, config.num_attention_heads * info.head_dim, lm_head
 
     def _drafter(self, draft: LoadedModel | None) -> DraftModel | None:
         """The draft model of "draft:PATH" speculative decoding, in the target's precision, with a KV pool

@@ -48,6 +48,16 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
 EAGER_CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def matrix_numbers(config) -> tuple[int, int]:
+    """The numbers in a Llama-family layer's matrices (q, k, v, o and the MLP's gate, up and down), which are
+    also its multiply-adds per token, and in the head's."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    return attention + 3 * hidden * config.intermediate_size, hidden * config.vocab_size
+
+
 def _fused(make, *parts: tuple[torch.nn.Module, int]):
     """One linear computing several linears (modules with .weight and .bias), their outputs concatenated;
     each part is (linear, pair_heads), see _paired. A cached int8 form is taken as it is: the fp32 rows
@@ -257,9 +267,8 @@ class LeanLlama:
 
     def _check_room(self, config) -> None:
         """Refuse, in one line, weights that would not fit in the memory left (see NotEnoughMemory)."""
-        q, kv, hidden = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, config.hidden_size
-        numel = self.num_layers * (hidden * (2 * q + 2 * kv) + 3 * hidden * config.intermediate_size) \
-            + config.vocab_size * hidden  # the head (tied to the embedding in fp32, it takes no more: counted)
+        layer, head = matrix_numbers(config)  # the head: tied to the embedding in fp32 it takes no more, counted
+        numel = self.num_layers * layer + head
         element = 1 if self.precision == "int8" else torch.tensor([], dtype=self.dtype).element_size()
         free = free_memory()
         if free is not None and numel * element > 0.9 * free:  # a tenth left for activations, the KV cache
