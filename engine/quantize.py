@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .loader import write_atomically
+from .loader import stage, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,8 @@ class Int8Cache:
         if linear is None:
             if len(self._made) == len(self._read_groups):  # the first linear made now, not read from the file
                 log.info("quantizing the weights to int8 once (a second for the bundled model, a minute or two "
-                         "for a 7 B one, on two cores); later starts read them from %s", self.path)
+                         "for a 7 B one, on two cores); later starts read them from %s", self.path,
+                         extra=stage("quantize"))
             linear = Int8Linear(weight, bias)
             self._made.append(linear)
         return linear

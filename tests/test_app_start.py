@@ -112,6 +112,26 @@ def test_the_loading_engine_waits_for_the_load_and_passes_on_its_error():
         engine.info  # noqa: B018
 
 
+def test_a_first_start_says_what_it_does_once(tmp_path, tiny, monkeypatch):
+    """The stages of a load, as the page's status line names them while it waits (a first start of the
+    bundled model converts its GGUF for half a minute): a folder's int8 rows are made once, then read."""
+    from app.main import LoadStages, start_engine
+
+    tiny.model.save_pretrained(tmp_path / "m")
+    tiny.tokenizer.save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("PHASESCOPE_CACHE", str(tmp_path / "cache"))
+    config = EngineConfig(model=str(tmp_path / "m"), precision="int8")
+    for expected in (["import", "read", "quantize", "warm"], ["import", "read", "warm"]):
+        seen = []
+
+        def record(name, **params):
+            seen.append(name)
+
+        with LoadStages(record):
+            start_engine(config, on_stage=record).stop()
+        assert seen == expected
+
+
 @pytest.mark.browser
 @pytest.mark.model
 def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
@@ -136,9 +156,11 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
             browser = launch_browser(playwright)
             page = open_chat(browser, f"http://127.0.0.1:{port}", model_drawn=False)
             assert "Loading the model" in page.inner_text("#ps-model-line")
+            assert "Loading the model — starting · " in page.inner_text("#ps-phase")  # not "Ready"
             set_setting(page, "ps-max-new", 8)
             send(page, "Hi")
-            page.wait_for_timeout(1500)
+            page.wait_for_function("() => document.querySelector('#ps-phase').innerText.endsWith("
+                                   "'your message is answered once it has loaded')")
             assert not page.query_selector("#ps-phase [data-phase=done]")  # waiting for the model
             engine.start()  # as launch() does, once the page is up
             wait_phase(page, "done")
@@ -148,7 +170,8 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
             browser.close()
     finally:
         app.close()
-        engine.stop()
+        if not engine.loading:  # stop waits for a load: one the test did not start (failing before) never ends
+            engine.stop()
 
 
 LOOKUPS = """

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -433,7 +434,8 @@ def test_a_gguf_file_cut_short_is_said_so(tmp_path, kept, said):
         convert_gguf(cut, str(tmp_path / "cache"))
 
 
-def test_a_gguf_file_too_large_to_convert_at_once_is_converted_a_tensor_at_a_time(tmp_path, bundled, monkeypatch):
+def test_a_gguf_file_too_large_to_convert_at_once_is_converted_a_tensor_at_a_time(tmp_path, bundled, monkeypatch,
+                                                                                  caplog):
     # transformers dequantizes a whole GGUF file to fp32 at once: a 7 B model's took more than a 24 GB
     # machine has, and the kernel killed the process without a word
     from engine import loader
@@ -444,7 +446,10 @@ def test_a_gguf_file_too_large_to_convert_at_once_is_converted_a_tensor_at_a_tim
     assert 134_515_008 == gguf_parameters(gguf)  # SmolLM2-135M's, embedding and all
     monkeypatch.setattr(loader, "free_memory", lambda: 500_000_000)  # 7 bytes a number would not fit
     monkeypatch.setattr(loader, "SHARD_BYTES", 200_000_000)
-    folder = loader.convert_gguf(gguf, str(cache))
+    with caplog.at_level(logging.INFO, logger="engine"):
+        folder = loader.convert_gguf(gguf, str(cache))
+    stages = [(record.stage, record.params) for record in caplog.records if hasattr(record, "stage")]
+    assert stages == [("convert", {"file": gguf.name})]  # what the page's status line says meanwhile
     assert (folder / SHARD_INDEX).exists() and len(list(folder.glob("model-*.safetensors"))) == 3
     assert folder == loader.convert_gguf(gguf, str(cache))  # read back, not converted again
     whole = loader.model_folder(None)  # the conversion through transformers' model, the suite's

@@ -174,6 +174,21 @@ def loading_html(lang: str = DEFAULT) -> str:
     return f'<div class="ps-model" data-loading="1">{t(lang, "model.loading")}</div>'
 
 
+LOAD_STAGES = {"start": "load.start", "import": "load.import", "read": "load.read", "convert": "load.convert",
+               "quantize": "load.quantize", "warm": "load.warm"}  # LoadingEngine.stage's names
+
+
+def loading_phase_html(stage: tuple[str, dict, float], lang: str = DEFAULT, waiting: bool = False) -> str:
+    """The status line while the model loads behind the page: what the load does now (a first start converts
+    the bundled GGUF for half a minute) and for how long it has loaded; with waiting, that the message sent
+    meanwhile is answered once it has loaded."""
+    name, params, seconds = stage
+    what = t(lang, LOAD_STAGES.get(name, "load.read"), **{key: escape(str(value)) for key, value in params.items()})
+    waits = t(lang, "phase.loading_waits") if waiting else ""
+    return (f'<div class="ps-phase ps-queued" data-phase="loading">'
+            f'{t(lang, "phase.loading", stage=what, seconds=seconds)}{waits}</div>')
+
+
 def switches_text(config: EngineConfig, lang: str = DEFAULT) -> str:
     """The engine's switches set away from their defaults that change what the page shows (a class comparing
     runs needs to know): no KV cache, a sliding window, speculation, no prefix cache, and the like."""
