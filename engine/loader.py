@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,11 +147,50 @@ def free_memory() -> int | None:
     return free
 
 
+SCRATCH = ".partial-"  # a cache's file or folder being written: .partial-<the writing process's id>-<name>
+LEFTOVER_QUIET_S = 60  # a scratch untouched this long whose process is gone is a leftover
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove the scratch files and folders that processes killed mid-write left in folder (kill -9, the
+    kernel's out-of-memory killer, a power cut), which nothing else removes: the bundled model's first start
+    killed as it wrote the conversion left up to 540 MB, a 7 B model's up to 28 GB. Only a scratch
+    whose process is gone, and untouched for LEFTOVER_QUIET_S (a process of another machine or container
+    sharing the folder is not seen, but writes)."""
+    now = time.time()
+    for entry in folder.glob(f"{SCRATCH}*"):
+        try:
+            pid = int(entry.name[len(SCRATCH):].split("-", 1)[0])
+            items = [entry, *entry.rglob("*")] if entry.is_dir() else [entry]
+            if _running(pid) or now - max(item.stat().st_mtime for item in items) < LEFTOVER_QUIET_S:
+                continue
+            size = sum(item.stat().st_size for item in items if item.is_file())
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except (ValueError, OSError):  # not a scratch's name, or gone or changing meanwhile: left as it is
+            continue
+        log.info("removed %s (%s MB), left by a start that was stopped while writing it", entry, f"{size / 1e6:,.0f}")
+
+
+def _running(pid: int) -> bool:
+    if os.name == "nt":  # there os.kill(pid, 0) is a Ctrl-C to the process
+        return True
+    try:
+        os.kill(pid, 0)  # no signal: whether the process is there
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
 def write_atomically(path: Path, write) -> None:
     """write(scratch) to a file beside path, then put it in path's place: another process reads the old
     file or the new one, never half of one. For the caches: one that cannot be written (a full disk, a
     read-only folder) is only slower next time, so the error is dropped, and the scratch with it."""
-    scratch = path.with_name(f".{path.name}.{os.getpid()}")
+    scratch = path.with_name(f"{SCRATCH}{os.getpid()}-{path.name}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(scratch)
@@ -216,6 +256,7 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     transformers' model, or tensor by tensor where that would not fit in the memory left."""
     _check_gguf(gguf)
     converted = cache_root(cache_dir) / "converted"
+    remove_leftovers(converted)  # at every start: one right after the kill finds them still fresh
     target = converted / f"{gguf.stem}-{_remembered_hash(gguf, converted)}"
     if _converted(target):
         return target
@@ -307,7 +348,7 @@ def _write_conversion(converted: Path, target: Path, needed: int, write) -> Path
     full disk) leaves no half cache. needed: its bytes, said where they cannot be written."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{SCRATCH}{os.getpid()}-"))
     except OSError as exc:
         raise _cannot_write(converted, exc, needed) from None
     try:

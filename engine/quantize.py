@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .loader import stage, write_atomically
+from .loader import remove_leftovers, stage, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class Int8Cache:
         """weights: what the rows are made from (the weights files, their sizes and times), kept in the file:
         rows made from other weights (the file rewritten since) are made again, in the same file."""
         self.path, self.weights = path, weights
+        remove_leftovers(path.parent)  # rows a start killed while writing them left (7 GB for a 7 B model)
         self._saved: dict[str, torch.Tensor] = {}
         self._made: list[Int8Linear] = []
         self._read_groups: list[int] = []  # the row group each linear read from the file had

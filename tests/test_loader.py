@@ -492,3 +492,36 @@ def test_free_memory_is_a_containers_where_it_has_a_limit(tmp_path, monkeypatch,
     assert 500_000_000 == loader.free_memory()  # the container's 0.5 GB left, not the machine's
     (tmp_path / next(iter(files))).write_text("max\n" if "memory.max" in files else "9223372036854771712\n")
     assert loader.free_memory() >= machine // 2  # no limit said (MemAvailable moves a little meanwhile)
+
+
+def test_what_a_start_killed_while_writing_the_caches_left_is_removed_by_a_later_start(tmp_path):
+    # the bundled model's first start killed (kill -9) as it wrote the conversion left 540 MB in
+    # converted/, and every such start more: nothing removed them
+    import subprocess
+    import sys
+    import time
+
+    from engine import loader
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a process's id that no process has now
+    old = time.time() - 2 * loader.LEFTOVER_QUIET_S
+    left_folder, left_file = tmp_path / f".partial-{gone}-abc", tmp_path / f".partial-{gone}-x.safetensors"
+    fresh = tmp_path / f".partial-{gone}-fresh"  # being written on another machine sharing the folder
+    running = tmp_path / f".partial-{os.getpid()}-mine"
+    left_folder.mkdir()
+    (left_folder / "model.safetensors").write_bytes(bytes(1000))
+    for path in (left_file, fresh, running, tmp_path / "model-abc"):
+        path.write_bytes(b"x")
+    for path in (left_folder, left_folder / "model.safetensors", left_file, running):
+        os.utime(path, (old, old))
+    loader.remove_leftovers(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(path.name for path in (
+        fresh, running, tmp_path / "model-abc"))
+
+    def write(scratch):  # the caches' scratch names say whose they are
+        assert scratch.name == f".partial-{os.getpid()}-memo.json"
+        scratch.write_text("{}")
+
+    loader.write_atomically(tmp_path / "memo.json", write)
+    assert (tmp_path / "memo.json").read_text() == "{}"
