@@ -199,8 +199,8 @@ class LoadingEngine:
 
     @property
     def stage(self) -> tuple[str, dict, float]:
-        """What the load does now ("start", "import", "read", "convert", "quantize", "warm"), its parameters
-        (a file's name), and the seconds since the load started."""
+        """What the load does now ("start", "import", "read", "convert", "quantize", "compile", "warm"), its
+        parameters (a file's name), and the seconds since the load started."""
         name, params = self._stage
         return name, params, time.monotonic() - self._started
 

@@ -3,7 +3,7 @@ prefill's attention, which reads the cached keys where they lie in the paged poo
 
 A decode step reads every weight once for a batch of tokens (one per running sequence), so it should
 run at memory bandwidth; in eager PyTorch most of it went to ~25 small ops per layer. The C++ file has
-no torch headers: it is built once per machine with the system's C++ compiler (about a second), cached
+no torch headers: it is built once per machine with the system's C++ compiler (8 s on two cores), cached
 beside the converted weights, and called through ctypes with the addresses of the tensors LeanLlama
 already holds. Where it cannot be built (no compiler, not x86/ARM Linux or macOS), or
 PHASESCOPE_FUSED_DECODE=0, decode runs the PyTorch ops instead, with the same results.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
@@ -23,7 +24,10 @@ import torch
 
 from .events import FORWARD_STAGES as STAGES
 from .kv_pool import SequenceKV
+from .loader import SCRATCH, remove_leftovers, stage
 from .quantize import packed_numel
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
 # -ffp-contract=fast: a * b + c is one FMA everywhere, so every path rounds alike. -fno-trapping-math:
@@ -66,7 +70,10 @@ def build_library(cache_dir: Path) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+    remove_leftovers(target.parent)
+    log.info("compiling the native decode step once with %s (about 8 s on two cores); later starts read %s",
+             compiler, target, extra=stage("compile"))
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f"{SCRATCH}{os.getpid()}-") as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
                                 timeout=300)

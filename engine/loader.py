@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)  # what a first start does once, and how long 
 
 def stage(name: str, **params) -> dict:
     """A log record's extra naming the stage of a load it starts, for a page that shows the load (the app's
-    LoadingEngine): "convert" (file=), "quantize"."""
+    LoadingEngine): "convert" (file=), "quantize", "compile"."""
     return {"stage": name, "params": params}
 
 

@@ -114,7 +114,8 @@ def test_the_loading_engine_waits_for_the_load_and_passes_on_its_error():
 
 def test_a_first_start_says_what_it_does_once(tmp_path, tiny, monkeypatch):
     """The stages of a load, as the page's status line names them while it waits (a first start of the
-    bundled model converts its GGUF for half a minute): a folder's int8 rows made once among them."""
+    bundled model converts its GGUF for half a minute): a folder's int8 rows made once and the native decode
+    step compiled once among them (a fresh cache)."""
     from app.main import LoadStages, start_engine
 
     tiny.model.save_pretrained(tmp_path / "m")
@@ -127,7 +128,7 @@ def test_a_first_start_says_what_it_does_once(tmp_path, tiny, monkeypatch):
 
     with LoadStages(record):
         start_engine(EngineConfig(model=str(tmp_path / "m"), precision="int8"), on_stage=record).stop()
-    assert seen == ["import", "read", "quantize", "warm"]
+    assert seen == ["import", "read", "quantize", "compile", "warm"]
 
 
 @pytest.mark.browser

@@ -175,7 +175,7 @@ def loading_html(lang: str = DEFAULT) -> str:
 
 
 LOAD_STAGES = {"start": "load.start", "import": "load.import", "read": "load.read", "convert": "load.convert",
-               "quantize": "load.quantize", "warm": "load.warm"}  # LoadingEngine.stage's names
+               "quantize": "load.quantize", "compile": "load.compile", "warm": "load.warm"}  # LoadingEngine.stage
 
 
 def loading_phase_html(stage: tuple[str, dict, float], lang: str = DEFAULT, waiting: bool = False) -> str:
