@@ -16,6 +16,7 @@ from ..remote import Endpoint
 from ..i18n import DEFAULT, K, t
 from . import live, panels
 from .language import Texts, user_error
+from .loading import is_loading, show_loading
 from .session import ActiveRequests, ChatSession, RemoteWorker, ReplyWorker
 from .trace import ReplyTrace, held_seconds
 
@@ -139,25 +140,16 @@ def make_accept(engine: Engine, active: ActiveRequests, streams: live.Streams):
         streams.open(session.reply_id)
         active.wait(session.id)
         queued = (chat_view(session.display, session), "", panels.queued_html(0, 0, lang), session)
-        if getattr(engine, "loading", False):  # the page's load draws the model line once the model is there
+        if is_loading(engine):  # the page's load draws the model line once the model is there
             return *queued, gr.skip(), gr.skip()
         return *queued, model_line_html(session, engine, lang), engine.info.precision
 
     return accept
 
 
-def show_loading(engine, timer: gr.Timer, lang: gr.Radio, session: gr.State, phase: gr.HTML) -> None:
-    """While the model loads behind the page, the status line says what the load does, every tick of timer
-    (a first start converts the bundled GGUF for half a minute, where the page said "Ready"); once it has
-    loaded, the line as the load left it (a reply sent meanwhile draws its own) and no more ticks. A tick
-    that saw the load still running and arrived after the page's redraw is mended by the next."""
-    def tick(lang_choice, chat):
-        idle = chat is None or not (chat.pending or chat.traces)
-        if engine.loading:
-            return panels.loading_phase_html(engine.stage, lang_choice, waiting=not idle), gr.skip()
-        return panels.phase_html(None, lang=lang_choice) if idle else gr.skip(), gr.Timer(active=False)
-
-    timer.tick(tick, [lang, session], [phase, timer], queue=False, show_progress="hidden")
+def _idle(chat: ChatSession | None) -> bool:
+    """No reply asked for yet: the status line says "Ready"."""
+    return chat is None or not (chat.pending or chat.traces)
 
 
 def make_retry(accept):
@@ -399,9 +391,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                                          elem_id="ps-endpoint-key")
                 use_backend = texts(gr.Button, value=K("chat.use_backend"), size="sm", elem_id="ps-use-backend")
         with gr.Column(scale=6, min_width=420):
-            loading = getattr(engine, "loading", False)  # a page served before its model (LoadingEngine)
-            phase = gr.HTML(panels.loading_phase_html(engine.stage) if loading else panels.phase_html(None),
-                            elem_id="ps-phase")
+            phase = gr.HTML(panels.loading_phase_html(engine.stage) if is_loading(engine)
+                            else panels.phase_html(None), elem_id="ps-phase")
             kpis = gr.HTML(panels.kpi_html(None), elem_id="ps-kpis")
             split = gr.HTML(panels.time_split_html(None), elem_id="ps-split")
             gr.HTML(PLOT_DIV, elem_id="ps-latency")
@@ -428,8 +419,11 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                               concurrency_id="engine", show_progress="hidden")
         reply.then(finish, [session], tab.outputs, queue=False, show_progress="hidden")
         replies.append(reply)
-    if loading:
-        show_loading(engine, gr.Timer(1.0), lang, session, phase)
+    if is_loading(engine):  # the status line says what the load does; a message sent meanwhile waits for it
+        def loaded(lang_choice, chat):
+            return panels.phase_html(None, lang=lang_choice) if _idle(chat) else gr.skip()  # a reply draws its own
+
+        show_loading(engine, phase, lang, [session], loaded, waiting=lambda chat: not _idle(chat))
     # after a click on Send, the box again, for the next message (as after Enter in it)
     send.click(None, None, None, js="() => { document.querySelector('#ps-message textarea')?.focus(); }")
 
