@@ -256,7 +256,7 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     transformers' model, or tensor by tensor where that would not fit in the memory left."""
     _check_gguf(gguf)
     converted = cache_root(cache_dir) / "converted"
-    remove_leftovers(converted)  # at every start: one right after the kill finds them still fresh
+    remove_leftovers(converted)  # at every start: the start right after a kill finds its scratch still fresh
     target = converted / f"{gguf.stem}-{_remembered_hash(gguf, converted)}"
     if _converted(target):
         return target
