@@ -99,7 +99,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
                    max_lines=6, elem_id="ps-lab-prompt")
     if is_loading(engine):  # while the model loads behind the page, what the load does (a Run then waits)
         loading = gr.HTML(loading_phase_html(engine.stage), elem_id="ps-lab-loading")
-        show_loading(engine, loading, lang, [], loaded=lambda lang_choice: gr.HTML("", visible=False))
+        show_loading(engine, loading, texts, lang, [], loaded=lambda lang_choice: gr.HTML("", visible=False))
     status = texts(gr.Markdown, value=K("lab.intro"), elem_id="ps-lab-status")  # the intro again on a switch
     plot = gr.Plot(visible=False, show_label=False, elem_id="ps-lab-plot")
     report = gr.Markdown(elem_id="ps-lab-report")

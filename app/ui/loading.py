@@ -7,6 +7,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from . import panels
+from .language import Texts
 
 
 def is_loading(engine) -> bool:
@@ -14,12 +15,13 @@ def is_loading(engine) -> bool:
     return getattr(engine, "loading", False)
 
 
-def show_loading(engine, target: gr.HTML, lang: gr.Radio, inputs: list, loaded: Callable,
+def show_loading(engine, target: gr.HTML, texts: Texts, lang: gr.Radio, inputs: list, loaded: Callable,
                  waiting: Callable = lambda *values: False) -> None:
-    """While the model loads, target says what the load does and for how long so far, redrawn every second;
-    with waiting(*inputs), that what was asked meanwhile runs once it has loaded. Then target becomes
-    loaded(lang, *inputs) and the ticks stop. A tick that saw the load still running and arrived after the
-    page's redraw is mended by the next, so loaded must draw what the load leaves (or gr.skip())."""
+    """While the model loads, target says what the load does and for how long so far, drawn when the page
+    loads and every second after; with waiting(*inputs), that what was asked meanwhile runs once it has
+    loaded. Then target becomes loaded(lang, *inputs) and the ticks stop (at once on a page opened after the
+    load). A tick that saw the load still running and arrived after the page's redraw is mended by the
+    next, so loaded must draw what the load leaves (or gr.skip())."""
     timer = gr.Timer(1.0)
 
     def tick(lang_choice, *values):
@@ -28,3 +30,4 @@ def show_loading(engine, target: gr.HTML, lang: gr.Radio, inputs: list, loaded: 
         return loaded(lang_choice, *values), gr.Timer(active=False)
 
     timer.tick(tick, [lang, *inputs], [target, timer], queue=False, show_progress="hidden")
+    texts.on_switch(tick, inputs, [target, timer])  # on the page's load, and in another language

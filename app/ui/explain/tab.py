@@ -82,7 +82,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     # while the model loads behind the page, what the load does (a Start clicked then waits for it)
     if is_loading(engine):
         loading = gr.HTML(loading_phase_html(engine.stage), elem_id="ps-explain-loading")
-        show_loading(engine, loading, lang, [], loaded=lambda lang_choice: gr.HTML("", visible=False))
+        show_loading(engine, loading, texts, lang, [], loaded=lambda lang_choice: gr.HTML("", visible=False))
     tokens = gr.HTML("", elem_id="ps-explain-tokens")
     panel = gr.HTML("", elem_id="ps-explain-steps")
     pipeline = gr.HTML("", elem_id="ps-explain-pipeline")
