@@ -24,7 +24,7 @@ import torch
 
 from .events import FORWARD_STAGES as STAGES
 from .kv_pool import SequenceKV
-from .loader import SCRATCH, remove_leftovers, stage
+from .loader import remove_leftovers, scratch_prefix, stage
 from .quantize import packed_numel
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def build_library(cache_dir: Path) -> Path:
     remove_leftovers(target.parent)
     log.info("compiling the native decode step once with %s (about 8 s on two cores); later starts read %s",
              compiler, target, extra=stage("compile"))
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f"{SCRATCH}{os.getpid()}-") as scratch:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=scratch_prefix()) as scratch:
         built = Path(scratch) / target.name
         result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
                                 timeout=300)

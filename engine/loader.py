@@ -151,6 +151,11 @@ SCRATCH = ".partial-"  # a cache's file or folder being written: .partial-<the w
 LEFTOVER_QUIET_S = 60  # a scratch untouched this long whose process is gone is a leftover
 
 
+def scratch_prefix() -> str:
+    """How the name of a cache's file or folder this process writes begins (remove_leftovers reads it)."""
+    return f"{SCRATCH}{os.getpid()}-"
+
+
 def remove_leftovers(folder: Path) -> None:
     """Remove the scratch files and folders that processes killed mid-write left in folder (kill -9, the
     kernel's out-of-memory killer, a power cut), which nothing else removes: the bundled model's first start
@@ -190,7 +195,7 @@ def write_atomically(path: Path, write) -> None:
     """write(scratch) to a file beside path, then put it in path's place: another process reads the old
     file or the new one, never half of one. For the caches: one that cannot be written (a full disk, a
     read-only folder) is only slower next time, so the error is dropped, and the scratch with it."""
-    scratch = path.with_name(f"{SCRATCH}{os.getpid()}-{path.name}")
+    scratch = path.with_name(scratch_prefix() + path.name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(scratch)
@@ -348,7 +353,7 @@ def _write_conversion(converted: Path, target: Path, needed: int, write) -> Path
     full disk) leaves no half cache. needed: its bytes, said where they cannot be written."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{SCRATCH}{os.getpid()}-"))
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=scratch_prefix()))
     except OSError as exc:
         raise _cannot_write(converted, exc, needed) from None
     try:
