@@ -21,8 +21,7 @@ from ..history.store import Store, StoreError
 from ..i18n import DEFAULT, K, t
 from .history_tab import download_when_written, export_folder
 from .language import Texts, user_error
-from .loading import is_loading, show_loading
-from .panels import loading_phase_html
+from .loading import loading_line
 
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
@@ -97,9 +96,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
         stop = texts(gr.Button, value=K("lab.stop"), variant="stop", scale=1, elem_id="ps-lab-stop")
     prompt = texts(gr.Textbox, value=lab.EXPERIMENTS[FIRST].default_prompt, label=K("lab.prompt"), lines=2,
                    max_lines=6, elem_id="ps-lab-prompt")
-    if is_loading(engine):  # while the model loads behind the page, what the load does (a Run then waits)
-        loading = gr.HTML(loading_phase_html(engine.stage), elem_id="ps-lab-loading")
-        show_loading(engine, loading, texts, lang, [], loaded=lambda lang_choice: gr.HTML("", visible=False))
+    loading_line(engine, texts, lang, "ps-lab-loading")  # what the model's load does, while it loads
     status = texts(gr.Markdown, value=K("lab.intro"), elem_id="ps-lab-status")  # the intro again on a switch
     plot = gr.Plot(visible=False, show_label=False, elem_id="ps-lab-plot")
     report = gr.Markdown(elem_id="ps-lab-report")

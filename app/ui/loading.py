@@ -31,3 +31,11 @@ def show_loading(engine, target: gr.HTML, texts: Texts, lang: gr.Radio, inputs: 
 
     timer.tick(tick, [lang, *inputs], [target, timer], queue=False, show_progress="hidden")
     texts.on_switch(tick, inputs, [target, timer])  # on the page's load, and in another language
+
+
+def loading_line(engine, texts: Texts, lang: gr.Radio, elem_id: str) -> None:
+    """Where a tab's output goes, while the model loads behind the page, the line that says what the load
+    does (a button clicked then waits for it), gone once the model serves. Nothing on a loaded engine."""
+    if is_loading(engine):
+        line = gr.HTML(panels.loading_phase_html(engine.stage), elem_id=elem_id)
+        show_loading(engine, line, texts, lang, [], loaded=lambda lang_choice: gr.HTML("", visible=False))

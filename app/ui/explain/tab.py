@@ -20,8 +20,7 @@ from engine import PromptTooLong, SamplingParams
 
 from ...i18n import DEFAULT, K, t
 from ..language import Texts, user_error
-from ..loading import is_loading, show_loading
-from ..panels import loading_phase_html
+from ..loading import loading_line
 from ..session import ReplyWorker
 from ..trace import ReplyTrace
 from . import views
@@ -79,10 +78,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         demo_buttons = {name: texts(gr.Button, value=K(key), size="sm", elem_id=f"ps-demo-{name.replace('_', '-')}")
                         for name, key in (("short_vs_long", "demo.short_vs_long"), ("long_answer", "demo.long_answer"),
                                           ("second_turn", "demo.second_turn"))}
-    # while the model loads behind the page, what the load does (a Start clicked then waits for it)
-    if is_loading(engine):
-        loading = gr.HTML(loading_phase_html(engine.stage), elem_id="ps-explain-loading")
-        show_loading(engine, loading, texts, lang, [], loaded=lambda lang_choice: gr.HTML("", visible=False))
+    loading_line(engine, texts, lang, "ps-explain-loading")  # what the model's load does, while it loads
     tokens = gr.HTML("", elem_id="ps-explain-tokens")
     panel = gr.HTML("", elem_id="ps-explain-steps")
     pipeline = gr.HTML("", elem_id="ps-explain-pipeline")
