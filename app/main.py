@@ -21,6 +21,7 @@ from .i18n import DEFAULT, K, t
 from .ui import chat_tab, explain, history_tab, lab_tab, language
 from .ui.live import Streams
 from .ui.language import Texts
+from .ui.loading import is_loading
 from .history.recorder import make_recorder
 from .ui.session import ActiveRequests, EngineThread
 from .history.store import Store
@@ -42,7 +43,7 @@ def header_html(lang: str) -> str:
 def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
     """The page. It reads nothing but the engine's config while it is built: what shows the loaded model
     (model line, precision list, pool gauge, the Explain tab's panels) is drawn when a page loads."""
-    active, texts, streams = ActiveRequests(), Texts(), Streams()
+    active, texts, streams = ActiveRequests(), Texts(lambda: is_loading(engine)), Streams()
     # delete_cache: the files Gradio copies to serve (the exports) go after a day, and all at shutdown;
     # analytics_enabled: Gradio would send telemetry about the page (to api.gradio.app and huggingface.co)
     # and ask for its latest version as the app starts: a local chat app calls nobody

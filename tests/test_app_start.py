@@ -136,7 +136,10 @@ def test_a_first_start_says_what_it_does_once(tmp_path, tiny, monkeypatch):
 @pytest.mark.model
 def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
     """In the browser: the page comes up saying the model is loading; a message sent then waits, and is
-    answered once the model serves; the model line and the precision list are drawn when it does."""
+    answered once the model serves; the model line and the precision list are drawn when it does. The
+    language switched meanwhile: the lines say so in it, and still count the seconds (the tabs' redraws,
+    which read the model, had each held one of the browser's six connections to the app until the load
+    ended, and with a reply's stream no request was left for the timers)."""
     from pathlib import Path
 
     from app.bench.browser import CHROMIUM, free_port, launch_browser, open_chat, send, set_setting, wait_phase
@@ -161,18 +164,23 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
                 page.get_by_role("tab", name=tab).click()
                 if tab != "Chat":
                     assert "Loading the model — starting · " in page.inner_text(f"#ps-{tab.lower()}-loading")
+            page.get_by_text("简体中文", exact=True).click()
+            page.wait_for_function("() => document.querySelector('#ps-model-line').innerText === '正在加载模型…'")
             set_setting(page, "ps-max-new", 8)
             send(page, "Hi")
             page.wait_for_function("() => document.querySelector('#ps-phase').innerText.endsWith("
-                                   "'your message is answered once it has loaded')")
+                                   "'模型加载好后即回复你的消息')")
+            counted = page.inner_text("#ps-phase")
+            page.wait_for_function("(before) => document.querySelector('#ps-phase').innerText !== before", arg=counted)
             assert not page.query_selector("#ps-phase [data-phase=done]")  # waiting for the model
             engine.start()  # as launch() does, once the page is up
             wait_phase(page, "done")
             assert page.locator("#ps-chatbot .message").count() >= 2
-            page.wait_for_function("() => document.querySelector('#ps-model-line').innerText.includes('SmolLM2')")
+            page.wait_for_function("() => document.querySelector('#ps-model-line').innerText.includes('权重 int8')")
             assert "int8" in page.input_value("#ps-precision input")
-            page.get_by_role("tab", name="Explain").click()
+            page.get_by_role("tab", name="讲解").click()
             page.wait_for_selector("#ps-explain-loading", state="hidden")
+            page.wait_for_selector("#ps-explain-tokens [data-tokens]")  # the prompt's tokens: drawn once it has loaded
             browser.close()
     finally:
         app.close()

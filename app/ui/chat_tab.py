@@ -462,7 +462,10 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
 
     def redraw(lang_choice, chat):
         """The panels in another language, or on a page's load; the conversation and a streaming reply's text
-        stay as they are."""
+        stay as they are. While the model loads, only the model line (the status line says what the load does,
+        show_loading): the rest once it has loaded."""
+        if is_loading(engine):
+            return *[gr.skip()] * 6, panels.loading_html(lang_choice), gr.skip(), gr.skip()
         chat = chat or ChatSession()
         chat.lang = lang_choice
         trace = chat.traces[-1] if chat.traces else None
@@ -472,7 +475,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                 gr.Dropdown(choices=precisions(engine), value=engine.info.precision))
 
     texts.on_switch(redraw, [session], [phase, kpis, split, stream, kv_check, pool, model_line, precision_note,
-                                        precision])
+                                        precision], once_loaded=True)
     texts.on_switch(lambda lang_choice, kind: gr.Radio(_backend_choices(lang_choice), value=kind), [backend],
                     [backend])
     return tab

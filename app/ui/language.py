@@ -25,11 +25,13 @@ EMPTY_MESSAGES = ("the message is empty", "the prompt is empty", "the conversati
 
 
 class Texts:
-    """The components whose words follow the language, and what each tab redraws when it changes."""
+    """The components whose words follow the language, and what each tab redraws when it changes; loading
+    says whether the model still loads behind the page (LoadingEngine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loading: Callable[[], bool] = lambda: False) -> None:
+        self.loading = loading
         self.labelled: list[tuple[gr.components.Component, dict[str, K]]] = []
-        self.redraws: list[tuple[Callable, list, list]] = []
+        self.redraws: list[tuple[Callable, list, list, bool]] = []
 
     def __call__(self, make, *args, **kwargs):
         """make(*args, **kwargs) with each K(...) keyword given as its English text, and kept for a switch."""
@@ -38,26 +40,45 @@ class Texts:
         self.labelled.append((component, keys))
         return component
 
-    def on_switch(self, redraw: Callable, inputs: list, outputs: list) -> None:
-        """redraw(lang, *inputs) -> outputs runs when the language changes."""
-        self.redraws.append((redraw, inputs, outputs))
+    def on_switch(self, redraw: Callable, inputs: list, outputs: list, once_loaded: bool = False) -> None:
+        """redraw(lang, *inputs) -> outputs runs when the language changes, and when the page loads; with
+        once_loaded, also once the model has loaded behind a page opened before. Such a redraw draws what
+        needs the model only once it is loaded (gr.skip() before): it must not wait for the load in its
+        request, as the browser opens at most six connections to the app, and two tabs' redraws after a page
+        load and a switch, with the queue's and a reply's streams, took the last one from the timers that
+        say what the load does, and from everything else the page asked."""
+        self.redraws.append((redraw, inputs, outputs, once_loaded))
 
     def relabel(self, lang: str) -> list:
         return [gr.update(**{name: t(lang, key) for name, key in keys.items()}) for _, keys in self.labelled]
 
     def wire(self, choice: gr.Radio, remembered: gr.BrowserState, app: gr.Blocks) -> None:
         """On load, the remembered choice or else the browser's language, and every redraw in it (what shows
-        the loaded model is drawn then: the page is served before the model loads); on a change, relabel,
-        redraw and remember."""
+        the loaded model is drawn then, or once the model has loaded: the page is served before the model
+        loads); on a change, relabel, redraw and remember."""
         loaded = app.load(lambda stored, browser: stored if stored in LANGUAGES else browser, [remembered, choice],
                           [choice], queue=False, js=BROWSER_LANGUAGE_JS)
-        for redraw, inputs, outputs in self.redraws:
+        for redraw, inputs, outputs, _ in self.redraws:
             loaded.then(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
         choice.change(lambda lang: lang, [choice], [remembered], queue=False)
         choice.change(None, [choice], None, js=PAGE_LANGUAGE_JS)
         choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
-        for redraw, inputs, outputs in self.redraws:
-            choice.change(redraw, [choice, *inputs], outputs, queue=False)
+        for redraw, inputs, outputs, _ in self.redraws:
+            choice.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
+        self._wire_model_loaded(choice, loaded, [(redraw, inputs, outputs)
+                                                 for redraw, inputs, outputs, once in self.redraws if once])
+
+    def _wire_model_loaded(self, choice: gr.Radio, loaded, redraws: list) -> None:
+        """The redraws that wait for the model, once it has loaded behind a page opened before: a timer
+        outside the tabs (one in a tab not shown does not tick) looks every second whether the load has
+        ended, and then sets ready, whose change runs them (Gradio tells the page that a State changed only
+        from a queued event)."""
+        ready, timer = gr.State(False), gr.Timer(1.0, active=False)
+        loaded.then(lambda: gr.Timer(active=self.loading()), None, [timer], queue=False, show_progress="hidden")
+        timer.tick(lambda: (gr.skip(), gr.skip()) if self.loading() else (True, gr.Timer(active=False)), None,
+                   [ready, timer], show_progress="hidden", concurrency_limit=None)
+        for redraw, inputs, outputs in redraws:
+            ready.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
 
 
 def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:

@@ -20,7 +20,7 @@ from engine import PromptTooLong, SamplingParams
 
 from ...i18n import DEFAULT, K, t
 from ..language import Texts, user_error
-from ..loading import loading_line
+from ..loading import is_loading, loading_line
 from ..session import ReplyWorker
 from ..trace import ReplyTrace
 from . import views
@@ -201,7 +201,10 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
                      concurrency_limit=1, concurrency_id="explain-demo")
 
     def redraw(lang_choice, walk, layer_choice, head_choice, demo, text):
-        """Every panel in another language, or on a page's load; before a walk-through, the prompt's tokens."""
+        """Every panel in another language, or on a page's load; before a walk-through, the prompt's tokens.
+        Nothing while the model loads: all once it has loaded."""
+        if is_loading(engine):
+            return [gr.skip()] * 9
         shape = views.Shape.of(engine)
         panels = render(walk, layer_choice, head_choice, lang_choice)[1:]
         if walk is None:
@@ -211,4 +214,4 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
                 gr.Dropdown(choices=_choices(shape.heads, lang_choice)))
 
     texts.on_switch(redraw, [state, layer, head, demo_state, prompt],
-                    [tokens, panel, pipeline, candidates, grid, demo_text, demo_plot, layer, head])
+                    [tokens, panel, pipeline, candidates, grid, demo_text, demo_plot, layer, head], once_loaded=True)
