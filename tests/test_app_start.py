@@ -164,6 +164,14 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
                 page.get_by_role("tab", name=tab).click()
                 if tab != "Chat":
                     assert "Loading the model — starting · " in page.inner_text(f"#ps-{tab.lower()}-loading")
+                if tab == "Explain":  # each key a request for the prompt's tokens, and Pause: none waits for the model
+                    page.locator("#ps-explain-prompt textarea").press_sequentially(" and why?", delay=50)
+                    page.locator("#ps-explain-pause").click()
+                    counted = page.inner_text("#ps-explain-loading")
+                    page.wait_for_function("(before) => document.querySelector('#ps-explain-loading').innerText"
+                                           " !== before", arg=counted)
+                    # no request waits for the model: Gradio would count its seconds over the panels
+                    assert not re.search(r"\d\.\ds", page.inner_text("#ps-explain-steps"))
             page.get_by_text("简体中文", exact=True).click()
             page.wait_for_function("() => document.querySelector('#ps-model-line').innerText === '正在加载模型…'")
             set_setting(page, "ps-max-new", 8)

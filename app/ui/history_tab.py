@@ -332,8 +332,10 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
                                          queue=False)):
             download_when_written(written, file)
     table.select(select, [table, lang], [selected, chosen, confirm, *one, *acting], queue=False)
+    # queued: it reads the model, and while a first start loads it, a request waiting for it held one of the
+    # browser's six connections to the app (see Texts.on_switch)
     open_button.click(open_session, [selected, chosen, lang, chat.session],
-                      [*chat.outputs, tabs, chosen, chat.model_line], queue=False)
+                      [*chat.outputs, tabs, chosen, chat.model_line])
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one, *acting],

@@ -93,7 +93,11 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         texts(gr.Markdown, value=K("explain.answer"))
 
     def render(walk: Walkthrough | None, layer_choice: str, head_choice: str, lang_choice: str):
-        """The walk-through's views; before one, the prompt's tokens as the prompt box drew them."""
+        """The walk-through's views; before one, the prompt's tokens as the prompt box drew them. Nothing while
+        the model loads (Pause, Stop and the layer's list are instant: they must not wait for it in a request,
+        see Texts.on_switch): the page's redraw draws them once it has loaded."""
+        if is_loading(engine):
+            return (walk, *[gr.skip()] * 5)
         trace = walk.trace if walk else None
         last = trace.steps[-1] if trace and trace.steps else None
         return (walk, views.tokens_html(engine.tokenizer, walk.text, lang_choice) if walk else gr.skip(),
@@ -175,8 +179,10 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     stop.click(end, [state, *choices], outputs, queue=False)
     for dropdown in (layer, head):  # change, not input: Gradio 6 sends a click on an option as two inputs
         dropdown.change(render, [state, *choices], outputs, queue=False)
-    prompt.input(lambda text, lang_choice: views.tokens_html(engine.tokenizer, text, lang_choice), [prompt, lang],
-                 [tokens], queue=False, show_progress="hidden")
+    def prompt_tokens(text, lang_choice):  # while the model loads, the page's redraw draws them once it has
+        return gr.skip() if is_loading(engine) else views.tokens_html(engine.tokenizer, text, lang_choice)
+
+    prompt.input(prompt_tokens, [prompt, lang], [tokens], queue=False, show_progress="hidden")
     presenter.change(None, [presenter], None, js=PRESENTER_JS)
 
     # demos: the walkthrough preset, and three runs of the real model with what their numbers show
