@@ -34,7 +34,8 @@ from .hf_runner import TransformersRunner, in_dtype, make_runner
 from .info import ModelInfo, PoolUsage
 from .kv_pool import blocks_for, kv_bytes_formula
 from .llama import matrix_numbers
-from .loader import LoadedModel, load_model
+from .fused import start_early
+from .loader import LoadedModel, cache_root, load_model
 from .prompt import PromptTooLong, check_messages, fit_conversation, has_chat_template, render_prompt
 from .request import Request, Status
 from .sampling import SeenTokens, make_generator, sample, top_logits, top_tempered
@@ -145,6 +146,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
+        # the native decode step compiles (once, 8 s) while the model loads (a first start converts it, 20-30 s)
+        start_early(cache_root(config.cache_dir), config.device, config.precision, config.tensor_parallel)
         # lean: a Llama-family folder is read without building transformers' model
         return cls(load_model(config.model, config.device, config.load_dtype, config.cache_dir, lean=True), config)
 

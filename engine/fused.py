@@ -3,10 +3,11 @@ prefill's attention, which reads the cached keys where they lie in the paged poo
 
 A decode step reads every weight once for a batch of tokens (one per running sequence), so it should
 run at memory bandwidth; in eager PyTorch most of it went to ~25 small ops per layer. The C++ file has
-no torch headers: it is built once per machine with the system's C++ compiler (8 s on two cores), cached
-beside the converted weights, and called through ctypes with the addresses of the tensors LeanLlama
-already holds. Where it cannot be built (no compiler, not x86/ARM Linux or macOS), or
-PHASESCOPE_FUSED_DECODE=0, decode runs the PyTorch ops instead, with the same results.
+no torch headers: it is built once per machine with the system's C++ compiler (8 s on two cores, while the
+model loads: Engine.from_config begins it), cached beside the converted weights, and called through ctypes
+with the addresses of the tensors LeanLlama already holds. Where it cannot be built (no compiler, not
+x86/ARM Linux or macOS), or PHASESCOPE_FUSED_DECODE=0, decode runs the PyTorch ops instead, with the same
+results.
 """
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ import os
 import platform
 import subprocess
 import tempfile
+import threading
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 from .events import FORWARD_STAGES as STAGES
 from .kv_pool import SequenceKV
-from .loader import remove_leftovers, scratch_prefix, stage
+from .loader import remove_leftovers, resolve_device, scratch_prefix, stage
 from .quantize import packed_numel
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,61 @@ def _cpu_signature() -> str:
 
 
 def build_library(cache_dir: Path) -> Path:
-    """Compile the decode step once per source, compiler and CPU; return the shared library's path."""
+    """Compile the decode step once per source, compiler and CPU; return the shared library's path. A
+    compile start_building began is waited for."""
+    target, _ = _library(cache_dir)
+    if target.exists():
+        return target
+    building = start_building(cache_dir)
+    if not building.done():
+        log.info("compiling the native decode step once with %s (about 8 s on two cores); later starts read %s",
+                 os.environ.get("CXX", "g++"), target, extra=stage("compile"))
+    return building.result()
+
+
+_BUILDS: dict[Path, Future] = {}  # by target: the compiles under way
+_BUILDS_LOCK = threading.Lock()
+
+
+def start_building(cache_dir: Path) -> Future:
+    """The decode step's compile for cache_dir, begun now in a thread (unless begun before): a first start
+    compiles it (8 s) while it converts the model (20-30 s), and build_library waits for what is left."""
+    target, command = _library(cache_dir)
+    with _BUILDS_LOCK:
+        if target in _BUILDS:
+            return _BUILDS[target]
+        building = _BUILDS[target] = Future()
+
+    def build() -> None:
+        try:
+            building.set_result(_compile(target, command))
+        except BaseException as exc:  # noqa: BLE001 - raised again by result()
+            building.set_exception(exc)
+        finally:  # a later start finds the library, or tries again
+            with _BUILDS_LOCK:
+                del _BUILDS[target]
+
+    threading.Thread(target=build, name="compile-decode-step", daemon=True).start()
+    return building
+
+
+def start_early(cache_dir: Path, device: str, precision: str, tensor_parallel: int = 1) -> None:
+    """Begin the compile before the model loads, where the native step is to decode it: on CPU (device as
+    --device gives it), in fp32 or int8 (auto: int8), in one process. Nothing where it cannot be built:
+    load_fused_decode says why."""
+    on_cpu = device == "cpu" or (device == "auto" and resolve_device(device).type == "cpu")
+    if (os.environ.get("PHASESCOPE_FUSED_DECODE", "1") == "0" or not on_cpu
+            or precision not in ("auto", "fp32", "int8") or tensor_parallel > 1):
+        return
+    try:
+        start_building(cache_dir)
+    except KernelUnavailable:
+        pass
+
+
+def _library(cache_dir: Path) -> tuple[Path, list[str]]:
+    """Where the library for this source, compiler and CPU lies in cache_dir, and the command that builds it
+    (its output path last)."""
     compiler = os.environ.get("CXX", "g++")
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -67,18 +124,19 @@ def build_library(cache_dir: Path) -> Path:
     flags = FLAGS + _arch_flags()
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature()]).encode())
     target = cache_dir / "kernels" / f"decode_step-{key.hexdigest()[:16]}.so"
+    return target, [compiler, *flags, str(SOURCE), "-o"]
+
+
+def _compile(target: Path, command: list[str]) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(target.parent)
-    log.info("compiling the native decode step once with %s (about 8 s on two cores); later starts read %s",
-             compiler, target, extra=stage("compile"))
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=scratch_prefix()) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run([*command, str(built)], capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+            raise KernelUnavailable(f"{command[0]} failed: {result.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
     return target
 
