@@ -79,7 +79,7 @@ _BUILDS_LOCK = threading.Lock()
 
 def start_building(cache_dir: Path) -> Future:
     """The decode step's compile for cache_dir, begun now in a thread (unless begun before): a first start
-    compiles it (8 s) while it converts the model (20-30 s), and build_library waits for what is left."""
+    compiles it (8 s) while it converts the model (9 s), and build_library waits for what is left."""
     target, command = _library(cache_dir)
     with _BUILDS_LOCK:
         if target in _BUILDS:

@@ -6,6 +6,7 @@ seconds. Weights are only ever read from safetensors or GGUF: never pickles, nev
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -15,6 +16,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,6 +259,22 @@ def _check_room_to_load(folder: Path, numbers: int, dtype: torch.dtype) -> None:
                      f"and {free / 1e9:.1f} GB of memory is free: {advice}")
 
 
+@contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """Within the block, each GGUF file is parsed once and gguf's table of tensor names made once per
+    architecture: transformers parses a GGUF's header for the tokenizer, the config and the weights (2 s each
+    for the bundled model on two cores, in Python), and makes the table anew for each module of the model
+    (397 for SmolLM2: 3 s). Both through the gguf package's names, which transformers imports at each call."""
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = functools.lru_cache(maxsize=4)(reader), functools.cache(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
+
+
 def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     """Return a folder with the GGUF's weights as safetensors, converting it on the first call: whole, through
     transformers' model, or tensor by tensor where that would not fit in the memory left."""
@@ -272,11 +291,12 @@ def convert_gguf(gguf: Path, cache_dir: str | None = None) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s once (about 20-30 s for the bundled model on two cores); later starts read %s",
+    log.info("converting %s once (about 10 s for the bundled model on two cores); later starts read %s",
              gguf.name, target, extra=stage("convert", file=gguf.name))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad file (a cut one: a struct or numpy error)
         raise ModelError(f"cannot load {gguf}: {gguf_cut_short(gguf) or exc}".splitlines()[0]) from exc
 
@@ -296,8 +316,8 @@ def _convert_in_pieces(gguf: Path, converted: Path, target: Path, numbers: int) 
     """The conversion as transformers makes it (its names, its config, its tokenizer, each tensor dequantized
     and reordered by its processor), but a tensor at a time into shards of SHARD_BYTES: a 7 B model's GGUF
     whole takes about 52 GB of memory, tensor by tensor its largest tensor and a shard."""
+    import gguf as gguf_package
     import numpy as np
-    from gguf import GGUFReader, dequantize
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
@@ -308,15 +328,16 @@ def _convert_in_pieces(gguf: Path, converted: Path, target: Path, numbers: int) 
     log.info("converting %s once, a tensor at a time (at once it would not fit in the memory left); later "
              "starts read %s", gguf.name, target, extra=stage("convert", file=gguf.name))
     try:
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # its config and tokenizer
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        with torch.device("meta"):  # the model's names, without its weights
-            names = AutoModelForCausalLM.from_config(config)
-        reader = GGUFReader(str(gguf))
-        processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(
-            config=parsed["config"])
-        mapping = get_gguf_hf_weights_map(names, processor)
+        with _gguf_read_once():
+            parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # its config and tokenizer
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            with torch.device("meta"):  # the model's names, without its weights
+                names = AutoModelForCausalLM.from_config(config)
+            reader = gguf_package.GGUFReader(str(gguf))
+            processor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)(
+                config=parsed["config"])
+            mapping = get_gguf_hf_weights_map(names, processor)
     except Exception as exc:
         raise ModelError(f"cannot load {gguf}: {gguf_cut_short(gguf) or exc}".splitlines()[0]) from exc
     config.dtype = torch.float32
@@ -331,8 +352,9 @@ def _convert_in_pieces(gguf: Path, converted: Path, target: Path, numbers: int) 
             shard.clear()
 
         for tensor in reader.tensors:
-            result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
-                                       tensor_key_mapping=mapping, parsed_parameters=parsed)
+            weights = gguf_package.dequantize(tensor.data, tensor.tensor_type)
+            result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping,
+                                       parsed_parameters=parsed)
             if result.name in mapping:
                 shard[mapping[result.name]] = torch.from_numpy(np.copy(result.weights)).float()
                 size += shard[mapping[result.name]].nbytes

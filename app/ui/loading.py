@@ -1,5 +1,5 @@
 """What a tab says while the model loads behind the page (LoadingEngine): a first start converts the
-bundled GGUF and compiles the decode step for half a minute, and a click meanwhile waits without a word."""
+bundled GGUF and compiles the decode step for about ten seconds, and a click meanwhile waits without a word."""
 from __future__ import annotations
 
 from collections.abc import Callable
