@@ -22,7 +22,7 @@ from .fused import load_fused_decode
 from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for
 from .errors import NotEnoughMemory
-from .loader import cache_root, free_memory
+from .loader import cache_root, memory_short
 from .quantize import Int8Cache, Int8Linear, linear_factory
 from .sampling import top_logits, top_logits_batch, top_tempered
 
@@ -270,8 +270,7 @@ class LeanLlama:
         layer, head = matrix_numbers(config)  # the head: tied to the embedding in fp32 it takes no more, counted
         numel = self.num_layers * layer + head
         element = 1 if self.precision == "int8" else torch.tensor([], dtype=self.dtype).element_size()
-        free = free_memory()
-        if free is not None and numel * element > 0.9 * free:  # a tenth left for activations, the KV cache
+        if (free := memory_short(numel * element)) is not None:
             raise NotEnoughMemory(self.precision, numel * element, free, numel)
 
     def _layer(self, make, layer: torch.nn.Module, pair_rope: bool) -> _Layer:

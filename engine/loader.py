@@ -150,6 +150,13 @@ def free_memory() -> int | None:
     return free
 
 
+def memory_short(nbytes: int) -> int | None:
+    """The bytes free where weights of nbytes would not fit in them with a tenth left over (for activations
+    and the KV cache); None where they fit, or where what is free cannot be known."""
+    free = free_memory()
+    return free if free is not None and nbytes > 0.9 * free else None
+
+
 SCRATCH = ".partial-"  # a cache's file or folder being written: .partial-<the writing process's id>-<name>
 LEFTOVER_QUIET_S = 60  # a scratch untouched this long whose process is gone is a leftover
 
@@ -249,8 +256,8 @@ SHARD_BYTES = 1 << 30  # a conversion made tensor by tensor is written in shards
 def _check_room_to_load(folder: Path, numbers: int, dtype: torch.dtype) -> None:
     """Refuse, in one line, a transformers model that would not fit in the memory left in dtype (it is
     built whole: a 7 B model in fp32 takes 28 GB)."""
-    size, free = torch.tensor([], dtype=dtype).element_size(), free_memory()
-    if free is None or numbers * size <= 0.9 * free:
+    size = torch.tensor([], dtype=dtype).element_size()
+    if (free := memory_short(numbers * size)) is None:
         return
     name = str(dtype).removeprefix("torch.")
     advice = (f"in bfloat16 (--dtype bfloat16) it takes about {numbers * 2 / 1e9:.1f} GB" if size > 2

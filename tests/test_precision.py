@@ -84,11 +84,11 @@ def test_weights_that_would_not_fit_are_refused_in_one_line_and_the_running_prec
     from app.bench.extras import precision_report
     from app.ui.language import user_error
     from app.ui.panels import precision_html
-    from engine import NotEnoughMemory, llama
+    from engine import NotEnoughMemory, loader
 
     loaded = tiny_model(tokenizer)  # about 12.6 MB of weights in fp32, 3.2 MB in int8
     engine = Engine(loaded, EngineConfig(precision="int8"))
-    monkeypatch.setattr(llama, "free_memory", lambda: 6_000_000)
+    monkeypatch.setattr(loader, "free_memory", lambda: 6_000_000)
     with pytest.raises(NotEnoughMemory, match=r"^the weights need about 0\.0 GB in fp32 and 0\.0 GB of memory is "
                                               r"free: choose int8 \(about 0\.0 GB\)$") as refused:
         engine.switch_precision("fp32")
@@ -101,7 +101,7 @@ def test_weights_that_would_not_fit_are_refused_in_one_line_and_the_running_prec
     assert "no_reference_gb" in report and "top1_agreement" not in report
     assert "not compared with fp32" in precision_html(report, "en") and "未与 fp32 对比" in precision_html(report, "zh")
 
-    monkeypatch.setattr(llama, "free_memory", lambda: 1_000_000)
+    monkeypatch.setattr(loader, "free_memory", lambda: 1_000_000)
     with pytest.raises(NotEnoughMemory, match="in int8 .*: close other programs or choose a smaller model$"):
         make_runner(loaded.model, "int8")
 
