@@ -62,25 +62,39 @@ def _cpu_signature() -> str:
 
 def build_library(cache_dir: Path) -> Path:
     """Compile the decode step once per source, compiler and CPU; return the shared library's path. A
-    compile start_building began is waited for."""
-    target, _ = _library(cache_dir)
+    compile start_early began is waited for."""
+    target, command = _library(cache_dir)
     if target.exists():
         return target
-    building = start_building(cache_dir)
+    building = _building(target, command)
     if not building.done():
         log.info("compiling the native decode step once with %s (about 8 s on two cores); later starts read %s",
-                 os.environ.get("CXX", "g++"), target, extra=stage("compile"))
+                 command[0], target, extra=stage("compile"))
     return building.result()
+
+
+def start_early(cache_dir: Path, device: str, precision: str, tensor_parallel: int = 1) -> None:
+    """Begin the compile before the model loads (a first start converts it meanwhile: 9 s), where the native
+    step is to decode it: on CPU (device as --device gives it), in fp32 or int8 (auto: int8), in one
+    process. Nothing where it cannot be built: load_fused_decode says why."""
+    on_cpu = device == "cpu" or (device == "auto" and resolve_device(device).type == "cpu")
+    if (os.environ.get("PHASESCOPE_FUSED_DECODE", "1") == "0" or not on_cpu
+            or precision not in ("auto", "fp32", "int8") or tensor_parallel > 1):
+        return
+    try:
+        target, command = _library(cache_dir)
+    except KernelUnavailable:
+        return
+    if not target.exists():
+        _building(target, command)
 
 
 _BUILDS: dict[Path, Future] = {}  # by target: the compiles under way
 _BUILDS_LOCK = threading.Lock()
 
 
-def start_building(cache_dir: Path) -> Future:
-    """The decode step's compile for cache_dir, begun now in a thread (unless begun before): a first start
-    compiles it (8 s) while it converts the model (9 s), and build_library waits for what is left."""
-    target, command = _library(cache_dir)
+def _building(target: Path, command: list[str]) -> Future:
+    """The compile of target, begun now in a thread unless one is under way."""
     with _BUILDS_LOCK:
         if target in _BUILDS:
             return _BUILDS[target]
@@ -97,20 +111,6 @@ def start_building(cache_dir: Path) -> Future:
 
     threading.Thread(target=build, name="compile-decode-step", daemon=True).start()
     return building
-
-
-def start_early(cache_dir: Path, device: str, precision: str, tensor_parallel: int = 1) -> None:
-    """Begin the compile before the model loads, where the native step is to decode it: on CPU (device as
-    --device gives it), in fp32 or int8 (auto: int8), in one process. Nothing where it cannot be built:
-    load_fused_decode says why."""
-    on_cpu = device == "cpu" or (device == "auto" and resolve_device(device).type == "cpu")
-    if (os.environ.get("PHASESCOPE_FUSED_DECODE", "1") == "0" or not on_cpu
-            or precision not in ("auto", "fp32", "int8") or tensor_parallel > 1):
-        return
-    try:
-        start_building(cache_dir)
-    except KernelUnavailable:
-        pass
 
 
 def _library(cache_dir: Path) -> tuple[Path, list[str]]:
