@@ -58,6 +58,8 @@ class Texts:
         loads); on a change, relabel, redraw and remember."""
         loaded = app.load(lambda stored, browser: stored if stored in LANGUAGES else browser, [remembered, choice],
                           [choice], queue=False, js=BROWSER_LANGUAGE_JS)
+        loaded = self._wire_model_loaded(choice, loaded, [(redraw, inputs, outputs)
+                                                          for redraw, inputs, outputs, once in self.redraws if once])
         for redraw, inputs, outputs, _ in self.redraws:
             loaded.then(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
         choice.change(lambda lang: lang, [choice], [remembered], queue=False)
@@ -65,20 +67,21 @@ class Texts:
         choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
         for redraw, inputs, outputs, _ in self.redraws:
             choice.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
-        self._wire_model_loaded(choice, loaded, [(redraw, inputs, outputs)
-                                                 for redraw, inputs, outputs, once in self.redraws if once])
 
-    def _wire_model_loaded(self, choice: gr.Radio, loaded, redraws: list) -> None:
+    def _wire_model_loaded(self, choice: gr.Radio, loaded, redraws: list):
         """The redraws that wait for the model, once it has loaded behind a page opened before: a timer
         outside the tabs (one in a tab not shown does not tick) looks every second whether the load has
         ended, and then sets ready, whose change runs them (Gradio tells the page that a State changed only
-        from a queued event)."""
+        from a queued event). The page's load starts the timer if the model loads then, before its redraws
+        (returned: what they follow): a redraw that found it loading is then drawn again once it has loaded,
+        where a load ending between the redraw and a later look would have left the redraw undone."""
         ready, timer = gr.State(False), gr.Timer(1.0, active=False)
-        loaded.then(lambda: gr.Timer(active=self.loading()), None, [timer], queue=False, show_progress="hidden")
         timer.tick(lambda: (gr.skip(), gr.skip()) if self.loading() else (True, gr.Timer(active=False)), None,
                    [ready, timer], show_progress="hidden", concurrency_limit=None)
         for redraw, inputs, outputs in redraws:
             ready.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
+        return loaded.then(lambda: gr.Timer(active=self.loading()), None, [timer], queue=False,
+                           show_progress="hidden")
 
 
 def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:
