@@ -179,6 +179,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
     stop.click(end, [state, *choices], outputs, queue=False)
     for dropdown in (layer, head):  # change, not input: Gradio 6 sends a click on an option as two inputs
         dropdown.change(render, [state, *choices], outputs, queue=False)
+
     def prompt_tokens(text, lang_choice):  # while the model loads, the page's redraw draws them once it has
         return gr.skip() if is_loading(engine) else views.tokens_html(engine.tokenizer, text, lang_choice)
 
