@@ -2,6 +2,7 @@
 replace."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -340,6 +341,23 @@ def test_library_is_built_once_per_source_and_cpu_begun_before_the_model_loads(t
     built_ns = os.stat(first).st_mtime_ns
     assert first == build_library(tmp_path) and built_ns == os.stat(first).st_mtime_ns
     assert [first.name] == [p.name for p in (tmp_path / "kernels").iterdir()]  # no leftovers from the build
+
+
+@pytest.mark.parametrize("config, environment", [
+    (EngineConfig(precision="fp16"), {}), (EngineConfig(tensor_parallel=2), {}),
+    (EngineConfig(), {"PHASESCOPE_FUSED_DECODE": "0"}), (EngineConfig(), {"CXX": "no-such-compiler"})])
+def test_no_compile_is_begun_where_the_native_step_will_not_decode(tmp_path, monkeypatch, config, environment):
+    """Half precision and tensor parallelism decode with PyTorch ops: a compile for them would take a core
+    for 8 s of the load for nothing. Without a compiler nothing is begun, and nothing is said yet."""
+    def load_model(*args, **kwargs):
+        raise ModelError("not loaded in this test")
+
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("engine.engine.load_model", load_model)
+    with pytest.raises(ModelError):
+        Engine.from_config(dataclasses.replace(config, cache_dir=str(tmp_path)))
+    assert not fused._BUILDS and not (tmp_path / "kernels").exists()
 
 
 def test_a_cache_folder_that_cannot_be_written_falls_back(tokenizer, tmp_path):
