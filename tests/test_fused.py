@@ -324,13 +324,18 @@ def test_switched_off_by_environment(tokenizer, monkeypatch):
     assert "PyTorch ops" == make_runner(tiny_model(tokenizer).model, "int8").decode_path
 
 
-def test_library_is_built_once_per_source_and_cpu_begun_before_the_model_loads(tmp_path, monkeypatch, caplog):
-    """Engine.from_config begins the compile (8 s) before it loads the model (a first start converts it
-    meanwhile: 33 s without, 22 s with, when the conversion took 20 s); build_library waits for that compile."""
+@pytest.fixture
+def no_model(monkeypatch):
+    """Engine.from_config does what it does before the model loads, then raises ModelError."""
     def load_model(*args, **kwargs):
         raise ModelError("not loaded in this test")
 
     monkeypatch.setattr("engine.engine.load_model", load_model)
+
+
+def test_library_is_built_once_per_source_and_cpu_begun_before_the_model_loads(tmp_path, no_model, caplog):
+    """Engine.from_config begins the compile (8 s) before it loads the model (a first start converts it
+    meanwhile: 33 s without, 22 s with, when the conversion took 20 s); build_library waits for that compile."""
     with pytest.raises(ModelError):
         Engine.from_config(EngineConfig(cache_dir=str(tmp_path)))
     assert [tmp_path / "kernels"] == [target.parent for target in fused._BUILDS]  # under way
@@ -346,15 +351,12 @@ def test_library_is_built_once_per_source_and_cpu_begun_before_the_model_loads(t
 @pytest.mark.parametrize("config, environment", [
     (EngineConfig(precision="fp16"), {}), (EngineConfig(tensor_parallel=2), {}),
     (EngineConfig(), {"PHASESCOPE_FUSED_DECODE": "0"}), (EngineConfig(), {"CXX": "no-such-compiler"})])
-def test_no_compile_is_begun_where_the_native_step_will_not_decode(tmp_path, monkeypatch, config, environment):
+def test_no_compile_is_begun_where_the_native_step_will_not_decode(tmp_path, monkeypatch, no_model, config,
+                                                                     environment):
     """Half precision and tensor parallelism decode with PyTorch ops: a compile for them would take a core
     for 8 s of the load for nothing. Without a compiler nothing is begun, and nothing is said yet."""
-    def load_model(*args, **kwargs):
-        raise ModelError("not loaded in this test")
-
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr("engine.engine.load_model", load_model)
     with pytest.raises(ModelError):
         Engine.from_config(dataclasses.replace(config, cache_dir=str(tmp_path)))
     assert not fused._BUILDS and not (tmp_path / "kernels").exists()
