@@ -704,7 +704,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from app.history.export import render, write_export
+    from app.history.export import write_export, write_to
     from app.history.store import Store
 
     store = Store.open(args.db, create=False, repair=False)
@@ -712,7 +712,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         path = write_export(store, args.format, Path(args.output), args.session, force=args.force)
         print(f"wrote {path}", file=sys.stderr)
     else:
-        sys.stdout.write(render(store, args.format, args.session))
+        write_to(sys.stdout, store, args.format, args.session)
     return 0
 
 

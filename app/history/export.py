@@ -6,8 +6,11 @@ import csv
 import io
 import json
 import os
+import re
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import TextIO
 
 from engine.metrics import RequestMetrics, percentiles
 
@@ -46,46 +49,42 @@ def export_filename(fmt: str, session_id: int | None) -> str:
     return f"phasescope-{scope}.{'trace.json' if fmt == 'trace' else fmt}"
 
 
-def _session_ids(store: Store, session_id: int | None) -> list[int]:
+def _listed(store: Store, session_id: int | None) -> list[dict]:
+    """The sessions to export: one, or all, oldest first."""
     if session_id is not None:
-        store.session(session_id)  # raises StoreError for an unknown id
-        return [session_id]
-    return [row["id"] for row in reversed(store.sessions())]  # oldest first
+        return [store.session(session_id)]  # raises StoreError for an unknown id
+    return list(reversed(store.sessions()))
 
 
-# A read of the store: each session with its messages, each with its steps
-Rows = list[tuple[dict, list[tuple[dict, list[dict]]]]]
+# A session as it is exported: its row, and its messages, each with its steps
+Session = tuple[dict, list[tuple[dict, list[dict]]]]
 
 
-def _read(store: Store, session_id: int | None) -> Rows:
-    """The sessions to export (one, or all, oldest first) with their messages and steps, read once for
-    every format built from them."""
-    return [(store.session(sid), [(m, store.steps(m["id"])) for m in store.messages(sid)])
-            for sid in _session_ids(store, session_id)]
+def _read(store: Store, listed: list[dict]) -> Iterator[Session]:
+    """Each listed session with its messages and their steps, read a session at a time as the export is
+    written: an export of every session holds one in memory, not all (the JSON of a history of 1.2 M steps,
+    built whole, took 4.9 GB and 41 s). One deleted since it was listed is left out."""
+    for listed_row in listed:
+        if store.has_session(listed_row["id"]):
+            session = store.session(listed_row["id"])  # its own row: the listing adds the table's figures
+            yield session, [(m, store.steps(m["id"])) for m in store.messages(session["id"])]
 
 
-def to_csv(store: Store, session_id: int | None = None) -> str:
-    return _csv(_read(store, session_id))
-
-
-def _csv(rows: Rows) -> str:
-    out = io.StringIO()
+def _csv(out: TextIO, sessions: Iterable[Session]) -> None:
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
-    for session, messages in rows:
+    for session, messages in sessions:
         sid = session["id"]
         for message, steps in messages:
             engine = json.loads(message["engine"]) if message.get("engine") else {}
             precision = engine.pop("precision", "")
             switches = json.dumps(engine, sort_keys=True) if engine else ""
-            for step in steps:
-                writer.writerow([sid, message["id"], message["turn"], step["phase"], step["idx"],
-                                 step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
-                                 step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
-                                 step["token_prob"], step["batch_size"], message["cached_prompt_tokens"],
-                                 message["replaced_by"], precision, switches, message.get("held_ms"),
-                                 _ms(step.get("held_ns"))])
-    return out.getvalue()
+            writer.writerows([sid, message["id"], message["turn"], step["phase"], step["idx"],
+                              step["start_ns"] / 1e6, step["latency_ns"] / 1e6, step["num_tokens"],
+                              step["kv_tokens"], step["kv_bytes"], step["token_id"], step["token_text"],
+                              step["token_prob"], step["batch_size"], message["cached_prompt_tokens"],
+                              message["replaced_by"], precision, switches, message.get("held_ms"),
+                              _ms(step.get("held_ns"))] for step in steps)
 
 
 def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) -> dict:
@@ -110,20 +109,13 @@ def _ms(ns: int | None) -> float | None:
     return None if ns is None else ns / 1e6
 
 
-def to_json(store: Store, session_id: int | None = None) -> dict:
-    return _json(_read(store, session_id))
-
-
-def _json(rows: Rows) -> dict:
-    sessions = []
-    for session, messages_rows in rows:
-        metrics = [message_metrics(m, steps) if m["role"] == "assistant" else None for m, steps in messages_rows]
-        messages = [_message_json(m, steps, metric) for (m, steps), metric in zip(messages_rows, metrics)]
-        # the History tab shows these (checked_json), made from the metrics above: each step is read once
-        replies, percentiles_of = replies_summary([m for m in metrics if m is not None])
-        sessions.append({**session, "settings": json.loads(session["settings"] or "{}"),
-                         "summary": {"replies": replies, **percentiles_of}, "messages": messages})
-    return {"format": "phasescope-export", "version": 1, "definitions": DEFINITIONS, "sessions": sessions}
+def _session_json(session: dict, messages_rows: list[tuple[dict, list[dict]]]) -> dict:
+    metrics = [message_metrics(m, steps) if m["role"] == "assistant" else None for m, steps in messages_rows]
+    messages = [_message_json(m, steps, metric) for (m, steps), metric in zip(messages_rows, metrics)]
+    # the History tab shows these (to_json), made from the metrics above: each step is read once
+    replies, percentiles_of = replies_summary([m for m in metrics if m is not None])
+    return {**session, "settings": json.loads(session["settings"] or "{}"),
+            "summary": {"replies": replies, **percentiles_of}, "messages": messages}
 
 
 def _epoch_us(stamp: str) -> float:
@@ -159,30 +151,27 @@ def _trace_events(session: dict, message: dict, steps: list[dict], origin_us: fl
     return events
 
 
-def to_trace(store: Store, session_id: int | None = None) -> dict:
-    """Chrome Trace Event Format: a process per session, a thread per reply, steps as "X" events,
-    the KV cache size as a "C" counter. Timestamps are microseconds from the first exported message."""
-    return _trace(_read(store, session_id))
-
-
-def _trace(rows: Rows) -> dict:
-    replies = [(s, m, steps) for s, messages in rows for m, steps in messages if m["role"] == "assistant"]
-    origin_us = min((_epoch_us(m["created_at"]) for _, m, _ in replies), default=0.0)
-    events = [{"name": "process_name", "ph": "M", "pid": s["id"], "tid": 0,
-               "args": {"name": f"session {s['id']}: {s['title']}"}} for s, _ in rows]
-    for session, message, steps in replies:
-        events += _trace_events(session, message, steps, origin_us)
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"source": "PhaseScope", "origin": "first exported message"}}
+def _trace(store: Store, listed: list[dict], session_id: int | None) -> Iterator[dict]:
+    """The Trace Event Format's events of the listed sessions: a process per session, a thread per reply
+    (timestamps in microseconds from the first exported reply's start)."""
+    origin = store.first_reply_at(session_id)
+    origin_us = _epoch_us(origin) if origin else 0.0
+    yield from ({"name": "process_name", "ph": "M", "pid": s["id"], "tid": 0,
+                 "args": {"name": f"session {s['id']}: {s['title']}"}} for s in listed)
+    for session, messages in _read(store, listed):
+        for message, steps in messages:
+            if message["role"] == "assistant":
+                yield from _trace_events(session, message, steps, origin_us)
 
 
 def max_export_steps() -> int:
-    """The most steps one export may hold (each ~100-200 bytes written): PHASESCOPE_MAX_EXPORT_STEPS."""
+    """The most steps one export may hold (each 70-350 bytes written: CSV the fewest, the trace the most):
+    PHASESCOPE_MAX_EXPORT_STEPS."""
     return int(os.environ.get("PHASESCOPE_MAX_EXPORT_STEPS", 2_000_000))
 
 
 def check_size(store: Store, session_id: int | None = None) -> None:
-    """Refuse an export larger than the limit before building it in memory."""
+    """Refuse an export larger than the limit before writing any of it."""
     count = store.count_steps(session_id)
     limit = max_export_steps()
     if count > limit:
@@ -190,38 +179,102 @@ def check_size(store: Store, session_id: int | None = None) -> None:
                          "(PHASESCOPE_MAX_EXPORT_STEPS): export one session at a time")
 
 
-def _json_text(fmt: str, data: dict) -> str:
-    return json.dumps(data, ensure_ascii=False, indent=1 if fmt == "json" else None)
+JSON_HEAD = {"format": "phasescope-export", "version": 1, "definitions": DEFINITIONS}
+TRACE_TAIL = {"displayTimeUnit": "ms", "otherData": {"source": "PhaseScope", "origin": "first exported message"}}
+_STEPS_HELD = re.compile(r'"steps": "\\u0000(\d+)\\u0000"')  # where _session_text puts a message's steps
+
+
+def _session_text(session: dict) -> str:
+    """A session as the JSON file lays it out: indented by one space a level, but a step on one line (a step's
+    15 fields took 17 lines, and json.dumps indents in Python, about 10x slower than in C on one line)."""
+    steps = []
+    for message in session["messages"]:
+        steps.append(message["steps"])
+        message["steps"] = f"\0{len(steps) - 1}\0"  # in the text: "\u0000N\u0000", never a key's value else
+    text = json.dumps(session, ensure_ascii=False, indent=1)
+
+    def laid_out(held: re.Match) -> str:  # a message's steps are four levels in, its closing bracket three
+        rows = steps[int(held[1])]
+        return '"steps": ' + ("[\n" + ",\n".join("    " + json.dumps(step, ensure_ascii=False) for step in rows)
+                              + "\n   ]" if rows else "[]")
+
+    return _STEPS_HELD.sub(laid_out, text)
+
+
+def _write_list(out: TextIO, data: dict, key: str, texts: Iterable[str], indent: int | None) -> None:
+    """The JSON of data with data[key] a list of the items whose JSON texts are texts, laid out as json.dumps
+    lays it out with indent (data's own values are the export's few fixed ones), written an item at a time."""
+    head, tail = json.dumps({**data, key: []}, ensure_ascii=False, indent=indent).rsplit("[]", 1)
+    # the items are two levels in: the value of a key of the outer object
+    before, between, after = ("\n" + " " * 2 * indent, ",\n" + " " * 2 * indent, "\n" + " " * indent) if indent \
+        else ("", ", ", "")
+    out.write(head + "[")
+    first = True
+    for text in texts:
+        out.write((before if first else between) + (text.replace("\n", before) if indent else text))
+        first = False
+    out.write(("" if first else after) + "]" + tail)
+
+
+def _checked(store: Store, session_id: int | None) -> list[dict]:
+    """The sessions to export (raises for an unknown one), after the size check: before anything is written."""
+    listed = _listed(store, session_id)
+    check_size(store, session_id)
+    return listed
+
+
+def write_to(out: TextIO, store: Store, fmt: str, session_id: int | None = None) -> None:
+    """The export of one session (session_id) or all in one format (FORMATS) into a text stream, a session
+    at a time (see _read); nothing is written where it raises for an unknown format or session, or for an
+    export over the limit."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    listed = _checked(store, session_id)
+    if fmt == "csv":
+        _csv(out, _read(store, listed))
+    elif fmt == "json":
+        texts = (_session_text(_session_json(*session)) for session in _read(store, listed))
+        _write_list(out, JSON_HEAD, "sessions", texts, indent=1)
+    else:
+        events = (json.dumps(event, ensure_ascii=False) for event in _trace(store, listed, session_id))
+        _write_list(out, {"traceEvents": [], **TRACE_TAIL}, "traceEvents", events, indent=None)
 
 
 def render(store: Store, fmt: str, session_id: int | None = None) -> str:
-    check_size(store, session_id)
-    if fmt == "csv":
-        return to_csv(store, session_id)
-    return _json_text(fmt, to_json(store, session_id) if fmt == "json" else to_trace(store, session_id))
+    out = io.StringIO()
+    write_to(out, store, fmt, session_id)
+    return out.getvalue()
 
 
-def checked_json(store: Store, session_id: int | None = None) -> dict:
-    """The JSON export's data after the size check that every export makes, without its text (what the
-    History tab's line shows of a session)."""
-    check_size(store, session_id)
-    return to_json(store, session_id)
+def to_csv(store: Store, session_id: int | None = None) -> str:
+    return render(store, "csv", session_id)
+
+
+def to_json(store: Store, session_id: int | None = None) -> dict:
+    """Sessions → messages → steps, with summary metrics (the JSON export's data; what the History tab shows
+    of a session)."""
+    return {**JSON_HEAD, "sessions": [_session_json(*s) for s in _read(store, _checked(store, session_id))]}
+
+
+def to_trace(store: Store, session_id: int | None = None) -> dict:
+    """Chrome Trace Event Format: a process per session, a thread per reply, steps as "X" events,
+    the KV cache size as a "C" counter. Timestamps are microseconds from the first exported reply."""
+    return {"traceEvents": list(_trace(store, _checked(store, session_id), session_id)), **TRACE_TAIL}
 
 
 def write_export(store: Store, fmt: str, path: Path, session_id: int | None = None, force: bool = False) -> Path:
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if path.is_dir():  # a folder: the file goes in it, named as the History tab names it
         path = path / export_filename(fmt, session_id)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass --force to overwrite it")
-    text = render(store, fmt, session_id)  # before opening the file: an unknown session leaves no file
     if path.exists() and not path.is_file():  # a pipe or a device (-o /dev/stdout): written in place
-        path.write_text(text, encoding="utf-8", newline="")
+        with path.open("w", encoding="utf-8", newline="") as out:
+            write_to(out, store, fmt, session_id)
         return path
     scratch = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:  # beside it, then in its place: a full disk fails before the file it replaces is touched
-        scratch.write_text(text, encoding="utf-8", newline="")
+        with scratch.open("w", encoding="utf-8", newline="") as out:
+            write_to(out, store, fmt, session_id)
         os.replace(scratch, path)
     except OSError as exc:
         scratch.unlink(missing_ok=True)

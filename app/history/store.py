@@ -476,6 +476,12 @@ class Store:
         return self._query("SELECT * FROM steps WHERE message_id = ? ORDER BY CASE phase WHEN 'prefill' THEN 0 "
                            "ELSE 1 END, idx", [message_id])
 
+    def first_reply_at(self, session_id: int | None = None) -> str | None:
+        """When the first reply (of one session, or of all) was asked for; None before any."""
+        where, params = ("", []) if session_id is None else (" AND session_id = ?", [session_id])
+        return self._query(f"SELECT MIN(created_at) AS at FROM messages WHERE role = 'assistant'{where}",
+                           params)[0]["at"]
+
     def count_steps(self, session_id: int | None = None) -> int:
         """Steps stored for one session, or for all."""
         if session_id is None:

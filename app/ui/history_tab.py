@@ -15,7 +15,7 @@ from .chat_tab import ChatTab, model_line_html, render
 from .panels import attention, counted, with_attention, without_attention
 from .trace import held_seconds
 from .language import Texts
-from ..history.export import FORMATS, checked_json, write_export
+from ..history.export import FORMATS, to_json, write_export
 from ..history.recorder import load_chat, questions
 from ..history.store import SessionReplying, Store, StoreError, model_name
 
@@ -249,7 +249,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         try:  # StoreError: a damaged database, one SQLite cannot read
             title = escape(str(store.session(session_id)["title"]))
             label = t(lang_choice, "saved.selected", id=session_id, title=title)
-            session = checked_json(store, session_id)["sessions"][0]
+            session = to_json(store, session_id)["sessions"][0]
         except (ValueError, StoreError) as exc:
             return [label + attention(t(lang_choice, "error.other", detail=exc)), *_export_buttons_on(False)]
         label += (percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
