@@ -62,7 +62,7 @@ def sessions_table(store: Store, search: str, lang: str) -> gr.Dataframe:
 
 
 def _table(rows: list[list], total: int, lang: str) -> gr.Dataframe:
-    note = t(lang, "saved.recent", shown=len(rows), total=total) if total > len(rows) else None
+    note = t(lang, "saved.recent", shown=len(rows), total=f"{total:,}") if total > len(rows) else None
     return gr.Dataframe(value=rows, headers=columns(lang), label=note or t(lang, "saved.sessions"),
                         show_label=note is not None)  # unshown, the label is what a screen reader names it
 
