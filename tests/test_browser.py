@@ -794,9 +794,30 @@ def _choose_precision(page, precision: str, by_keys: bool = False) -> None:
                            f"?.innerText === '{precision}'", timeout=120_000)
 
 
+# where Gradio's progress timer was shown over the selector, the model line or the note (its tracker is there
+# always, hidden by a class), and what the note said, each change
+WATCH_PRECISION = """(() => {
+  window.progressOver = []; window.notesSaid = [];
+  new MutationObserver(() => {
+    for (const id of ['ps-precision', 'ps-model-line', 'ps-precision-note']) {
+      const timer = document.getElementById(id)?.querySelector('.progress-text');
+      if (timer && !timer.closest('.hide') && !progressOver.includes(id)) progressOver.push(id);
+    }
+    const note = document.querySelector('#ps-precision-note [data-kpi]')?.dataset.kpi;
+    if (note && note !== notesSaid[notesSaid.length - 1]) notesSaid.push(note);
+  }).observe(document, {subtree: true, childList: true, attributes: true});
+})()"""
+
+
 def test_precision_switch_keeps_the_app_running(page, browser, app_url):
+    """Each pick switches the engine, the note saying so meanwhile, and another tab's replies follow; a page's
+    load sets the selector to the running precision, which switches nothing and draws no progress over it
+    (Gradio's timer flashed over the model line at each load)."""
     assert "weights int8" in page.inner_text("#ps-model-line")  # auto: int8 where the native step runs
-    other = open_chat(browser, app_url)  # a second tab, drawn before the switches
+    other = open_chat(browser, app_url, script=WATCH_PRECISION)  # a second tab, drawn before the switches
+    other.wait_for_timeout(1000)  # the selector's change, after the load's redraw set it
+    assert ([], ["precision"]) == (other.evaluate("progressOver"), other.evaluate("notesSaid"))
+    page.evaluate(WATCH_PRECISION)
     for tab in (page, other):
         set_setting(tab, "ps-temperature", 0)
         set_setting(tab, "ps-max-new", 8)
@@ -813,6 +834,8 @@ def test_precision_switch_keeps_the_app_running(page, browser, app_url):
     other.close()
     note = page.inner_text("#ps-precision-note")
     assert re.search(r"int8: [\d.]+% top-1 agreement with fp32, KL [\d.]+ nats .* decode [\d.]+× fp32", note)
+    assert ([], ["precision", "switching", "precision", "switching", "precision"]) == (
+        page.evaluate("progressOver"), page.evaluate("notesSaid"))  # each switch said, then measured
 
 
 def _wait_run_done(page, stall_s: float = 90) -> None:

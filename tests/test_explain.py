@@ -65,6 +65,24 @@ def test_a_held_walk_through_is_named_when_it_stops_a_precision_switch(engine):
     engine.step()
 
 
+def test_a_switch_the_engine_refuses_puts_the_selector_and_the_note_back(engine):
+    """The page's precision switch while a walk-through holds a reply: the note said it was switching, and
+    the refusal puts the selector back at the running precision and the note back as it was."""
+    import gradio as gr
+
+    from app.ui import panels
+    from app.ui.chat_tab import make_switch
+
+    walk = stepped(engine, 1)
+    running = engine.info.precision
+    said = list(make_switch(engine, {"report": None})("fp16", "zh"))
+    assert [panels.switching_html("fp16", "zh"), panels.precision_html(None, "zh")] == [said[0][2], said[1][2]]
+    assert "正在切换到 <b>fp16</b>" in said[0][2] and running == said[1][0] == engine.info.precision
+    assert [(gr.skip(),) * 3] == list(make_switch(engine, {"report": None})(running, "zh"))  # the page's load's
+    walk.cancel()
+    engine.step()
+
+
 def test_the_candidates_are_the_softmax_of_the_models_logits(engine):
     walk = stepped(engine, 3)
     ids = walk.request.prompt_ids + walk.request.generated_ids

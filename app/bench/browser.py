@@ -70,11 +70,14 @@ def launch_browser(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
 
 
-def open_chat(browser, url: str, model_drawn: bool = True, color_scheme: str = "light"):
+def open_chat(browser, url: str, model_drawn: bool = True, color_scheme: str = "light", script: str = ""):
     """A new page on the app's chat; with model_drawn, once the page has drawn what shows the loaded
     model (model line, precision list: drawn on load, after the model has loaded behind the page).
-    color_scheme: what the browser prefers, "light" or "dark" (Gradio follows it)."""
+    color_scheme: what the browser prefers, "light" or "dark" (Gradio follows it); script: JavaScript the
+    page runs before its own."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme=color_scheme)
+    if script:
+        page.add_init_script(script)
     page.goto(url)
     page.wait_for_selector("#ps-message textarea")
     if model_drawn:

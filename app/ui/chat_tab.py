@@ -287,19 +287,22 @@ def make_switch(engine: Engine, measured: dict):
     stay loaded), then measure what that costs and buys against fp32 on this machine (kept in
     measured["report"])."""
     def switch(precision, lang):
-        if precision == engine.info.precision:
-            return gr.skip(), gr.skip(), gr.skip()
+        if precision == engine.info.precision:  # the page's load sets the selector to it
+            yield gr.skip(), gr.skip(), gr.skip()
+            return
+        yield gr.skip(), gr.skip(), panels.switching_html(precision, lang)
         try:
             engine.call(lambda: engine.switch_precision(precision))
         except (EngineBusy, ModelError, ValueError) as exc:  # ModelError: weights that would not fit
             gr.Warning(user_error(lang, exc))
-            return engine.info.precision, gr.skip(), gr.skip()
+            yield engine.info.precision, gr.skip(), panels.precision_html(measured["report"], lang)
+            return
         from ..bench.extras import precision_report  # the bench's modules import torch
 
         measured["report"] = engine.call(lambda: precision_report(engine.fp32_weights(), engine.runner),
                                          name="precision")
         model = panels.model_html(engine.info, lang, engine.config)
-        return gr.skip(), model, panels.precision_html(measured["report"], lang)
+        yield gr.skip(), model, panels.precision_html(measured["report"], lang)
 
     return switch
 
@@ -434,11 +437,13 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
     stop.click(stop_reply, [session], None, queue=False)
     measured = {"report": None}  # the last precision report, for a redraw in another language
     # change: once per pick, by mouse or keys (Gradio 6 sends input twice for a click, and select not for
-    # a key); the value put back after a refusal comes here too, and is the engine's already. Its own
-    # concurrency group: Gradio gives a group the lowest limit of its events once each has run, and in the
-    # replies' group this one's 1 would have made the chats of every tab reply one at a time
+    # a key); the value the page's load sets, and the one put back after a refusal, come here too, and are
+    # the engine's already: no progress shown (Gradio's timer flashed over the model line at every load), the
+    # note says what a switch does. Its own concurrency group: Gradio gives a group the lowest limit of its
+    # events once each has run, and in the replies' group this one's 1 would have made the chats of every
+    # tab reply one at a time
     precision.change(make_switch(engine, measured), [precision, lang], [precision, model_line, precision_note],
-                     concurrency_limit=1, concurrency_id="precision", show_progress="minimal")
+                     concurrency_limit=1, concurrency_id="precision", show_progress="hidden")
     # New chat cancels the running request and closes its stream (new_chat), and the reply's events (so
     # that finish does not draw the chat it replaced)
     new.click(new_chat(engine, tab.leave), [session, lang], tab.outputs, cancels=replies)

@@ -256,6 +256,13 @@ def pool_html(usage: PoolUsage, num_running: int, num_waiting: int, lang: str = 
             f'<span>{free}</span></div></div>')
 
 
+def switching_html(precision: str, lang: str = DEFAULT) -> str:
+    """What the precision note says while the engine switches to precision and measures it."""
+    key = "precision.switching_reference" if precision == "fp32" else "precision.switching"
+    words = t(lang, key, precision=escape(precision))
+    return f'<div class="ps-model" data-kpi="switching">{words}</div>'
+
+
 def precision_html(report: dict | None, lang: str = DEFAULT) -> str:
     """What the running precision costs in quality and buys in speed, as measured when it was chosen."""
     if not report:
