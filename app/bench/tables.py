@@ -20,8 +20,10 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
+from engine.fused import start_early
 from engine.hf_runner import in_dtype, make_runner
 from engine.llama import LeanLlama
+from engine.loader import cache_root
 from engine.tensor_parallel import split_plan
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,
@@ -113,6 +115,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     -p 512,2048), also at each depth with the fp32 cache. quick: a smoke run's shortcuts where a
     measurement's cost grows with its text (every 4th prefix for int8 prefill's quality, 96 tokens of the
     long text)."""
+    start_early(cache_root(), device, "auto")  # the native step compiles (once) while the model loads
     loaded = load_model(model, device=device, dtype="float32")
     if not LeanLlama.supports(loaded.model):  # its modes, switches and scheduler are the lean forward's
         raise ValueError(f"bench measures the lean forward of the Llama family; {loaded.name} "
