@@ -426,7 +426,7 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
         def loaded(lang_choice, chat):
             return panels.phase_html(None, lang=lang_choice) if _idle(chat) else gr.skip()  # a reply draws its own
 
-        show_loading(engine, phase, texts, lang, [session], loaded, waiting=lambda chat: not _idle(chat))
+        show_loading(engine, phase, texts, [session], loaded, waiting=lambda chat: not _idle(chat))
     # after a click on Send, the box again, for the next message (as after Enter in it)
     send.click(None, None, None, js="() => { document.querySelector('#ps-message textarea')?.focus(); }")
 

@@ -96,7 +96,7 @@ def build(engine: Engine, store: Store, texts: Texts, lang: gr.Radio) -> None:
         stop = texts(gr.Button, value=K("lab.stop"), variant="stop", scale=1, elem_id="ps-lab-stop")
     prompt = texts(gr.Textbox, value=lab.EXPERIMENTS[FIRST].default_prompt, label=K("lab.prompt"), lines=2,
                    max_lines=6, elem_id="ps-lab-prompt")
-    loading_line(engine, texts, lang, "ps-lab-loading")  # what the model's load does, while it loads
+    loading_line(engine, texts, "ps-lab-loading")  # what the model's load does, while it loads
     status = texts(gr.Markdown, value=K("lab.intro"), elem_id="ps-lab-status")  # the intro again on a switch
     plot = gr.Plot(visible=False, show_label=False, elem_id="ps-lab-plot")
     report = gr.Markdown(elem_id="ps-lab-report")

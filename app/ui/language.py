@@ -25,13 +25,14 @@ EMPTY_MESSAGES = ("the message is empty", "the prompt is empty", "the conversati
 
 
 class Texts:
-    """The components whose words follow the language, and what each tab redraws when it changes; loading
-    says whether the model still loads behind the page (LoadingEngine)."""
+    """The components whose words follow the language, what each tab redraws when it changes, and what
+    says meanwhile that the model still loads behind the page (LoadingEngine), which loading tells."""
 
     def __init__(self, loading: Callable[[], bool] = lambda: False) -> None:
         self.loading = loading
         self.labelled: list[tuple[gr.components.Component, dict[str, K]]] = []
         self.redraws: list[tuple[Callable, list, list, bool]] = []
+        self.lines: list[tuple[gr.HTML, list, Callable, Callable]] = []
 
     def __call__(self, make, *args, **kwargs):
         """make(*args, **kwargs) with each K(...) keyword given as its English text, and kept for a switch."""
@@ -48,6 +49,13 @@ class Texts:
         load and a switch, with the queue's and a reply's streams, took the last one from the timers that
         say what the load does, and from everything else the page asked."""
         self.redraws.append((redraw, inputs, outputs, once_loaded))
+
+    def while_loading(self, target: gr.HTML, inputs: list, loading: Callable, loaded: Callable) -> None:
+        """While the model loads, target is loading(lang, *inputs) (what the load does, and for how long so
+        far), drawn when the page loads, in another language and every second; then loaded(lang, *inputs)
+        (or gr.skip()). One timer outside the tabs draws every such line (see _wire_model_loaded)."""
+        self.lines.append((target, inputs, loading, loaded))
+        self.on_switch(lambda lang, *values: (loading if self.loading() else loaded)(lang, *values), inputs, [target])
 
     def relabel(self, lang: str) -> list:
         return [gr.update(**{name: t(lang, key) for name, key in keys.items()}) for _, keys in self.labelled]
@@ -69,15 +77,25 @@ class Texts:
             choice.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
 
     def _wire_model_loaded(self, choice: gr.Radio, loaded, redraws: list):
-        """The redraws that wait for the model, once it has loaded behind a page opened before: a timer
-        outside the tabs (one in a tab not shown does not tick) looks every second whether the load has
-        ended, and then sets ready, whose change runs them (Gradio tells the page that a State changed only
-        from a queued event). The page's load starts the timer if the model loads then, before its redraws
-        (returned: what they follow): a redraw that found it loading is then drawn again once it has loaded,
-        where a load ending between the redraw and a later look would have left the redraw undone."""
+        """While the model loads behind a page opened before, and once it has: a timer outside the tabs (one
+        in a tab not shown does not tick) draws the lines that say what the load does every second, and once
+        it has ended their last state, and sets ready, whose change runs the redraws that wait for the model
+        (Gradio tells the page that a State changed only from a queued event). The page's load starts the
+        timer if the model loads then, before its redraws (returned: what they follow): a redraw that found it
+        loading is then drawn again once it has loaded, where a load ending between the redraw and a later
+        look would have left the redraw undone."""
         ready, timer = gr.State(False), gr.Timer(1.0, active=False)
-        timer.tick(lambda: (gr.skip(), gr.skip()) if self.loading() else (True, gr.Timer(active=False)), None,
-                   [ready, timer], show_progress="hidden", concurrency_limit=None)
+
+        def tick(lang, *values):
+            loading, drawn = self.loading(), []
+            for _, inputs, while_loading, once_loaded in self.lines:
+                drawn.append((while_loading if loading else once_loaded)(lang, *values[:len(inputs)]))
+                values = values[len(inputs):]
+            return (gr.skip(), gr.skip(), *drawn) if loading else (True, gr.Timer(active=False), *drawn)
+
+        timer.tick(tick, [choice, *[value for _, inputs, _, _ in self.lines for value in inputs]],
+                   [ready, timer, *[target for target, _, _, _ in self.lines]], show_progress="hidden",
+                   concurrency_limit=None)
         for redraw, inputs, outputs in redraws:
             ready.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
         return loaded.then(lambda: gr.Timer(active=self.loading()), None, [timer], queue=False,

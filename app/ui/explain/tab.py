@@ -78,7 +78,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
         demo_buttons = {name: texts(gr.Button, value=K(key), size="sm", elem_id=f"ps-demo-{name.replace('_', '-')}")
                         for name, key in (("short_vs_long", "demo.short_vs_long"), ("long_answer", "demo.long_answer"),
                                           ("second_turn", "demo.second_turn"))}
-    loading_line(engine, texts, lang, "ps-explain-loading")  # what the model's load does, while it loads
+    loading_line(engine, texts, "ps-explain-loading")  # what the model's load does, while it loads
     tokens = gr.HTML("", elem_id="ps-explain-tokens")
     panel = gr.HTML("", elem_id="ps-explain-steps")
     pipeline = gr.HTML("", elem_id="ps-explain-pipeline")
