@@ -173,7 +173,7 @@ class LoadStages(logging.Handler):
 
 class LoadingEngine:
     """The engine behind a page that is served before it has loaded (importing torch and loading the model
-    take about a second; a first start converts the bundled GGUF for about ten seconds): its config is known at
+    take about a second; a first start converts the bundled GGUF for about six seconds): its config is known at
     once, and what the load does now (stage); reading anything else waits until the engine serves, so a
     message sent meanwhile waits for it and then runs."""
 

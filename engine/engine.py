@@ -146,7 +146,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        # the native decode step compiles (once, 8 s) while the model loads (a first start converts it, 9 s)
+        # the native decode step compiles (once, 8 s) while the model loads (a first start converts it, 6 s)
         start_early(cache_root(config.cache_dir), config.device, config.precision, config.tensor_parallel)
         # lean: a Llama-family folder is read without building transformers' model
         return cls(load_model(config.model, config.device, config.load_dtype, config.cache_dir, lean=True), config)

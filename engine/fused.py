@@ -74,7 +74,7 @@ def build_library(cache_dir: Path) -> Path:
 
 
 def start_early(cache_dir: Path, device: str, precision: str, tensor_parallel: int = 1) -> None:
-    """Begin the compile before the model loads (a first start converts it meanwhile: 9 s), where the native
+    """Begin the compile before the model loads (a first start converts it meanwhile: 6 s), where the native
     step is to decode it: on CPU (device as --device gives it), in fp32 or int8 (auto: int8), in one
     process. Nothing where it cannot be built: load_fused_decode says why."""
     on_cpu = device == "cpu" or (device == "auto" and resolve_device(device).type == "cpu")

@@ -180,7 +180,7 @@ LOAD_STAGES = {"start": "load.start", "import": "load.import", "read": "load.rea
 
 def loading_phase_html(stage: tuple[str, dict, float], lang: str = DEFAULT, waiting: bool = False) -> str:
     """The status line while the model loads behind the page: what the load does now (a first start converts
-    the bundled GGUF for about ten seconds) and for how long it has loaded; with waiting, that the message sent
+    the bundled GGUF for about six seconds) and for how long it has loaded; with waiting, that the message sent
     meanwhile is answered once it has loaded."""
     name, params, seconds = stage
     what = t(lang, LOAD_STAGES.get(name, "load.read"), **{key: escape(str(value)) for key, value in params.items()})
