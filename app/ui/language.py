@@ -25,8 +25,8 @@ EMPTY_MESSAGES = ("the message is empty", "the prompt is empty", "the conversati
 
 
 class Texts:
-    """The components whose words follow the language, what each tab redraws when it changes, and what
-    says meanwhile that the model still loads behind the page (LoadingEngine), which loading tells."""
+    """The components whose words follow the language, what each tab redraws when it changes, and the lines
+    that say what the model's load does while it loads behind the page (LoadingEngine: loading tells)."""
 
     def __init__(self, loading: Callable[[], bool] = lambda: False) -> None:
         self.loading = loading
