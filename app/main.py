@@ -44,10 +44,11 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
     """The page. It reads nothing but the engine's config while it is built: what shows the loaded model
     (model line, precision list, pool gauge, the Explain tab's panels) is drawn when a page loads."""
     active, texts, streams = ActiveRequests(), Texts(lambda: is_loading(engine)), Streams()
-    # delete_cache: the files Gradio copies to serve (the exports) go after a day, and all at shutdown;
+    # delete_cache: the files Gradio copies to serve (the exports, which the page downloads at once) go after
+    # an hour, and all at shutdown: an export of a long history is hundreds of MB, where /tmp may be memory;
     # analytics_enabled: Gradio would send telemetry about the page (to api.gradio.app and huggingface.co)
     # and ask for its latest version as the app starts: a local chat app calls nobody
-    with gr.Blocks(title=TITLE, delete_cache=(86400, 86400), analytics_enabled=False) as app:
+    with gr.Blocks(title=TITLE, delete_cache=(3600, 3600), analytics_enabled=False) as app:
         with gr.Row(equal_height=True, elem_id="ps-top"):
             header = gr.HTML(header_html(DEFAULT))
             lang, remembered = language.switch(texts)
