@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.history.export import (CSV_COLUMNS, export_filename, render, to_csv, to_json, to_trace, write_export,
-                                write_to)
+from app.history.export import CSV_COLUMNS, export_filename, render, to_csv, to_json, write_export, write_to
 from app.history.store import Store, StoreError
 from conftest import record, tiny_model
 from engine import DecodeStep, Engine, EngineConfig, SamplingParams
@@ -76,7 +75,7 @@ def test_a_reply_held_by_a_lab_run_keeps_the_wait_in_the_history_and_its_export(
     json_steps = [s for s in next(m for m in to_json(store)["sessions"][0]["messages"] if m["role"] == "assistant")
                   ["steps"] if s["phase"] == "decode"]
     assert json_steps[waited]["held_ms"] == pytest.approx(live[waited]) and json_steps[0]["held_ms"] is None
-    trace = [e for e in to_trace(store)["traceEvents"] if e.get("cat") == "held"]
+    trace = [e for e in json.loads(render(store, "trace"))["traceEvents"] if e.get("cat") == "held"]
     assert len(trace) == 1 and trace[0]["args"]["held_ms"] == pytest.approx(live[waited])
     exported = next(m for m in to_json(store)["sessions"][0]["messages"] if m["role"] == "assistant")
     assert exported["held_ms"] == held

@@ -152,8 +152,9 @@ def _trace_events(session: dict, message: dict, steps: list[dict], origin_us: fl
 
 
 def _trace(store: Store, listed: list[dict], session_id: int | None) -> Iterator[dict]:
-    """The Trace Event Format's events of the listed sessions: a process per session, a thread per reply
-    (timestamps in microseconds from the first exported reply's start)."""
+    """The Chrome Trace Event Format's events of the listed sessions: a process per session, a thread per
+    reply, steps as "X" events, the KV cache size as a "C" counter; timestamps in microseconds from the first
+    exported reply's start."""
     origin = store.first_reply_at(session_id)
     origin_us = _epoch_us(origin) if origin else 0.0
     yield from ({"name": "process_name", "ph": "M", "pid": s["id"], "tid": 0,
@@ -254,12 +255,6 @@ def to_json(store: Store, session_id: int | None = None) -> dict:
     """Sessions → messages → steps, with summary metrics (the JSON export's data; what the History tab shows
     of a session)."""
     return {**JSON_HEAD, "sessions": [_session_json(*s) for s in _read(store, _checked(store, session_id))]}
-
-
-def to_trace(store: Store, session_id: int | None = None) -> dict:
-    """Chrome Trace Event Format: a process per session, a thread per reply, steps as "X" events,
-    the KV cache size as a "C" counter. Timestamps are microseconds from the first exported reply."""
-    return {"traceEvents": list(_trace(store, _checked(store, session_id), session_id)), **TRACE_TAIL}
 
 
 def write_export(store: Store, fmt: str, path: Path, session_id: int | None = None, force: bool = False) -> Path:

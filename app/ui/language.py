@@ -46,8 +46,8 @@ class Texts:
         once_loaded, also once the model has loaded behind a page opened before. Such a redraw draws what
         needs the model only once it is loaded (gr.skip() before): it must not wait for the load in its
         request, as the browser opens at most six connections to the app, and two tabs' redraws after a page
-        load and a switch, with the queue's and a reply's streams, took the last one from the timers that
-        say what the load does, and from everything else the page asked."""
+        load and a switch, with the queue's and a reply's streams, took the last one from the timer that
+        says what the load does, and from everything else the page asked."""
         self.redraws.append((redraw, inputs, outputs, once_loaded))
 
     def while_loading(self, target: gr.HTML, inputs: list, loading: Callable, loaded: Callable) -> None:
