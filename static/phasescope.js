@@ -58,12 +58,42 @@
     const div = chartDiv(name);
     if (!div || !window.Plotly) return;
     const chart = charts[name];
-    chart.queue = chart.spec = null;  // points and figures queued before this figure are in it
+    chart.queue = null;  // points queued before this figure are in it
+    fitToWidth.observe(div);
+    if (!div.clientWidth) {  // its tab is hidden: drawn when it shows, with the points that come meanwhile
+      chart.spec = spec;
+      return;
+    }
+    chart.spec = null;
     timed(chart, () => {
       window.Plotly.react(div, spec.data, fitted(spec.layout, div), CONFIG);
       fitLegend(div);
     });
   }
+
+  // plotly.js measures a figure's width at its first drawing only, and in a hidden tab (figures drawn again
+  // in another language while another tab shows, or at the page's load) it measures nothing: the figure
+  // stayed 700 px wide, over its column's edge, and fitted() laid it out for a phone. So the chat's figures
+  // wait for their tab to show, and every drawn figure, Gradio's too (Explain, Lab), follows its box's
+  // width when it shows (as responsive does the window's, which may change while a tab is hidden).
+  const fitToWidth = new ResizeObserver((entries) => {
+    for (const {target} of entries) {
+      const name = Object.keys(charts).find((n) => chartDiv(n) === target), chart = charts[name];
+      if (!target.clientWidth) continue;
+      if (chart && chart.spec && !chart.timer) draw(name, chart.spec);
+      else if (target._fullLayout && Math.round(target._fullLayout.width) !== target.clientWidth) {
+        window.Plotly.Plots.resize(target);
+      }
+    }
+  });
+
+  // Gradio's figures (a new one at each update) are watched from the click that shows their tab
+  function watchFigures(event) {
+    if (!(event.target instanceof Element && event.target.closest("[role=tab]"))) return;
+    for (const figure of document.querySelectorAll(".js-plotly-plot")) fitToWidth.observe(figure);
+  }
+  document.addEventListener("click", watchFigures, true);
+  document.addEventListener("keyup", watchFigures, true);
 
   function schedule(name) {
     const chart = charts[name];
