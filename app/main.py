@@ -57,13 +57,14 @@ def build_app(engine: Engine | LoadingEngine, store: Store) -> gr.Blocks:
                 recorder = make_recorder(store, lambda: engine.info)
                 chat = chat_tab.build(engine, active, texts, lang, streams, recorder)
             with texts(gr.Tab, label=K("tab.explain"), id="explain", elem_id="ps-explain-tab"):
-                explain.build(engine, texts, lang)
+                close_explain = explain.build(engine, texts, lang)
             with texts(gr.Tab, label=K("tab.history"), id="history", elem_id="ps-history-tab") as history:
                 history_tab.build(engine, store, chat, tabs, history, texts, lang)
             with texts(gr.Tab, label=K("tab.lab"), id="lab", elem_id="ps-lab-tab"):
                 lab_tab.build(engine, store, texts, lang)
         texts.on_switch(header_html, [], [header])
         texts.wire(lang, remembered, app)
+        app.unload(close_explain)  # a page's held walk-through ends with the page
     app.live_streams = streams  # their route goes on the web app that serves this page (Streams.add_route)
     _calm_queue(app)
     return app

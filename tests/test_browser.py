@@ -322,6 +322,33 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         page.close()
 
 
+def test_charts_drawn_again_while_their_tab_is_hidden_fit_their_column_when_it_shows(page):
+    """The language switched on another tab draws the Chat's and Explain's charts again in hidden tabs:
+    plotly.js measured no width there and kept its default, 700 px, over the column's edge (the chat's laid
+    out for a phone's width too)."""
+    set_setting(page, "ps-max-new", 8)
+    send(page, "Hello")
+    assert "done" == wait_phase(page, "done")
+    page.get_by_role("tab", name="Explain").click()
+    page.click("#ps-explain-start")
+    page.wait_for_selector("#ps-explain-candidates .js-plotly-plot")
+    page.get_by_role("tab", name="History").click()
+    page.get_by_text("简体中文", exact=True).click()
+    page.get_by_role("tab", name="讲解").wait_for()
+    fit = """(selector) => [...document.querySelectorAll(selector)].every(box => {
+        const svg = box.querySelector('.main-svg'), title = box.querySelector('.gtitle');
+        const legend = box.querySelector('.legend');  // the chat's: beside the title, as on a wide page
+        return svg && Math.abs(svg.getBoundingClientRect().width - box.clientWidth) < 1 && /[\u4e00-\u9fff]/.test(
+            title.textContent) && (!legend || title.getBoundingClientRect().bottom > legend.getBoundingClientRect().top);
+    })"""
+    page.get_by_role("tab", name="对话").click()
+    page.wait_for_function(fit, arg="#ps-latency .ps-plot, #ps-kv .ps-plot", timeout=10_000)
+    page.get_by_role("tab", name="讲解").click()
+    page.wait_for_function(fit, arg="#ps-explain-candidates .js-plotly-plot", timeout=10_000)
+    page.get_by_text("English", exact=True).click()  # the next test's page starts in this one's language
+    page.get_by_role("tab", name="Explain").wait_for()
+
+
 def test_stop_keeps_the_partial_reply(page):
     set_setting(page, "ps-max-new", 600)
     set_setting(page, "ps-repetition-penalty", 1)  # as the test was written: a long reply to stop
@@ -928,6 +955,25 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     assert "weights int8" in page.inner_text("#ps-model-line") and "int8" == page.input_value("#ps-precision input")
     page.get_by_role("tab", name="Explain").click()
     page.click("#ps-explain-stop")
+
+
+def test_a_walk_through_held_by_a_page_ends_when_the_page_closes(browser, app_url):
+    """Gradio keeps a closed page's state for an hour: its walk-through stayed held in the engine that long,
+    and every page's precision switch was refused meanwhile ("1 replies are running or waiting")."""
+    page, other = open_chat(browser, app_url), open_chat(browser, app_url)
+    page.get_by_role("tab", name="Explain").click()
+    page.click("#ps-explain-start")
+    page.wait_for_selector("#ps-explain-candidates .js-plotly-plot")
+    other.reload()
+    other.wait_for_selector("#ps-pool:has-text('held by 1 request')")
+    page.close()
+    deadline = time.monotonic() + 30
+    while "held by 0 requests" not in other.inner_text("#ps-pool"):  # the gauge is drawn at a page's load
+        assert time.monotonic() < deadline, other.inner_text("#ps-pool")
+        other.wait_for_timeout(500)
+        other.reload()
+        other.wait_for_selector("#ps-pool .ps-pool")
+    other.close()
 
 
 def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, app_url, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import gradio as gr
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
 
 DEFAULT_PROMPT = "我是小"  # the classic walk-through: the model continues a three-character prompt
 MAX_NEW_TOKENS = 64
-HOLD_S = 600  # a held request abandoned by its page is cancelled after this long
+HOLD_S = 600  # a held request left in an open page is cancelled after this long (at once when the page closes)
 RUN_STEP_S = 0.3  # Run's pace: a token every 0.3 s, each drawn (the decode itself takes a few ms)
 # on the tab, not the body: Gradio scopes the app's CSS rules to its container
 PRESENTER_JS = ("(on) => { document.querySelector('#ps-explain-tab').classList.toggle('ps-presenter', on); "
@@ -49,8 +50,13 @@ def _choices(count: int, lang: str) -> list[tuple[str, str]]:
     return [(t(lang, "explain.mean"), "mean"), *((str(i), str(i)) for i in range(count))]
 
 
-def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
+def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request], None]:
+    """The tab; returns what the app runs when a page closes (Blocks.unload): that page's walk-through ends."""
     state = gr.State(None, time_to_live=HOLD_S, delete_callback=lambda walk: walk and walk.cancel())
+    # each page's latest walk-through, by its Gradio session. Gradio keeps a closed page's state for an hour
+    # (its delete_callback runs then), and a walk held that long kept a request running in the engine,
+    # which refused every page's precision switch meanwhile
+    walks: dict[str, Walkthrough] = {}
     demo_state = gr.State(None)  # (demo name, its replies): redrawn in another language without running again
     with gr.Row():
         prompt = texts(gr.Textbox, value=DEFAULT_PROMPT, label=K("explain.prompt"), scale=4, max_lines=4,
@@ -106,7 +112,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
                 views.candidates_figure(engine.tokenizer, last, walk.request.sampling if walk else None, lang_choice),
                 views.kv_grid_figure(engine, walk, lang_choice))
 
-    def begin(text, temperature, top_k, top_p, walk, layer_choice, head_choice, lang_choice):
+    def begin(text, temperature, top_k, top_p, walk, layer_choice, head_choice, lang_choice, page: gr.Request):
         if walk is not None:
             walk.cancel()
         try:
@@ -120,7 +126,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
             raise gr.Error(user_error(lang_choice, exc), print_exception=False) from None  # a toast, no traceback
         engine.allow(request, 0)  # held after the prefill and its token
         request.explain = True  # each step reports its time per stage, each decode step its attention
-        walk = Walkthrough(request, ReplyTrace(turn=1), text)
+        walk = walks[page.session_hash] = Walkthrough(request, ReplyTrace(turn=1), text)
         ReplyWorker(engine, request, walk.trace)
         _wait(lambda: walk.trace.steps or walk.trace.finished)
         return render(walk, layer_choice, head_choice, lang_choice)
@@ -222,3 +228,10 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> None:
 
     texts.on_switch(redraw, [state, layer, head, demo_state, prompt],
                     [tokens, panel, pipeline, candidates, grid, demo_text, demo_plot, layer, head], once_loaded=True)
+
+    def close(page: gr.Request) -> None:
+        walk = walks.pop(page.session_hash, None)
+        if walk is not None:
+            walk.cancel()
+
+    return close
