@@ -293,6 +293,11 @@ def words_broken_in_cells(page, selector: str) -> list[str]:
 def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app_url):
     page = open_chat(browser, app_url)
     try:
+        one_line = "() => { const box = document.querySelector('#ps-message textarea'); " \
+                   "return box.scrollHeight <= box.clientHeight; }"  # the hint's "(Enter to send)" under its edge
+        for width in (1024, 390):
+            page.set_viewport_size({"width": width, "height": 900})
+            page.wait_for_function(one_line, timeout=5_000)
         page.set_viewport_size({"width": 420, "height": 900})
         set_setting(page, "ps-max-new", 8)
         send(page, "Hello")

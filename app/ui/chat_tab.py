@@ -346,7 +346,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             with gr.Row():
                 message = texts(gr.Textbox, placeholder=K("chat.placeholder"), label=K("chat.message"),
                                 show_label=False, scale=6,  # the label: what a screen reader names it
-                                elem_id="ps-message", autofocus=True, lines=1, max_lines=8)
+                                elem_id="ps-message", autofocus=True, lines=1, max_lines=8,
+                                container=False)  # no panel around it: the hint had 24 px less
                 send = texts(gr.Button, value=K("chat.send"), variant="primary", scale=1, min_width=70,
                              elem_id="ps-send")
                 stop = texts(gr.Button, value=K("chat.stop"), variant="stop", scale=1, min_width=70,
