@@ -323,6 +323,10 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         candidates, grid = (page.locator(f"#ps-explain-{name}").bounding_box() for name in ("candidates", "kv"))
         assert candidates["y"] + candidates["height"] <= grid["y"] and grid["width"] > 300  # charts stacked
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 420  # the pipeline scrolls alone
+        page.set_viewport_size({"width": 1024, "height": 768})  # a class's projector: the buttons on one row
+        tops = "() => ['start', 'next', 'run', 'pause', 'stop'].map(name => " \
+               "document.querySelector(`#ps-explain-${name}`).getBoundingClientRect().top)"
+        page.wait_for_function(f"() => new Set(({tops})()).size === 1", timeout=5_000)  # Stop went onto a row alone
     finally:
         page.close()
 

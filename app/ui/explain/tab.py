@@ -61,11 +61,15 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
     with gr.Row():
         prompt = texts(gr.Textbox, value=DEFAULT_PROMPT, label=K("explain.prompt"), scale=4, max_lines=4,
                        elem_id="ps-explain-prompt")  # a pasted page scrolls in the box; the buttons stay in view
-        start = texts(gr.Button, value=K("explain.start"), variant="primary", scale=1, elem_id="ps-explain-start")
-        step = texts(gr.Button, value=K("explain.next"), scale=1, elem_id="ps-explain-next")
-        run = texts(gr.Button, value=K("explain.run"), scale=1, elem_id="ps-explain-run")
-        pause = texts(gr.Button, value=K("explain.pause"), scale=1, elem_id="ps-explain-pause")
-        stop = texts(gr.Button, value=K("explain.stop"), variant="stop", scale=1, elem_id="ps-explain-stop")
+        # buttons 130 px wide at least (Next token 160), not Gradio's 160 each: in a 1,024-px window (a class's
+        # projector) Stop went alone onto a row of its own, as wide as the page
+        start = texts(gr.Button, value=K("explain.start"), variant="primary", scale=1, min_width=130,
+                      elem_id="ps-explain-start")
+        step = texts(gr.Button, value=K("explain.next"), scale=1, min_width=160, elem_id="ps-explain-next")
+        run = texts(gr.Button, value=K("explain.run"), scale=1, min_width=130, elem_id="ps-explain-run")
+        pause = texts(gr.Button, value=K("explain.pause"), scale=1, min_width=130, elem_id="ps-explain-pause")
+        stop = texts(gr.Button, value=K("explain.stop"), variant="stop", scale=1, min_width=130,
+                     elem_id="ps-explain-stop")
     with gr.Row():  # sampling
         temperature = texts(gr.Slider, 0, 2, value=0, step=0.05, label=K("chat.temperature"),
                             elem_id="ps-explain-temperature")
