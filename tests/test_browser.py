@@ -327,6 +327,11 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         tops = "() => ['start', 'next', 'run', 'pause', 'stop'].map(name => " \
                "document.querySelector(`#ps-explain-${name}`).getBoundingClientRect().top)"
         page.wait_for_function(f"() => new Set(({tops})()).size === 1", timeout=5_000)  # Stop went onto a row alone
+        page.locator("#ps-presenter input").check()  # the sampling and the demos put away: the steps in view
+        page.wait_for_selector("#ps-explain-sampling", state="hidden")
+        assert not page.is_visible("#ps-demos")
+        page.locator("#ps-presenter input").uncheck()
+        page.wait_for_selector("#ps-explain-sampling", state="visible")
     finally:
         page.close()
 

@@ -70,7 +70,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
         pause = texts(gr.Button, value=K("explain.pause"), scale=1, min_width=130, elem_id="ps-explain-pause")
         stop = texts(gr.Button, value=K("explain.stop"), variant="stop", scale=1, min_width=130,
                      elem_id="ps-explain-stop")
-    with gr.Row():  # sampling
+    with gr.Row(elem_id="ps-explain-sampling"):  # hidden in presenter view, as the demos
         temperature = texts(gr.Slider, 0, 2, value=0, step=0.05, label=K("chat.temperature"),
                             elem_id="ps-explain-temperature")
         top_k = texts(gr.Slider, 0, 50, value=0, step=1, label=K("chat.top_k"), elem_id="ps-explain-top-k")
