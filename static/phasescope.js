@@ -120,12 +120,14 @@
     target[last] = valuesOf(trace, key).concat(values);
   }
 
-  // ext's points added to a figure not yet drawn, as Plotly.extendTraces adds them to a drawn one
+  // ext's points added to a figure not yet drawn, as Plotly.extendTraces adds them to a drawn one (the level
+  // lines to its last point)
   function extendSpec(spec, ext) {
     const trace = spec.data[ext.trace];
     if (!trace) return;
     for (const [key, values] of Object.entries(ext.points)) setExtended(trace, trace, key, values);
     if (ext.mode) trace.mode = ext.mode;
+    if (ext.points.x && ext.points.x.length) levelsTo(spec.data, Math.max(...ext.points.x));
   }
 
   // ext: {trace, points: {x: [...], y: [...], ...}, mode}
@@ -161,6 +163,7 @@
     }
     const update = Object.fromEntries(Object.entries(queued.points).map(([key, values]) => [key, [values]]));
     widenX(div, queued.points.x);
+    if (div.layout.xaxis && div.layout.xaxis.range) levelsTo(div.data, div.layout.xaxis.range[1]);
     // markers off on long replies: set on the trace, drawn by extendTraces' replot (a restyle after it
     // replotted the figure a second time, 17 ms)
     if (queued.mode) trace.mode = queued.mode;
@@ -193,6 +196,15 @@
     if (!xs || !xs.length || !div.layout || !div._fullLayout) return;
     const [lo] = div._fullLayout.xaxis.range, hi = Math.max(...xs);
     div.layout.xaxis = {...div.layout.xaxis, autorange: false, range: [lo, hi + Math.max(16, hi - lo)]};
+  }
+
+  // The streaming turn's level lines in the KV chart (allocated, kept: app/ui/charts.py's LEVEL) reach its
+  // last point, or the widened axis's end: they stopped where the reply began, as if nothing were allocated
+  // after
+  function levelsTo(data, x) {
+    for (const trace of data) {
+      if (trace.meta === "level" && trace.x && trace.x.length === 2 && x > trace.x[1]) trace.x = [trace.x[0], x];
+    }
   }
 
   // the reply's text so far on its own live span, as Markdown (static/markdown.js: its markup escaped,

@@ -127,6 +127,12 @@ def test_a_long_reply_streams_in_place_and_ends_equal_to_the_engines_events(page
     last_x, axis_end = page.evaluate(f"() => [Math.max(...{decode_trace}.x), {plot}._fullLayout.xaxis.range[1]]")
     ended = "done" == page.get_attribute("#ps-phase [data-phase]", "data-phase")  # then the figure is fitted
     assert last_x + 8 <= axis_end or ended
+    # the KV chart's allocated line follows the turn's points (it stopped where the reply began, at ~30)
+    kv = "document.querySelector('#ps-kv .js-plotly-plot')"
+    page.wait_for_function(f"() => {kv}?.data?.some(t => t.name === 'allocated')")
+    turn_end, allocated_end = page.evaluate(f"() => [Math.max(...{kv}.data.find(t => t.name === 'turn 1').x), "
+                                            f"{kv}.data.find(t => t.name === 'allocated').x[1]]")
+    assert turn_end <= allocated_end, (turn_end, allocated_end)
     assert "done" == wait_phase(page, "done")
     page.wait_for_timeout(500)
     generated = int(kpi(page, "generated_tokens"))

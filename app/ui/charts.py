@@ -137,6 +137,11 @@ def _started(events: Sequence[Event]) -> Started | None:
     return next((e for e in events if isinstance(e, Started)), None)
 
 
+# A turn's level lines in the KV chart (what was kept, what is allocated), marked for the page: while a reply
+# streams they reach the x axis's end as it widens (static/phasescope.js), or they stopped where it began
+LEVEL = "level"
+
+
 def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFAULT) -> tuple[list[dict], int]:
     started = _started(events)
     points = [e for e in events if isinstance(e, (PrefillChunk, DecodeStep))]
@@ -166,13 +171,13 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFA
     if kept_tokens:
         traces.insert(0, dict(type="scatter", mode="lines", name=t(lang, "chart.kept"), showlegend=False,
                               x=[xs[0], xs[-1]], y=[kept_mb, kept_mb], fill="tozeroy", fillcolor=CACHED_FILL,
-                              line=dict(color=CACHED_COLOR, width=1),
+                              line=dict(color=CACHED_COLOR, width=1), meta=LEVEL,
                               hovertemplate=t(lang, "chart.kept_hover", n=number, tokens=kept_tokens, mb=kept_mb)
                               + "<extra></extra>"))
     if started is not None and started.kv_capacity_bytes:  # transformers' caches allocate nothing ahead
         capacity = started.kv_capacity_bytes / 1e6
         traces.append(dict(type="scatter", mode="lines", name=t(lang, "chart.allocated"), showlegend=number == 1,
-                           x=[xs[0], xs[-1]], y=[capacity, capacity],
+                           x=[xs[0], xs[-1]], y=[capacity, capacity], meta=LEVEL,
                            line=dict(color=CAPACITY_COLOR, dash="dot", width=1),
                            hovertemplate=t(lang, "chart.allocated_hover", tokens=started.kv_capacity_tokens,
                                            mb=capacity) + "<extra></extra>"))
@@ -206,6 +211,8 @@ def kv_figure(turns: Sequence[Sequence[Event]], lang: str = DEFAULT) -> dict:
     data, x = [], 0
     for number, events in enumerate(turns, start=1):
         traces, x = _turn_traces(number, events, x, lang)
+        if number < len(turns):  # only the last turn's levels follow a streaming reply
+            traces = [{key: value for key, value in trace.items() if key != "meta"} for trace in traces]
         data += traces
     if not data and any(not cache_visible(_started(events)) for events in turns):
         # only a remote endpoint's turns: said, instead of an empty chart
