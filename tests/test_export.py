@@ -234,6 +234,36 @@ def test_a_full_disk_leaves_the_file_it_would_replace(filled, tmp_path, monkeypa
     assert "keep me" == path.read_text() and ["out.csv"] == [p.name for p in tmp_path.iterdir()]
 
 
+def test_two_pages_exporting_the_same_file_at_once_each_get_a_whole_one(filled, tmp_path, monkeypatch):
+    """The History tab writes each file under one name (any page's click, under `serve --ui` any user's): two
+    exports at once shared the scratch file beside it, the second writing into the first's, which then failed."""
+    real_messages, paused, go_on, done = filled.messages, threading.Event(), threading.Event(), {}
+
+    def messages(session_id):  # the first export waits, its file begun, while the second is written whole
+        if threading.current_thread().name == "first" and not paused.is_set():
+            paused.set()
+            go_on.wait(10)
+        return real_messages(session_id)
+
+    def export(name):
+        try:
+            done[name] = write_export(filled, "json", tmp_path, force=True)
+        except OSError as exc:
+            done[name] = exc
+
+    monkeypatch.setattr(filled, "messages", messages)
+    first = threading.Thread(target=export, args=("first",), name="first")
+    first.start()
+    assert paused.wait(10)
+    export("second")
+    go_on.set()
+    first.join(10)
+    path = tmp_path / export_filename("json", None)
+    assert done == {"first": path, "second": path}
+    assert json.loads(render(filled, "json")) == json.loads(path.read_text(encoding="utf-8"))
+    assert [path] == list(tmp_path.iterdir())  # no scratch file left
+
+
 def test_a_sessions_percentiles_are_those_of_its_replies(filled):
     from app.history.recorder import message_metrics
     from app.ui.history_tab import percentile_table

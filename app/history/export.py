@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -266,7 +267,8 @@ def write_export(store: Store, fmt: str, path: Path, session_id: int | None = No
         with path.open("w", encoding="utf-8", newline="") as out:
             write_to(out, store, fmt, session_id)
         return path
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.part")
+    # its own scratch file: the app writes each export under one name, for any page that asks at the time
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
     try:  # beside it, then in its place: a full disk fails before the file it replaces is touched
         with scratch.open("w", encoding="utf-8", newline="") as out:
             write_to(out, store, fmt, session_id)
