@@ -272,10 +272,10 @@ def test_settings_read_as_words_and_a_name_the_catalogue_lacks_as_it_was_kept():
     settings = {"contexts": [256, 1024], "native_step": True,
                 "machine_read_gb_s": {"1 thread": 22.8, "2 threads": 30.4}, "chunks": [64, "whole"], "old_name": "fp32"}
     assert lab.settings_line("en", settings) == ("context lengths 256, 1,024 · native decode step yes · memory read "
-                                                 "rate (GB/s) 1 thread 22.80, 2 threads 30.40 · prefill chunks 64, "
+                                                 "rate (GB/s) 1 thread 22.8, 2 threads 30.4 · prefill chunks 64, "
                                                  "whole · old name fp32")
     assert lab.settings_line("zh", settings) == ("上下文长度 256、1,024 · 原生解码步 是 · 内存读取速率（GB/s） 1 线程 "
-                                                 "22.80、2 线程 30.40 · 预填充分块 64、整体 · old name fp32")
+                                                 "22.8、2 线程 30.4 · 预填充分块 64、整体 · old name fp32")
 
 
 def test_a_run_stored_before_the_lab_spoke_chinese_reads_as_it_was():
