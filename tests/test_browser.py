@@ -307,6 +307,8 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         for width in (1024, 390):
             page.set_viewport_size({"width": width, "height": 900})
             page.wait_for_function(one_line, timeout=5_000)
+        send_box, stop_box = page.locator("#ps-send").bounding_box(), page.locator("#ps-stop").bounding_box()
+        assert send_box["y"] == stop_box["y"]  # side by side under the box (Stop took a row of its own)
         page.set_viewport_size({"width": 420, "height": 900})
         set_setting(page, "ps-max-new", 8)
         send(page, "Hello")
