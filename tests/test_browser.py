@@ -363,8 +363,9 @@ def test_charts_drawn_again_while_their_tab_is_hidden_fit_their_column_when_it_s
     fit = """(selector) => [...document.querySelectorAll(selector)].every(box => {
         const svg = box.querySelector('.main-svg'), title = box.querySelector('.gtitle');
         const legend = box.querySelector('.legend');  // the chat's: beside the title, as on a wide page
-        return svg && Math.abs(svg.getBoundingClientRect().width - box.clientWidth) < 1 && /[\u4e00-\u9fff]/.test(
-            title.textContent) && (!legend || title.getBoundingClientRect().bottom > legend.getBoundingClientRect().top);
+        const beside = title && (!legend || title.getBoundingClientRect().bottom > legend.getBoundingClientRect().top);
+        return svg && beside && Math.abs(svg.getBoundingClientRect().width - box.clientWidth) < 1
+            && /[\u4e00-\u9fff]/.test(title.textContent);
     })"""
     page.get_by_role("tab", name="对话").click()
     page.wait_for_function(fit, arg="#ps-latency .ps-plot, #ps-kv .ps-plot", timeout=10_000)

@@ -170,7 +170,8 @@ def test_kv_figure_draws_the_reused_prefix_as_kept():
     assert 'data-kpi="prompt_tokens_note">cached 32 / 40<' in tiles
     # the last turn's levels (kept, allocated) follow its streaming points in the page; the first turn's stay
     levels = [(t.name, t.x[0], t.meta) for t in fig.data if t.name == "allocated" or t.fill == "tozeroy"]
-    assert [("allocated", 0, None), ("kept from cache", turn.x[0], "level"), ("allocated", turn.x[0], "level")] == levels
+    second = turn.x[0]
+    assert [("allocated", 0, None), ("kept from cache", second, "level"), ("allocated", second, "level")] == levels
 
 
 def remote_reply(turn: int, cached: int) -> ReplyTrace:
