@@ -21,7 +21,7 @@ import importlib
 from .config import CHAT_REPETITION_PENALTY, CHAT_TOP_P, SWITCHES, EngineConfig, Limits, SamplingParams
 from .errors import EngineBusy, KVPoolTooSmall, ModelError, NotEnoughMemory, QueueFull
 from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken,
-                     Speculation, Started, TopToken)
+                     Speculation, Started, TopToken, WAKE)
 from .info import ModelInfo, PoolUsage
 from .metrics import RequestMetrics, percentiles, session_summary
 from .model_defaults import model_sampling, sampling_defaults, sampling_origin
@@ -50,5 +50,5 @@ __all__ = [
     "PoolUsage", "PrefillChunk", "PromptToken", "PromptTooLong", "QueueFull", "Request", "SequenceKV", "Speculation",
     "RequestMetrics", "SWITCHES", "SamplingParams", "Started", "Status", "TopToken", "check_messages",
     "default_model_path", "kv_bytes_formula", "load_model", "model_sampling", "percentiles", "render_prompt",
-    "reply_message", "sampling_defaults", "sampling_origin", "session_summary", "token_bytes", "valid_text",
+    "reply_message", "sampling_defaults", "sampling_origin", "session_summary", "token_bytes", "valid_text", "WAKE",
 ]

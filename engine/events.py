@@ -36,6 +36,10 @@ class Speculation:
 # "attention" the QKV projection, rotary embedding, cache write, attention and output projection of every
 # layer, "ffn" the gate/up projection, SiLU and down projection of every layer.
 FORWARD_STAGES = ("embedding", "norm", "attention", "ffn", "final_norm", "lm_head")
+# Beside them in stage_ms, not a stage: the time the forward's CPU threads took to wake before it, inside its
+# time (forward_ms, latency_ms). A forward after a pause (explain mode's Next token) pays it; one in a stream
+# of tokens finds them awake (see LeanLlama.wake_threads).
+WAKE = "wake"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +122,7 @@ class PrefillChunk(Event):
     latency_ms: float
     kv_tokens: int
     kv_bytes: int
-    stage_ms: dict | None = None  # an explained request's time per FORWARD_STAGES (ms)
+    stage_ms: dict | None = None  # an explained request's time per FORWARD_STAGES, and WAKE (ms)
     comm_ms: float = 0.0  # of latency_ms, the time in collectives (tensor parallelism's all-reduces)
     # with prompt_logprobs: the prompt tokens at positions [start + 1, end + 1) (the last prompt token's
     # row gives the first generated token instead): every prompt token but the first, over the chunks
@@ -159,7 +163,7 @@ class DecodeStep(Event):
     # the step's attention weights, a float32 tensor [layers, heads, positions], when the request asked
     # for them (explain mode; to_dict leaves them out)
     attention: object | None = None
-    # an explained request's time per FORWARD_STAGES of the decode forward, and "sample" (ms)
+    # an explained request's time per FORWARD_STAGES of the decode forward, WAKE, and "sample" (ms)
     stage_ms: dict | None = None
     flops: int = 0  # the floating-point operations of this token's row of the forward (0 for step 0)
     draft: bool = False  # a drafted token the forward verified: it came with the token before it (a burst)

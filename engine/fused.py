@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .events import FORWARD_STAGES as STAGES
+from .events import FORWARD_STAGES, WAKE
 from .kv_pool import SequenceKV
 from .loader import remove_leftovers, resolve_device, scratch_prefix, stage
 from .quantize import packed_numel
@@ -33,6 +33,7 @@ from .quantize import packed_numel
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.cpp"
+STAGES = (*FORWARD_STAGES, WAKE)  # the native step's Stage enum: its stages, then its threads' waking
 # -ffp-contract=fast: a * b + c is one FMA everywhere, so every path rounds alike. -fno-trapping-math:
 # without it a comparison may not be computed ahead of its branch, and no loop with one is vectorized:
 # every fast_exp (its clamp) ran one float at a time (prefill attention 1.3-1.5x slower; the exp-and-sum
@@ -183,6 +184,9 @@ class FusedDecode:
         self._top_batch.restype = None
         self._top_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._wake = native.ps_wake_threads
+        self._wake.restype = ctypes.c_double
+        self._wake.argtypes = [ctypes.c_int64]
         self.kv_formats = native.ps_kv_formats()  # bit 0: fp32 KV cache, bit 1: fp16, bit 2: int8
         self._attend = native.ps_prefill_attention
         self._attend.restype = ctypes.c_int
@@ -276,6 +280,11 @@ class FusedDecode:
                           scale.data_ptr(), _address(bias), torch.get_num_threads(), y.data_ptr())
         return y
 
+    def wake_threads(self) -> float:
+        """Wakes the calling thread's OpenMP team, asleep since its last work; returns the ms that took
+        (see ps_wake_threads)."""
+        return self._wake(torch.get_num_threads())
+
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
         """sampling.top_logits, natively: the k largest logits' ids and values, and logsumexp."""
         logits = logits.float().contiguous()
@@ -342,9 +351,9 @@ class FusedDecode:
         """Logits [B, vocab] after tokens[b] at positions[b] of sequences[b] (all in one pool); their keys
         and values land in the pool. capture: a sequence's index in the batch, whose attention weights
         [layers, heads, positions + 1] are returned beside the logits, with the step's time per stage
-        ({stage: ms}, STAGES); stages: that time alone, (logits, None, {stage: ms}). A sequence whose
-        sliding window dropped tokens (SequenceKV.num_dropped) has its tokens rotated at their positions in
-        the text, not their places in the cache."""
+        ({stage: ms}, STAGES: its stages and its threads' waking); stages: that time alone, (logits, None,
+        {stage: ms}). A sequence whose sliding window dropped tokens (SequenceKV.num_dropped) has its tokens
+        rotated at their positions in the text, not their places in the cache."""
         ends = [seq.reserve(pos, 1) for seq, pos in zip(sequences, positions)]
         pool = sequences[0].pool
         assert pool.kv.is_contiguous()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -22,6 +22,7 @@ from .fused import load_fused_decode
 from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for
 from .errors import NotEnoughMemory
+from .events import WAKE
 from .loader import cache_root, memory_short
 from .quantize import Int8Cache, Int8Linear, linear_factory
 from .sampling import top_logits, top_logits_batch, top_tempered
@@ -113,10 +114,14 @@ def score_matrix_bytes(num_heads: int, num_tokens: int, num_keys: int, element_s
 
 class StageClock:
     """Adds the wall time since the previous lap to a stage of the forward pass (the explain mode's
-    pipeline), after a device synchronize so that a stage's time is its own. Without a dict, nothing."""
+    pipeline), after a device synchronize so that a stage's time is its own. Without a dict, nothing.
+    wake: called before the clock starts, its time kept as WAKE (LeanLlama.wake_threads)."""
 
-    def __init__(self, stage_ms: dict[str, float] | None, device: torch.device) -> None:
+    def __init__(self, stage_ms: dict[str, float] | None, device: torch.device,
+                 wake: Callable[[], object] | None = None) -> None:
         self.stage_ms, self.device = stage_ms, device
+        if stage_ms is not None and wake is not None:
+            stage_ms[WAKE] = wake()
         self.last = time.perf_counter()
 
     def lap(self, stage: str) -> None:
@@ -243,6 +248,15 @@ class LeanLlama:
             self.fused, self.graphs = native, graphs
             self._use_native_int8(native)
 
+    def _stage_clock(self, stage_ms: dict[str, float] | None) -> StageClock:
+        return StageClock(stage_ms, self.device, self.wake_threads)
+
+    def wake_threads(self) -> float:
+        """Before a forward whose stages are timed: its threads woken first, or the first stage's time would
+        hold their waking (FusedDecode.wake_threads; the native step wakes its own); nothing without the
+        native library. Returns the ms."""
+        return self.fused.wake_threads() if self.fused is not None else 0.0
+
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
         """sampling.top_logits, from the native library when decode uses it."""
         return (self.fused.top_logits if self.fused is not None else top_logits)(logits, k)
@@ -332,7 +346,7 @@ class LeanLlama:
         every_row: the logits at every position instead, [T, vocab] (a prompt's own logprobs)."""
         if ids.shape[0] == 1 and stage_ms is None and not prompt:
             return self.decode([int(ids[0])], [pos], [cache])[0]
-        logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits, StageClock(stage_ms, self.device),
+        logits = self._forward_rows(ids, [(cache, pos, ids.shape[0])], need_logits, self._stage_clock(stage_ms),
                                     every_row)
         return logits if logits is None or every_row else logits[0]
 
@@ -355,7 +369,7 @@ class LeanLlama:
         if capture is not None or stages:  # the PyTorch ops time their stages but hand out no attention weights
             stage_ms = {}
             segments = [(cache, pos, 1) for cache, pos in zip(caches, positions)]
-            return self._forward_rows(ids, segments, True, StageClock(stage_ms, self.device)), None, stage_ms
+            return self._forward_rows(ids, segments, True, self._stage_clock(stage_ms)), None, stage_ms
         if self.precision == "int8" and self.lm_head.runs_on == "FBGEMM":
             # FBGEMM's int8 linear quantizes its input per tensor: in a batch, one sequence's activations
             # would set another's scale. Each sequence goes alone, so its tokens keep independent of its

@@ -2,6 +2,7 @@
 model's, and every view renders in both languages."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import plotly.graph_objects as go
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_model, user
-from engine import DecodeStep, Engine, EngineConfig, SamplingParams, token_bytes
-from app.i18n import LANGUAGES
+from engine import WAKE, DecodeStep, Engine, EngineConfig, SamplingParams, token_bytes
+from app.i18n import LANGUAGES, t
 from app.ui.explain import demos, views
 from app.ui.trace import ReplyTrace
 
@@ -103,8 +104,27 @@ def test_each_steps_attention_sums_to_one_per_head_and_its_stages_are_timed(engi
     for step in walk.trace.steps[1:]:
         assert step.attention.shape == (2, 4, step.kv_tokens)  # layers, heads, positions
         assert torch.allclose(step.attention.sum(-1), torch.ones(2, 4), atol=1e-5)
-        assert step.stage_ms["attention"] > 0 and step.stage_ms["lm_head"] > 0
+        assert step.stage_ms["attention"] > 0 and step.stage_ms["lm_head"] > 0 and step.stage_ms[WAKE] >= 0
     assert views.attention_row(walk.trace.steps[-1], "1", "3") is not None
+    walk.cancel()
+    engine.step()
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_the_threads_waking_is_said_apart_from_the_forwards_time(engine, lang):
+    """A step taken by hand after a pause woke its threads first (4-25 ms on a 2-core VM, where its forward
+    took 6): the forward's time, its bandwidth and its stages leave that out, and a sentence says it."""
+    walk = stepped(engine, 1)
+    step = walk.trace.steps[-1]
+    stages = {stage: 1.0 for stage in views.STAGE_NAMES if stage != "tokenize"}  # 7 ms in all, sample included
+    walk.trace.steps[-1] = dataclasses.replace(step, forward_ms=15.0, stage_ms={**stages, WAKE: 9.0})
+    text = views.explanation(engine, walk.trace, lang)
+    assert "6.0 ms" in text and "15.0" not in text  # the forward: 15 ms less the 9 of waking
+    assert text.endswith(t(lang, "explain.woke", ms=9.0))
+    assert "7.0 ms" in views.pipeline_html(engine, walk.trace, lang)  # the stages' sum: no waking in it
+    walk.trace.steps[-1] = dataclasses.replace(step, forward_ms=6.2, stage_ms={**stages, WAKE: 0.2})
+    assert "6.0 ms" in views.explanation(engine, walk.trace, lang)
+    assert t(lang, "explain.woke", ms=0.2) not in views.explanation(engine, walk.trace, lang)  # awake
     walk.cancel()
     engine.step()
 

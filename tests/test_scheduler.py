@@ -10,7 +10,7 @@ import torch
 
 from conftest import shape, tiny_model, user
 from engine import (FORWARD_STAGES, DecodeStep, Engine, EngineConfig, Finished, KVPool, KVPoolTooSmall,
-                    PrefillChunk, SamplingParams, Started)
+                    PrefillChunk, SamplingParams, Started, WAKE)
 
 PROMPTS = ["The cat sat on the mat.", "Tell me about the sea, please.", "One two three four five six",
            "Why is the sky blue?", "Prefill then decode.", "A longer prompt that takes a few more tokens to say.",
@@ -351,11 +351,11 @@ def test_a_request_can_ask_for_its_attention_weights_and_stage_times(tokenizer):
     assert all(e.attention is None and e.stage_ms is None for e in seen[other.request_id])
     assert "attention" not in steps[1].to_dict()  # the JSON events stay as they were
     (prefill,) = chunks[watched.request_id]
-    assert set(prefill.stage_ms) == set(FORWARD_STAGES) and all(ms > 0 for ms in prefill.stage_ms.values())
+    assert set(prefill.stage_ms) == {*FORWARD_STAGES, WAKE} and all(prefill.stage_ms[s] > 0 for s in FORWARD_STAGES)
     assert chunks[other.request_id][0].stage_ms is None
     assert set(steps[0].stage_ms) == {"sample"}  # token 1: the prefill's logits, sampled
     for step in steps[1:]:
-        assert set(step.stage_ms) == {*FORWARD_STAGES, "sample"}
+        assert set(step.stage_ms) == {*FORWARD_STAGES, WAKE, "sample"}
         assert sum(step.stage_ms.values()) <= step.latency_ms  # parts of the step, not more
 
 
@@ -372,9 +372,9 @@ def test_a_request_can_time_its_stages_without_the_weights(tokenizer):
     engine.run_all([timed, other], hooks=[lambda e: seen[e.request_id].append(e)])
     assert expected == [timed.generated_ids, other.generated_ids]
     (prefill,) = [e for e in seen[timed.request_id] if isinstance(e, PrefillChunk)]
-    assert set(prefill.stage_ms) == set(FORWARD_STAGES)
+    assert set(prefill.stage_ms) == {*FORWARD_STAGES, WAKE}
     steps = [e for e in seen[timed.request_id] if isinstance(e, DecodeStep)]
     for step in steps[1:]:
-        assert step.attention is None and set(step.stage_ms) == {*FORWARD_STAGES, "sample"}
+        assert step.attention is None and set(step.stage_ms) == {*FORWARD_STAGES, WAKE, "sample"}
         assert 0 < step.stage_ms["attention"] and sum(step.stage_ms.values()) <= step.latency_ms
     assert all(e.stage_ms is None for e in seen[other.request_id] if isinstance(e, (DecodeStep, PrefillChunk)))

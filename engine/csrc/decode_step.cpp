@@ -24,6 +24,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -1293,6 +1294,26 @@ void prefill_attention(const int64_t *dims, const float *qkv, int64_t q_stride, 
 // The KV-cache formats this build reads and writes: bit 0 fp32, bit 1 fp16, bit 2 int8.
 extern "C" int ps_kv_formats() { return 1 | (kHasHalf ? 2 : 0) | 4; }
 
+// Wakes the calling thread's OpenMP team (PyTorch's ops use the same one) and returns the milliseconds it
+// took: empty parallel regions until one comes back at once (the threads spinning, ready), or 100 ms. Found
+// timing the explain mode's stages on a 2-core VM: a step after a pause of a tenth of a second or more
+// waited 4-25 ms, in whole 4-ms scheduler ticks, for its second thread (woken onto the first one's CPU, it
+// ran when that one's time slice ended), all of it in layer 0's attention: 10.7 ms against 1.5 ms back to back.
+extern "C" double ps_wake_threads(int64_t threads) {
+    const auto began = std::chrono::steady_clock::now();
+    const auto since = [](std::chrono::steady_clock::time_point t) {
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+    };
+    while (threads > 1 && since(began) < 100.0) {
+        const auto start = std::chrono::steady_clock::now();
+        std::atomic<int64_t> answered{0};  // a region with nothing in it, the compiler leaves out
+#pragma omp parallel num_threads(threads)
+        answered.fetch_add(1, std::memory_order_relaxed);
+        if (since(start) < 0.05) break;  // an awake team answers in a few microseconds
+    }
+    return since(began);
+}
+
 // dims: Dims as 13 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
 // bias; then attn_norm, mlp_norm); model_ptrs: embed [vocab][hidden], final_norm, lm_head weight, scale,
 // bias, cos [positions][D/2], sin [positions][D/2]. For each of the n sequences: tokens[b] at
@@ -1302,7 +1323,8 @@ extern "C" int ps_kv_formats() { return 1 | (kHasHalf ? 2 : 0) | 4; }
 // of each stage of the step is added (the explain mode's pipeline). rope_positions: null, or each
 // token's position for the rotary embedding where it is not its place in the cache (a sliding window
 // dropped tokens before it). Returns 0, or 1 for an input out of range (nothing is written then).
-enum Stage { kEmbedding, kNorm, kAttention, kFfn, kFinalNorm, kLmHead, kNumStages };
+// kWake: the time the threads took to wake before the step (ps_wake_threads), not one of its stages.
+enum Stage { kEmbedding, kNorm, kAttention, kFfn, kFinalNorm, kLmHead, kWake, kNumStages };
 
 // Adds the time since the previous lap to one stage; does nothing without a place to add it to.
 struct StageClock {
@@ -1334,6 +1356,7 @@ extern "C" int ps_decode_batch(const int64_t *dims, float eps, const int64_t *la
     std::vector<float> x(n * C), h(n * C), qkv(n * qkv_size), attn(n * q_size), proj(n * C), gate_up(n * 2 * I),
         act(n * I);
     auto ptr = [](int64_t address) { return reinterpret_cast<const float *>(address); };
+    if (stage_ms != nullptr) stage_ms[kWake] = ps_wake_threads(d.threads);  // else in layer 0's attention
     StageClock clock{stage_ms};
     for (int64_t b = 0; b < n; b++) std::memcpy(x.data() + b * C, ptr(model_ptrs[0]) + tokens[b] * C, C * sizeof(float));
     clock.lap(kEmbedding);

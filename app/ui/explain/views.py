@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from engine import DecodeStep, Request, SamplingParams, token_bytes
+from engine import WAKE, DecodeStep, Request, SamplingParams, token_bytes
 
 from ... import STATIC
 from ...i18n import t
@@ -29,6 +29,7 @@ SHOWN_TEXT_CHARS = 120  # the text itself, quoted above them
 STAGE_NAMES = {"tokenize": "pipe.tokenize", "embedding": "pipe.embedding", "norm": "pipe.norm",
                "attention": "pipe.attention", "ffn": "pipe.ffn", "final_norm": "pipe.final_norm",
                "lm_head": "pipe.lm_head", "sample": "pipe.sample"}
+WOKE_SHOWN_MS = 0.5  # threads that took longer to wake before a forward are said to have (explain.woke)
 
 
 @dataclass
@@ -159,36 +160,52 @@ def steps_html(engine: Engine, walk: Walkthrough | None, layer: str, head: str, 
             f'<p class="ps-note">{kv_line} · {status}</p></div>')
 
 
+def woke_ms(stage_ms: dict | None) -> float:
+    """The time a forward's threads took to wake before it (engine.WAKE): inside the forward's time, but
+    not its work. Steps taken one by one wake them each time; a stream of tokens finds them awake."""
+    return (stage_ms or {}).get(WAKE, 0.0)
+
+
 def explanation(engine: Engine, trace: ReplyTrace, lang: str) -> str:
-    """What the last step did, written from its measurements (never by the model)."""
+    """What the last step did, written from its measurements (never by the model). The forwards' times
+    leave out their threads' waking (woke_ms), said apart."""
     shape = Shape.of(engine)
     if not trace.steps:
         return t(lang, "explain.waiting")
-    prefill_ms = sum(c.latency_ms for c in trace.chunks)
+    prefill_woke = sum(woke_ms(c.stage_ms) for c in trace.chunks)
+    prefill_ms = sum(c.latency_ms for c in trace.chunks) - prefill_woke
     prefilled = sum(c.num_tokens for c in trace.chunks)
     ttft = trace.steps[0].latency_ms
     if len(trace.steps) == 1:
         gflops = engine.forward_flops(prefilled, trace.num_cached_tokens) / max(prefill_ms, 1e-6) / 1e6
-        return t(lang, "explain.prefill", tokens=prefilled, hidden=shape.hidden, layers=shape.layers,
+        text = t(lang, "explain.prefill", tokens=prefilled, hidden=shape.hidden, layers=shape.layers,
                  ms=prefill_ms, tps=prefilled / max(prefill_ms, 1e-6) * 1000, ttft=ttft, gflops=gflops)
+        return text + _woke(prefill_woke, lang)
     step = trace.steps[-1]
     number = len(trace.steps) - 1
     weight_mb = shape.weight_bytes / 1e6
+    step_woke = woke_ms(step.stage_ms)
+    forward_ms = step.forward_ms - step_woke
     if not engine.config.kv_cache:  # --no-kv-cache: each step computes the whole sequence again
         text = t(lang, "explain.decode_no_cache", n=number, tokens=step.kv_tokens, layers=shape.layers,
-                 ms=step.forward_ms, gflop=step.flops / 1e9,
+                 ms=forward_ms, gflop=step.flops / 1e9,
                  cached_gflop=engine.forward_flops(1, step.kv_tokens - 1) / 1e9)
     else:
         text = t(lang, "explain.decode", n=number, hidden=shape.hidden, layers=shape.layers,
-                 positions=step.kv_tokens - 1, ms=step.forward_ms, mb=weight_mb,
-                 bandwidth=weight_mb / max(step.forward_ms, 1e-6))
+                 positions=step.kv_tokens - 1, ms=forward_ms, mb=weight_mb,
+                 bandwidth=weight_mb / max(forward_ms, 1e-6))
+    text += _woke(step_woke, lang)
     if len(trace.steps) >= 3:  # the steps' own forwards: the pauses between them are the presenter's
-        step_ms = sum(s.forward_ms for s in trace.steps[1:]) / number
+        step_ms = sum(s.forward_ms - woke_ms(s.stage_ms) for s in trace.steps[1:]) / number
         summary = "explain.summary" if engine.config.kv_cache else "explain.summary_no_cache"
         text += " " + t(lang, summary, prompt=trace.num_prompt_tokens, prefilled=prefilled,
                         prefill_ms=prefill_ms, ttft=ttft, steps=number, step_ms=step_ms, mb=weight_mb,
                         first_gflop=trace.steps[1].flops / 1e9, last_gflop=step.flops / 1e9)
     return text
+
+
+def _woke(ms: float, lang: str) -> str:
+    return " " + t(lang, "explain.woke", ms=ms) if ms >= WOKE_SHOWN_MS else ""
 
 
 # --- the pipeline of the last forward pass ---------------------------------------------------------
@@ -197,11 +214,12 @@ def _stage_times(trace: ReplyTrace) -> tuple[str, dict[str, float | None], int]:
     """("prefill" | "decode", {stage: ms or None}, tokens in the forward) for the latest forward."""
     latest = next((s for s in reversed(trace.steps) if s.step > 0 and s.stage_ms), None)
     if latest is not None:
-        return "decode", {"tokenize": None, **latest.stage_ms}, 1
+        return "decode", {"tokenize": None, **{stage: ms for stage, ms in latest.stage_ms.items() if stage != WAKE}}, 1
     times: dict[str, float | None] = {}
     for chunk in trace.chunks:
         for stage, ms in (chunk.stage_ms or {}).items():
-            times[stage] = times.get(stage, 0.0) + ms
+            if stage != WAKE:  # not a stage (explanation says it)
+                times[stage] = times.get(stage, 0.0) + ms
     times["tokenize"] = trace.first.tokenize_ms if trace.first else None
     if trace.steps and trace.steps[0].stage_ms:
         times["sample"] = trace.steps[0].stage_ms.get("sample")
