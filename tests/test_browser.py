@@ -749,6 +749,15 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
         page.wait_for_selector("#ps-history-selected .ps-attention:has-text('Type the new title first.')")
         assert ["What is prefill?"] == history_titles(page)
         assert "#1" in page.inner_text("#ps-history-selected")  # the selection's line stays above it
+        page.set_viewport_size({"width": 1024, "height": 768})  # a class's projector: every column in view,
+        page.fill("#ps-history-title textarea, #ps-history-title input", "Prefill and decode, step by step: " * 3)
+        page.click("#ps-history-rename")  # with a title over the 48 characters shown (the longest cell)
+        page.wait_for_function("() => document.querySelector('#ps-history-table').innerText.includes('step by')")
+        page.wait_for_timeout(300)
+        edges = page.evaluate("""() => [document.querySelector('#ps-history-table .table-wrap'),
+                                        ...document.querySelectorAll('#ps-history-table th')]
+                                       .map(box => box.getBoundingClientRect().right)""")
+        assert max(edges[1:]) <= edges[0] + 1  # TTFT and TPOT went past the table's right edge
         page.fill("#ps-history-title textarea, #ps-history-title input", "Phases")
         page.click("#ps-history-rename")
         page.wait_for_function("() => document.querySelector('#ps-history-table').innerText.includes('Phases')")

@@ -182,10 +182,14 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
                        scale=5, elem_id="ps-history-search")
         refresh = texts(gr.Button, value=K("saved.refresh"), scale=1, elem_id="ps-history-refresh")
     # titles shown to 48 characters (in full where the cell is clicked): an 80-character one widened its
-    # column until the figures went off the right
+    # column until the figures went off the right. The columns' widths fixed, the date and the model on two
+    # lines where they need them: sized to their content, a 48-character title still pushed TTFT and TPOT
+    # past the right edge of a 1,024-px window (a class's projector); as shares of the width, a phone's
+    # table wrapped every word a letter a line. 908 px in all: a phone's table scrolls, as before.
     table = gr.Dataframe(headers=columns(DEFAULT), value=[], interactive=False, wrap=True,
-                         label=t(DEFAULT, "saved.sessions"), show_label=False,
-                         max_chars=48, elem_id="ps-history-table")  # filled when the page loads (on_switch)
+                         label=t(DEFAULT, "saved.sessions"), show_label=False, max_chars=48,
+                         column_widths=["44px", "360px", "110px", "150px", "64px", "90px", "90px"],
+                         elem_id="ps-history-table")  # filled when the page loads (on_switch)
     chosen = gr.HTML(t(DEFAULT, "saved.select_hint"), elem_id="ps-history-selected")
     with gr.Row():  # off until a session is selected (acting)
         open_button = texts(gr.Button, value=K("saved.open"), variant="primary", interactive=False,
