@@ -925,7 +925,8 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     prompt = page.input_value("#ps-explain-prompt textarea")
     page.fill("#ps-explain-prompt textarea", "word " * 9000)  # past the context: said of a prompt, not a chat
     page.click("#ps-explain-start")
-    page.wait_for_selector(".toast-body:has-text('with the chat template, and at most 8,192 fit here: shorten it')")
+    # said where the steps show (Start runs outside Gradio's queue, which alone shows toasts)
+    page.wait_for_selector("#ps-explain-steps .ps-attention:has-text('and at most 8,192 fit here: shorten it')")
     page.fill("#ps-explain-prompt textarea", prompt)
     page.wait_for_selector("#ps-explain-tokens:has-text('5 tokens')")
     page.click("#ps-explain-start")  # prefill, held after its token
@@ -1029,10 +1030,8 @@ def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, a
     page.get_by_role("tab", name="讲解").click()
     page.fill("#ps-explain-prompt textarea", "   ")
     page.click("#ps-explain-start")
-    page.wait_for_selector(".toast-body:has-text('消息为空')", timeout=30_000)  # the error, in Chinese
+    page.wait_for_selector("#ps-explain-steps .ps-attention:has-text('消息为空')", timeout=30_000)  # in Chinese
     assert "zh-CN" == page.evaluate("() => document.documentElement.lang")  # the page says its language
-    heading = page.evaluate("() => getComputedStyle(document.querySelector('.toast-title.error'), '::before').content")
-    assert '"出错了"' == heading  # the toast's heading too (Gradio writes "Error")
     page.fill("#ps-explain-prompt textarea", "我是小")
     page.click("#ps-explain-start")
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
@@ -1048,6 +1047,14 @@ def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, a
     assert title.startswith("第 3 个词元的候选")
     assert page.locator("#ps-explain-steps .ps-tok[style*=box-shadow]").count() > 0  # the attention strip
     page.screenshot(path=str(tmp_path / "explain-zh.png"), full_page=True)
+    page.get_by_role("tab", name="对话").click()  # a precision switch the held walk-through refuses: a toast
+    page.locator("#ps-precision input").click()
+    page.get_by_role("option", name="fp32", exact=True).click()
+    page.wait_for_selector("[data-testid=toast-body]:has-text('讲解')")
+    heading = page.evaluate("() => getComputedStyle(document.querySelector('.toast-title.warning'), '::before')"
+                            ".content")
+    assert '"提示"' == heading  # the toast's heading in Chinese too (Gradio writes "Warning")
+    page.get_by_role("tab", name="讲解").click()
     page.get_by_text("English").click()  # and back: the choice is remembered by this browser
     page.wait_for_function("() => document.querySelector('#ps-explain-start')?.innerText.trim() === 'Start'")
     page.wait_for_selector("#ps-explain-steps:has-text('Decode step 2')", timeout=10_000)  # redrawn in English
