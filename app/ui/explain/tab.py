@@ -119,8 +119,9 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
 
     def begin(text, temperature, top_k, top_p, walk, layer_choice, head_choice, lang_choice, page: gr.Request):
         """The prefill, held after its token. Outside Gradio's queue (Start, Next token): its messages kept the
-        page busy while the forward ran beside it on the same cores, and a 35-token prefill took 52-73 ms
-        (median of 8) instead of 17-20. A prompt refused is said in the panel (no toast outside the queue)."""
+        page busy while the forward ran beside it on the same two cores (medians of three runs, alternating: a
+        35-token prefill 52-69 ms against 21-63, a decode step 16-32 against 8-14). A prompt refused is said
+        in the panel (no toast outside the queue)."""
         try:
             sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=float(temperature),
                                       top_k=int(top_k), top_p=float(top_p))
