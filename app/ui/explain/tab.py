@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from engine import PromptTooLong, SamplingParams
+from engine import PromptTooLong, QueueFull, SamplingParams
 
 from ...i18n import DEFAULT, K, t
 from ..language import Texts, user_error
@@ -126,7 +126,8 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
             sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=float(temperature),
                                       top_k=int(top_k), top_p=float(top_p))
             request = engine.new_request([{"role": "user", "content": text or ""}], sampling)
-        except (PromptTooLong, ValueError) as exc:  # a prompt, not the chat's conversation
+            engine.check_room()  # QueueFull
+        except (ValueError, QueueFull) as exc:  # PromptTooLong: said of a prompt, not the chat's conversation
             refusal = t(lang_choice, "explain.too_long", tokens=exc.num_tokens, limit=exc.limit) \
                 if isinstance(exc, PromptTooLong) else user_error(lang_choice, exc)
             shown = views.steps_html(engine, walk, layer_choice, head_choice, lang_choice)
