@@ -49,6 +49,8 @@ def test_payloads_are_text_in_chat_history_explain_and_lab(page):
     nothing_ran_and_nothing_overflows(page)
 
     page.get_by_role("tab", name="Explain").click()
+    # the tab drawn first: a prompt filled at once after the click was once not the one Start read
+    page.wait_for_selector("#ps-explain-tokens:has-text('5 tokens')")
     page.fill("#ps-explain-prompt textarea", PAYLOADS[0] + PAYLOADS[3])
     page.click("#ps-explain-start")
     page.wait_for_selector("#ps-explain-steps [data-explain=held]", timeout=60_000)
