@@ -927,8 +927,11 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     page.click("#ps-explain-start")
     # said where the steps show (Start runs outside Gradio's queue, which alone shows toasts)
     page.wait_for_selector("#ps-explain-steps .ps-attention:has-text('and at most 8,192 fit here: shorten it')")
-    page.fill("#ps-explain-prompt textarea", prompt)
-    page.wait_for_selector("#ps-explain-tokens:has-text('5 tokens')")
+    box = page.locator("#ps-explain-prompt textarea")
+    box.fill("")  # typed, the tokens shown follow to the last key (they stopped at "Pref": keys dropped)
+    box.press_sequentially("Prefill reads the prompt at once; decode then makes one token per step.")
+    page.wait_for_selector("#ps-explain-tokens:has-text('71 characters')")
+    box.fill(prompt)
     page.click("#ps-explain-start")  # prefill, held after its token
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     assert "Prefill" in page.inner_text("#ps-explain-steps")

@@ -199,7 +199,10 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
     def prompt_tokens(text, lang_choice):  # while the model loads, the page's redraw draws them once it has
         return gr.skip() if is_loading(engine) else views.tokens_html(engine.tokenizer, text, lang_choice)
 
-    prompt.input(prompt_tokens, [prompt, lang], [tokens], queue=False, show_progress="hidden")
+    # always_last: with Gradio's default for input ("once"), a key pressed while the last one's tokens were
+    # being drawn was dropped, and the tokens shown stopped at what was typed then ("<img sr" of a longer text)
+    prompt.input(prompt_tokens, [prompt, lang], [tokens], queue=False, show_progress="hidden",
+                 trigger_mode="always_last")
     presenter.change(None, [presenter], None, js=PRESENTER_JS)
 
     # demos: the walkthrough preset, and three runs of the real model with what their numbers show
