@@ -142,12 +142,15 @@ def _started(events: Sequence[Event]) -> Started | None:
 LEVEL = "level"
 
 
-def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFAULT) -> tuple[list[dict], int]:
+def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFAULT,
+                 levels: bool = False) -> tuple[list[dict], int]:
+    """levels: its level lines marked LEVEL (the last turn's, which a streaming reply extends)."""
     started = _started(events)
     points = [e for e in events if isinstance(e, (PrefillChunk, DecodeStep))]
     if not points or not cache_visible(started):  # a remote endpoint's turn: no cache to draw
         return [], x0
     xs = list(range(x0, x0 + len(points) + 1))
+    level = {"meta": LEVEL} if levels else {}
     phases = ["kept" if started and started.num_cached_tokens else "start"] + [
         "prefill" if isinstance(p, PrefillChunk) else "decode" for p in points]
     kept_tokens, kept_mb = 0, 0.0
@@ -171,13 +174,13 @@ def _turn_traces(number: int, events: Sequence[Event], x0: int, lang: str = DEFA
     if kept_tokens:
         traces.insert(0, dict(type="scatter", mode="lines", name=t(lang, "chart.kept"), showlegend=False,
                               x=[xs[0], xs[-1]], y=[kept_mb, kept_mb], fill="tozeroy", fillcolor=CACHED_FILL,
-                              line=dict(color=CACHED_COLOR, width=1), meta=LEVEL,
+                              line=dict(color=CACHED_COLOR, width=1), **level,
                               hovertemplate=t(lang, "chart.kept_hover", n=number, tokens=kept_tokens, mb=kept_mb)
                               + "<extra></extra>"))
     if started is not None and started.kv_capacity_bytes:  # transformers' caches allocate nothing ahead
         capacity = started.kv_capacity_bytes / 1e6
         traces.append(dict(type="scatter", mode="lines", name=t(lang, "chart.allocated"), showlegend=number == 1,
-                           x=[xs[0], xs[-1]], y=[capacity, capacity], meta=LEVEL,
+                           x=[xs[0], xs[-1]], y=[capacity, capacity], **level,
                            line=dict(color=CAPACITY_COLOR, dash="dot", width=1),
                            hovertemplate=t(lang, "chart.allocated_hover", tokens=started.kv_capacity_tokens,
                                            mb=capacity) + "<extra></extra>"))
@@ -210,9 +213,7 @@ def kv_figure(turns: Sequence[Sequence[Event]], lang: str = DEFAULT) -> dict:
     """
     data, x = [], 0
     for number, events in enumerate(turns, start=1):
-        traces, x = _turn_traces(number, events, x, lang)
-        if number < len(turns):  # only the last turn's levels follow a streaming reply
-            traces = [{key: value for key, value in trace.items() if key != "meta"} for trace in traces]
+        traces, x = _turn_traces(number, events, x, lang, levels=number == len(turns))  # it may be streaming
         data += traces
     if not data and any(not cache_visible(_started(events)) for events in turns):
         # only a remote endpoint's turns: said, instead of an empty chart
