@@ -83,6 +83,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-kv", action=argparse.BooleanOptionalAction, default=True,
                         help="Flash Decoding: cut a long sequence's attention into chunks that the threads share "
                              "(default on; --no-split-kv to compare)")
+    parser.add_argument("--bind-threads", action="store_true",
+                        help="each of the forward's threads on a CPU of its own: far less slowed where another "
+                             "program is busy (off by default, as PyTorch and llama.cpp leave them)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="on CUDA: torch.compile each CUDA-graph decode step before it is captured (fewer "
                              "kernels: 1.5x the tokens per second on an H200, for ~25 s of compilation per batch "
@@ -313,7 +316,7 @@ def engine_config(args: argparse.Namespace):
                             speculative=args.speculative, draft_tokens=args.draft_tokens, split_kv=args.split_kv,
                             kv_dtype=args.kv_dtype, kv_window=args.kv_window, kv_sinks=args.kv_sinks,
                             attention=args.attention, tensor_parallel=args.tensor_parallel,
-                            compile_decode=args.compile_decode)
+                            compile_decode=args.compile_decode, bind_threads=args.bind_threads)
 
 
 def _engine(args: argparse.Namespace):

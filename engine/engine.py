@@ -95,13 +95,19 @@ def _new_pool(runner, config: EngineConfig, budget_bytes: int):
 
 def _set_switches(runner, config: EngineConfig) -> None:
     """The forward's switches: prefill's attention implementation, Flash Decoding in the native decode
-    step, and compiling the CUDA-graph decode step, where the runner has them."""
+    step, its threads bound a CPU each, and compiling the CUDA-graph decode step, where the runner has
+    them. On the thread that steps the engine (the threads bound are its OpenMP team's)."""
     if hasattr(runner, "attention"):  # always set: engines sharing one runner (variant()) each bring theirs
         runner.attention = config.attention
     elif config.attention != "auto":
         raise ValueError(f"--attention needs the lean forward, not {runner.name}")
-    if getattr(runner, "fused", None) is not None:
-        runner.fused.split_kv = config.split_kv
+    fused = getattr(runner, "fused", None)
+    if fused is not None:
+        fused.split_kv = config.split_kv
+        fused.bind_threads(config.bind_threads)
+    elif config.bind_threads:
+        raise ValueError("--bind-threads binds the native decode step's threads: it needs that step, on CPU "
+                         "and in this process (not tensor-parallel ranks)")
     if config.compile_decode:
         if getattr(runner, "graphs", None) is None:
             raise ValueError("--compile-decode compiles the CUDA-graph decode step: it needs a CUDA device "

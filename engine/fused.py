@@ -187,6 +187,10 @@ class FusedDecode:
         self._wake = native.ps_wake_threads
         self._wake.restype = ctypes.c_double
         self._wake.argtypes = [ctypes.c_int64]
+        self._bind = native.ps_bind_threads
+        self._bind.restype = ctypes.c_int64
+        self._bind.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        self._bound: tuple | None = None  # (thread, team size) of the team bound a CPU per thread
         self.kv_formats = native.ps_kv_formats()  # bit 0: fp32 KV cache, bit 1: fp16, bit 2: int8
         self._attend = native.ps_prefill_attention
         self._attend.restype = ctypes.c_int
@@ -284,6 +288,18 @@ class FusedDecode:
         """Wakes the calling thread's OpenMP team, asleep since its last work; returns the ms that took
         (see ps_wake_threads)."""
         return self._wake(torch.get_num_threads())
+
+    def bind_threads(self, on: bool) -> None:
+        """Each thread of the calling thread's OpenMP team on a CPU of its own (on), or free to run on any
+        (see ps_bind_threads). Called before every step: it acts where that changes the team's binding, or
+        where another thread or team size steps the forward now."""
+        team = (threading.get_ident(), torch.get_num_threads())
+        wanted = team if on else None
+        if self._bound == wanted:
+            return
+        if self._bind(team[1], int(on)) < 0:
+            raise OSError("could not bind the forward's threads to CPUs (sched_setaffinity refused)")
+        self._bound = wanted
 
     def top_logits(self, logits: torch.Tensor, k: int) -> tuple[list[int], list[float], float]:
         """sampling.top_logits, natively: the k largest logits' ids and values, and logsumexp."""

@@ -170,7 +170,8 @@ def test_cli_generate_takes_the_prompt_as_an_argument_an_option_or_from_stdin():
 
 
 @pytest.mark.parametrize("flags", ["--no-prefix-cache --no-split-kv --kv-window 256 --kv-sinks 8 --attention eager "
-                                   "--kv-dtype int8", "--speculative prompt-lookup --draft-tokens 4 --compile-decode",
+                                   "--kv-dtype int8",
+                                   "--speculative prompt-lookup --draft-tokens 4 --compile-decode --bind-threads",
                                    "--no-kv-cache --tensor-parallel 2", ""])
 def test_switches_are_told_as_the_flags_that_set_them(flags):
     from app.cli import build_parser, engine_config, switch_flags

@@ -262,9 +262,9 @@ def test_a_tokenizer_without_a_chat_template_is_said_where_the_model_is(tiny, la
 @pytest.mark.parametrize("lang", LANGUAGES)
 def test_model_panel_names_the_switches_that_change_what_the_page_shows(tiny_engine, lang):
     """A class comparing runs sees how this engine runs: without a KV cache, a window, speculation..."""
-    config = EngineConfig(kv_cache=False, attention="eager", split_kv=False)
+    config = EngineConfig(kv_cache=False, attention="eager", split_kv=False, bind_threads=True)
     html = panels.model_html(tiny_engine.info, lang, config)
-    assert all(flag in html for flag in ("--no-kv-cache", "eager", "--no-split-kv")), html
+    assert all(flag in html for flag in ("--no-kv-cache", "eager", "--no-split-kv", "--bind-threads")), html
     assert "{" not in html and "--no-prefix-cache" not in html  # implied by no KV cache: not said twice
     assert "prompt-lookup" in panels.model_html(tiny_engine.info, lang, EngineConfig(speculative="prompt-lookup"))
     window = panels.model_html(tiny_engine.info, lang, EngineConfig(kv_window=64, kv_sinks=4))

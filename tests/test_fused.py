@@ -447,3 +447,41 @@ def test_engine_reports_the_kv_formats_bytes(tokenizer):
     assert engine.info.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2  # K and V, 2 layers, 2 KV heads, 64 dims, 2 B
     finished = engine.generate(user("Hi"), SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
     assert finished.metrics.kv_bytes == finished.metrics.kv_tokens * engine.info.kv_bytes_per_token
+
+
+def test_bind_threads_gives_each_of_the_forwards_threads_a_cpu_and_an_engine_without_it_frees_them(tiny):
+    """--bind-threads: the stepping thread's OpenMP team (the native step's; PyTorch's ops share it) each on
+    a CPU of its own; an engine without the switch sharing the forward (variant) frees them again, and the
+    tokens are the same either way."""
+    from app.lab.threads import bound_threads
+
+    if len(os.sched_getaffinity(0)) < 2 or torch.get_num_threads() < 2:
+        pytest.skip("one CPU: every thread is on one CPU already")
+    before = bound_threads()
+    engine = Engine(tiny, EngineConfig(precision="fp32", prefix_caching=False))
+    bound = engine.variant(bind_threads=True)
+
+    def greedy(e):
+        request = e.new_request_from_ids(list(range(5, 45)), SamplingParams(max_new_tokens=8, temperature=0,
+                                                                           ignore_eos=True))
+        list(e.run(request))
+        return request.generated_ids
+
+    try:
+        on = greedy(bound)
+        assert bound_threads() >= before + torch.get_num_threads()
+        off = greedy(engine)
+        assert bound_threads() == before
+    finally:
+        engine.runner.fused.bind_threads(False)
+    assert on == off
+
+
+def test_bind_threads_without_the_native_step_is_refused_in_one_line(tokenizer, tmp_path):
+    blocker = tmp_path / "file-not-folder"
+    blocker.write_text("")
+    loaded = tiny_model(tokenizer)
+    with pytest.warns(UserWarning, match="decode runs PyTorch ops"):
+        runner = LeanLlama(loaded.model, "int8", cache_dir=str(blocker))
+    with pytest.raises(ValueError, match="--bind-threads binds the native decode step's threads: it needs that step"):
+        Engine(loaded, EngineConfig(bind_threads=True), runner=runner)

@@ -3,6 +3,7 @@ effect it is about in its own numbers; the results stored, drawn and exported.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -243,7 +244,7 @@ def test_lab_runs_are_a_table_of_the_history_database(tmp_path):
     assert again.lab_run(run_id)["results"] == {"table": [{"requests": 1}]}
 
 
-@pytest.mark.parametrize("name", ["kv-cache", "batching"])
+@pytest.mark.parametrize("name", ["kv-cache", "batching", "threads"])
 def test_a_run_reads_in_each_language(tiny, name):
     """A run keeps its words as catalogue keys: its report and figure come out whole in English and in
     Chinese (no key or field left over), and the English is what the experiment says."""
@@ -359,3 +360,37 @@ def test_the_roofline_probe_survives_a_cut_short_cache_file_and_one_it_cannot_wr
     assert probe(torch.device("cpu")) == peaks  # from the cache now
     monkeypatch.setenv("PHASESCOPE_CACHE", str(tmp_path / PROBE_FILE / "not-a-folder"))
     assert probe(torch.device("cpu"))["peak_gflops"] > 0  # measured, and the cache left unwritten
+
+
+def test_threads_on_a_busy_machine_binds_them_for_its_bound_side_only_and_leaves_no_spinner(tiny):
+    """The experiment's bound runs have the forward's threads on a CPU each, its free ones none, the tokens
+    the same in all four; afterwards the program it kept busy on a core is gone and the threads are free
+    again, as the engine's own switch has them."""
+    from app.lab.threads import bound_threads
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: every thread is on one CPU already")
+    engine = Engine(tiny, EngineConfig(precision="fp32"))
+    before = bound_threads()
+    result = lab.run(engine, "threads", quick=True)
+    assert [row["lab.col.setting"] for row in result.table] == [
+        "lab.set.idle_free", "lab.set.busy_free", "lab.set.busy_bound", "lab.set.idle_bound"]
+    assert all(result.counted_effects.values()), result.table
+    assert [row["lab.col.threads_bound"] > before for row in result.table] == [False, False, True, True]
+    assert bound_threads() == before
+    spinning = subprocess.run(["pgrep", "-f", "while True: pass"], capture_output=True, text=True).stdout
+    assert not spinning.strip()
+
+
+def test_threads_without_the_native_step_is_said_so(tiny, tmp_path):
+    from engine.llama import LeanLlama
+
+    blocker = tmp_path / "file-not-folder"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="decode runs PyTorch ops"):
+        runner = LeanLlama(tiny.model, "int8", cache_dir=str(blocker))
+    engine = Engine(tiny, EngineConfig(), runner=runner)
+    assert lab.cannot_run(engine, "threads") == (
+        "“Threads on a busy machine” needs the native decode step (C++, built at the first start on CPU), which "
+        "tiny-llama runs without here.")
+    assert lab.cannot_run(engine, "threads", "zh").startswith("「繁忙机器上的线程」需要原生解码步")

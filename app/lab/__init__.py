@@ -32,7 +32,7 @@ class Experiment:
     default_prompt: str
     # what of the engine it needs: "lean", the lean forward's KV pool and switches (any architecture runs
     # the rest); "one_process", also that forward in this process, not tensor-parallel ranks (it times each
-    # stage of the forward, or starts engines of its own)
+    # stage of the forward, or starts engines of its own); "native", also the native decode step there
     needs: str = ""
 
     def title(self, lang: str = DEFAULT) -> str:
@@ -70,6 +70,9 @@ EXPERIMENTS = {e.name: e for e in [
                "Explain where the time goes when a language model answers a question. ", needs="one_process"),
     Experiment("roofline", "lab.exp.roofline", "profile.roofline",
                "A roofline shows whether a step is limited by compute or by memory bandwidth. "),
+    Experiment("threads", "lab.exp.threads", "threads.threads",
+               "Every matrix product is shared out among the threads, and the step waits for the last of them. ",
+               needs="native"),
 ]}
 
 
@@ -81,12 +84,14 @@ def prompt_for(name: str, prompt: str | None) -> str:
 def cannot_run(engine: Engine, name: str, lang: str = DEFAULT) -> str:
     """Why an experiment cannot run on this engine, in one line ("" where it can): it needs the lean forward
     and the model runs on transformers', or it needs that forward in this process and it runs in
-    tensor-parallel ranks."""
+    tensor-parallel ranks, or it needs the native decode step and the forward runs without one."""
     needs = EXPERIMENTS[name].needs
     if needs and engine.info.model_path != "lean-llama":
         key = "lab.needs_lean"
-    elif needs == "one_process" and not getattr(engine.runner, "explains", False):
+    elif needs in ("one_process", "native") and not getattr(engine.runner, "explains", False):
         key = "lab.needs_one_process"
+    elif needs == "native" and getattr(engine.runner, "fused", None) is None:
+        key = "lab.needs_native"
     else:
         return ""
     return t(lang, key, title=EXPERIMENTS[name].title(lang), model=engine.info.name)

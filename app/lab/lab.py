@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 # Each experiment's settings start from the engine's default switches, however the app was started: under
 # `phasescope ui --no-kv-cache` the kv-cache experiment's "KV cache" side ran without one, and under
 # --kv-window the speculative one could not start. The weights' precision, the device, tensor parallelism,
-# the draft length, compilation and the pool's size stay the engine's.
+# the draft length, compilation, the threads' binding and the pool's size stay the engine's.
 BASELINE = {name: getattr(EngineConfig(), name) for name in SWITCHES
-            if name not in ("draft_tokens", "tensor_parallel", "compile_decode")}
+            if name not in ("draft_tokens", "tensor_parallel", "compile_decode", "bind_threads")}
 
 
 class LabStopped(Exception):

@@ -128,7 +128,8 @@ SETTING_WORDS = {
     "precision": "lab.setting.precision", "decode_steps": "lab.setting.decode_steps",
     "stages_over_prefill": "lab.setting.stages_over_prefill", "stages_over_decode": "lab.setting.stages_over_decode",
     "batches": "lab.setting.batches", "peak_gflops": "lab.setting.peak_gflops",
-    "bandwidth_gbs": "lab.setting.bandwidth_gbs", "whole": "lab.setting.whole",
+    "bandwidth_gbs": "lab.setting.bandwidth_gbs", "whole": "lab.setting.whole", "runs": "lab.setting.runs",
+    "forward_threads": "lab.setting.forward_threads",
 }
 
 

@@ -207,6 +207,8 @@ def switches_text(config: EngineConfig, lang: str = DEFAULT) -> str:
         switches.append(t(lang, "switch.no_split_kv"))
     if "tensor_parallel" in changed:
         switches.append(t(lang, "switch.tensor_parallel", n=config.tensor_parallel))
+    if "bind_threads" in changed:
+        switches.append(t(lang, "switch.bind_threads"))
     return t(lang, "model.switches", switches="; ".join(switches)) if switches else ""
 
 

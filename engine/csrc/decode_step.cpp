@@ -19,6 +19,7 @@
 // Also prefill's attention (ps_prefill_attention, below), which reads the paged pool in place.
 // No torch headers: built with g++ in about a second and called through ctypes.
 #include <omp.h>
+#include <sched.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -1312,6 +1313,32 @@ extern "C" double ps_wake_threads(int64_t threads) {
         if (since(start) < 0.05) break;  // an awake team answers in a few microseconds
     }
     return since(began);
+}
+
+// Binds each thread of the calling thread's OpenMP team (PyTorch's ops use the same one) to a CPU of its
+// own, thread i to the i-th CPU the process may run on (on = 1), or lets them run on any of those again
+// (on = 0). Returns how many CPUs that is, or -1 where a thread could not be moved. Found on a 2-core VM
+// with another program busy on one core: threads left free were both put on the other core, where each
+// waited for the other at every barrier (a 35-token prefill 133 ms against 23 bound, decode 59 against 89
+// tokens/s). The team's threads stay the same from one region to the next (libgomp keeps its pool).
+extern "C" int64_t ps_bind_threads(int64_t threads, int64_t on) {
+    static cpu_set_t allowed;  // the process's CPUs, read once: later the calling thread may be bound itself
+    static const bool read = sched_getaffinity(0, sizeof allowed, &allowed) == 0;
+    if (!read) return -1;
+    std::vector<int> cpus;
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+        if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+    int64_t failed = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : failed)
+    {
+        cpu_set_t mine = allowed;
+        if (on) {
+            CPU_ZERO(&mine);
+            CPU_SET(cpus[omp_get_thread_num() % cpus.size()], &mine);
+        }
+        failed += sched_setaffinity(0, sizeof mine, &mine) != 0;  // 0: the calling thread
+    }
+    return failed ? -1 : static_cast<int64_t>(cpus.size());
 }
 
 // dims: Dims as 13 int64; layer_ptrs: per layer 14 addresses (qkv, o, gate_up, down as weight, scale,
