@@ -261,6 +261,7 @@ def test_a_run_reads_in_each_language(tiny, name):
         assert len(figure.data) == len(result.series)
         assert all("lab." not in trace.name for trace in figure.data)
         assert "lab." not in json.dumps(result.in_language(lang).to_dict(), ensure_ascii=False)
+    assert "; meanwhile other programs used " in english and "；其间其他程序占用 " in chinese
     settings = {lang: text.rsplit("\n", 1)[-1] for lang, text in (("en", english), ("zh", chinese))}
     assert "prompt tokens" in settings["en"] and "提示词元数" in settings["zh"]
     for line in settings.values():  # in words, not Python's: no snake_case names, lists, dicts or True

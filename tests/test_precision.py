@@ -165,6 +165,7 @@ def test_bench_quick_produces_a_well_formed_table(tmp_path):
     assert summary["sampling"][chats[0]]["tpot_ms"] > 0
     assert summary["sampling"]["greedy"]["over_greedy_ms"] == 0 < summary["sampling"]["temperature 0.7"]["tpot_ms"]
     assert summary["cold_start_s"]["to_first_token_s"] > 0
+    assert set(summary["machine_load"]) == {"others_cores", "steal_cores"}  # how busy the rest of the machine was
     assert 0 < summary["app_ready_s"]["page_s"] <= summary["app_ready_s"]["model_s"]
     for mode in ("lean-llama fp32", "lean-llama int8"):  # the native modes: batching and prefix caching
         levels = summary["concurrency"][mode]
@@ -204,6 +205,7 @@ def test_bench_quick_produces_a_well_formed_table(tmp_path):
     shown = float(tg8.split("|")[5].strip().rstrip("×"))
     assert abs(shown - float(rows[("phasescope", "lean-llama int8", "tg8")]["vs_transformers"].rstrip("×"))) <= 0.02
     assert CONCURRENCY_HEADER in markdown
+    assert "while it ran, programs outside it used " in markdown
     figures = dict(figures_headline(load(saved)))  # what the run measured, no more
     assert figures["int8 vs fp32, decode / prefill [top-1 ≥ 90 %, KL ≤ 0.02]"].count("KL") == 2
     assert figures["hooks + store, share of a decode step [≤ 3 %]"].strip("*").endswith("%")  # bold if > 3 %

@@ -31,6 +31,7 @@ from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8
 from .decode_side import (at_depth, flash_decoding, kv_quality, kv_variants, long_text_ids, no_cache, prefill_at_depth,
                           speculation, teacher_forced, weights_quality)
 from . import figures
+from .load import LoadMeter
 from .prefill_side import attention_impls, int8_prefill_vs_fbgemm, tensor_parallel_vs_one_rank
 from .scheduler import concurrency, scheduler_cost, second_turn
 
@@ -115,6 +116,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     -p 512,2048), also at each depth with the fp32 cache. quick: a smoke run's shortcuts where a
     measurement's cost grows with its text (every 4th prefix for int8 prefill's quality, 96 tokens of the
     long text)."""
+    load = LoadMeter()
     start_early(cache_root(), device, "auto")  # the native step compiles (once) while the model loads
     loaded = load_model(model, device=device, dtype="float32")
     if not LeanLlama.supports(loaded.model):  # its modes, switches and scheduler are the lean forward's
@@ -185,6 +187,7 @@ def run(model: str | None = None, device: str = "auto", modes: tuple[str, ...] =
     results += [Result("llama.cpp", mode, test, samples)
                 for mode, test, samples in llama_bench(llama_bench_path, loaded.source, pp, tg, repetitions, log,
                                                        depths, more_pp)]
+    summary["machine_load"] = load.since()  # outside the run; llama-bench's time is the run's
     return {"results": results, "summary": summary}
 
 
@@ -340,8 +343,11 @@ def to_markdown(report: dict) -> str:
         lines.append("")
     lines += figures.to_markdown(report)
     lines.append(f"machine: {summary['machine']}; model: {summary['model']}; best mode: {summary['best_mode']}")
+    if load := summary.get("machine_load"):
+        lines.append(f"while it ran, programs outside it used {load['others_cores']} cores on average, and the host "
+                     f"took {load['steal_cores']} (steal)")
     for key, value in summary.items():
-        if key not in ("machine", "model", "best_mode", "concurrency"):
+        if key not in ("machine", "model", "best_mode", "concurrency", "machine_load"):
             lines.append(f"- {key}: {json.dumps(value)}")
     return "\n".join(lines)
 

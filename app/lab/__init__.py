@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..bench.load import LoadMeter
 from ..bench.texts import LONG_TEXT, PARAGRAPH
 from ..i18n import DEFAULT, t
 
@@ -100,12 +101,14 @@ def cannot_run(engine: Engine, name: str, lang: str = DEFAULT) -> str:
 def run(engine: Engine, name: str, prompt: str | None = None, quick: bool = False,
         progress: Callable[[str], None] | None = None, stop=None) -> LabResult:
     """Run one experiment on the engine (on the thread that steps it; not while it serves) and return its
-    result, timed and with the machine it ran on. Raises LabStopped when stop is set between measurements."""
+    result, timed and with the machine it ran on, and how busy the rest of it was meanwhile. Raises LabStopped
+    when stop is set between measurements."""
     if refusal := cannot_run(engine, name):
         raise ValueError(refusal)
-    start = time.perf_counter()
+    start, load = time.perf_counter(), LoadMeter()
     result = EXPERIMENTS[name].run(Lab(engine, quick, progress, stop), prompt_for(name, prompt))
-    result.seconds, result.quick, result.machine = round(time.perf_counter() - start, 2), quick, machine(engine)
+    result.seconds, result.quick = round(time.perf_counter() - start, 2), quick
+    result.machine = {**machine(engine), **load.since()}
     return result
 
 

@@ -192,7 +192,12 @@ def machine(engine) -> dict:
 
 
 def machine_line(lang: str, m: dict) -> str:
+    """The machine and engine a run measured, and how busy the rest of the machine was meanwhile (a run saved
+    before 2026-12-07 does not say)."""
     if not m:
         return t(lang, "lab.md.unknown_machine")
-    return t(lang, "lab.md.machine", **{key: m.get(key) for key in
-                                         ("processor", "cores", "threads", "model", "precision", "decode", "torch")})
+    line = t(lang, "lab.md.machine", **{key: m.get(key) for key in
+                                        ("processor", "cores", "threads", "model", "precision", "decode", "torch")})
+    if "others_cores" in m:
+        line += t(lang, "lab.md.load", others=m["others_cores"], steal=m["steal_cores"])
+    return line

@@ -1,0 +1,52 @@
+"""How busy the machine was while something was measured: the CPU time programs outside the measurement took,
+and the time the host took from this virtual machine (steal), each in cores on average. A figure measured
+beside a busy program is the machine's as much as the engine's (`phasescope lab threads` shows by how much).
+Linux's /proc; elsewhere nothing is said."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+TICK_S = 1 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _machine_ticks() -> tuple[int, int] | None:
+    """All CPUs' busy time and steal time since boot, in ticks (the first line of /proc/stat)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+def _process_ticks(pid: int) -> int:
+    """The CPU time of a process and of all it started, in ticks: its own, its children's that ended and were
+    waited for (llama-bench, a cold start's app, the Lab's busy program), and its live ones' (tensor-parallel
+    ranks)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except (OSError, IndexError):
+        return 0
+    return sum(int(v) for v in fields[11:15]) + sum(_process_ticks(int(child)) for child in children)
+
+
+class LoadMeter:
+    """Started now; since() says how busy the rest of the machine was meanwhile."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic(), _machine_ticks(), _process_ticks(os.getpid())
+
+    def since(self) -> dict[str, float]:
+        """{"others_cores", "steal_cores"} over the time since the meter started; {} where /proc cannot say.
+        Others are every process but this one and those it started (see _process_ticks)."""
+        began, machine, ours = self._start
+        now = _machine_ticks()
+        seconds = time.monotonic() - began
+        if machine is None or now is None or seconds <= 0:
+            return {}
+        busy, steal = (b - a for a, b in zip(machine, now))
+        others = max(0, busy - (_process_ticks(os.getpid()) - ours))
+        return {"others_cores": round(others * TICK_S / seconds, 2), "steal_cores": round(steal * TICK_S / seconds, 2)}
