@@ -27,9 +27,14 @@ def _process_ticks(pid: int) -> int:
     ranks)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except (OSError, IndexError):
+    except (OSError, IndexError):  # it ended meanwhile
         return 0
+    children = []  # each thread's (a kernel without these files: the live children's time is not counted)
+    for listed in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += listed.read_text().split()
+        except OSError:  # the thread ended meanwhile
+            pass
     return sum(int(v) for v in fields[11:15]) + sum(_process_ticks(int(child)) for child in children)
 
 
