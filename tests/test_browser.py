@@ -922,6 +922,7 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     page.click("#ps-explain-next")  # before Start: nothing to step, and the prompt's tokens stay
     page.wait_for_timeout(2500)
     assert "3 characters, 9 UTF-8 bytes → 5 tokens" in page.inner_text("#ps-explain-tokens")
+    assert 0 == page.locator("#ps-explain-steps [data-busy]").count()  # the panel, drawn the same, not left dim
     prompt = page.input_value("#ps-explain-prompt textarea")
     page.fill("#ps-explain-prompt textarea", "word " * 9000)  # past the context: said of a prompt, not a chat
     page.click("#ps-explain-start")
@@ -932,8 +933,16 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     box.press_sequentially("Prefill reads the prompt at once; decode then makes one token per step.")
     page.wait_for_selector("#ps-explain-tokens:has-text('71 characters')")
     box.fill(prompt)
-    page.click("#ps-explain-start")  # prefill, held after its token
+    # prefill, held after its token; the panel dims from the click until it is drawn, with no progress
+    # animated meanwhile (drawing it shared the two cores with the forward)
+    assert page.evaluate("""() => new Promise(done => {
+        document.querySelector('#ps-explain-start').click();
+        const look = () => document.querySelector('#ps-explain-steps .ps-explain[data-busy]') ? done(true)
+            : document.querySelector('#ps-explain-steps [data-explain=held]') ? done(false)
+            : requestAnimationFrame(look);
+        look(); })""")
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
+    assert 0 == page.locator("#ps-explain-steps [data-busy], #ps-explain-steps .wrap.default").count()
     assert "Prefill" in page.inner_text("#ps-explain-steps")
     assert "Prefill is compute-bound" in page.inner_text("#ps-explain-steps")
     assert re.search(r"attention\s+q \[\d+, 9, 64\]", page.inner_text("#ps-explain-pipeline"))  # prefill's shapes

@@ -36,6 +36,17 @@ DEFAULT_PROMPT = "我是小"  # the classic walk-through: the model continues a 
 MAX_NEW_TOKENS = 64
 HOLD_S = 600  # a held request left in an open page is cancelled after this long (at once when the page closes)
 RUN_STEP_S = 0.3  # Run's pace: a token every 0.3 s, each drawn (the decode itself takes a few ms)
+# A click's own work in the page (Gradio's handlers: 48 ms of Chromium's main thread in a trace, the request
+# sent 20 ms in) and the outputs' progress animation ran on the cores of the forward it asked for: a Start's
+# prefill of a new 12-14 token prompt took 18-48 ms (median ~30) against 14-17 from a script, a Next token's
+# step 5.4-245 ms. The step now begins once the click's work is done, and the page draws no progress
+# meanwhile (the steps panel dims instead: CLICK_JS): 15-39 ms (median ~20), Next 5.3-10.4 ms
+# (docs/measurements.md, 2026-12-07 15:30).
+CLICK_SETTLE_S = 0.06
+CLICK_JS = ("(...inputs) => { document.querySelector('#ps-explain-steps .ps-explain')?.setAttribute('data-busy', '');"
+            " return inputs; }")
+# after the step, whatever it drew: a panel drawn the same as before (Next token on an ended walk) is not redrawn
+DONE_JS = "() => { document.querySelector('#ps-explain-steps .ps-explain')?.removeAttribute('data-busy'); }"
 # on the tab, not the body: Gradio scopes the app's CSS rules to its container
 PRESENTER_JS = ("(on) => { document.querySelector('#ps-explain-tab').classList.toggle('ps-presenter', on); "
                 "setTimeout(() => window.dispatchEvent(new Event('resize')), 50); }")
@@ -120,8 +131,9 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
     def begin(text, temperature, top_k, top_p, walk, layer_choice, head_choice, lang_choice, page: gr.Request):
         """The prefill, held after its token. Outside Gradio's queue (Start, Next token): its messages kept the
         page busy while the forward ran beside it on the same two cores (medians of three runs, alternating: a
-        35-token prefill 52-69 ms against 21-63, a decode step 16-32 against 8-14). A prompt refused is said
-        in the panel (no toast outside the queue)."""
+        35-token prefill 52-69 ms against 21-63, a decode step 16-32 against 8-14); and begun CLICK_SETTLE_S
+        after the request, once the click's own work in the page is done. A prompt refused is said in the
+        panel (no toast outside the queue)."""
         try:
             sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=float(temperature),
                                       top_k=int(top_k), top_p=float(top_p))
@@ -134,6 +146,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
             return walk, gr.skip(), with_attention(shown, refusal), gr.skip(), gr.skip(), gr.skip()
         if walk is not None:
             walk.cancel()
+        time.sleep(CLICK_SETTLE_S)
         engine.allow(request, 0)  # held after the prefill and its token
         request.explain = True  # each step reports its time per stage, each decode step its attention
         walk = walks[page.session_hash] = Walkthrough(request, ReplyTrace(turn=1), text)
@@ -145,6 +158,7 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
         if walk is not None and not walk.trace.finished:
             walk.running = None
             count = len(walk.trace.steps)
+            time.sleep(CLICK_SETTLE_S)
             engine.allow(walk.request, 1)
             _wait(lambda: len(walk.trace.steps) > count or walk.trace.finished)
         return render(walk, layer_choice, head_choice, lang_choice)
@@ -186,8 +200,14 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
         return render(walk, layer_choice, head_choice, lang_choice)
 
     outputs, choices = [state, tokens, panel, pipeline, candidates, grid], [layer, head, lang]
-    start.click(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs, queue=False)
-    step.click(next_token, [state, *choices], outputs, queue=False)
+
+    def on_click(listener, fn, inputs) -> None:
+        """A step asked for by a click: outside the queue, the panel dimmed until it is drawn (CLICK_JS)."""
+        listener(fn, inputs, outputs, queue=False, show_progress="hidden", js=CLICK_JS).then(None, js=DONE_JS,
+                                                                                           queue=False)
+
+    on_click(start.click, begin, [prompt, temperature, top_k, top_p, state, *choices])
+    on_click(step.click, next_token, [state, *choices])
     # each tab's walk-through runs at once: with Gradio's default limit of 1, a Run in a second tab waited,
     # with nothing drawn, until the first tab's Run had ended (20 s)
     run.click(run_on, [state, *choices], outputs[1:], show_progress="hidden", concurrency_limit=None)
@@ -206,8 +226,9 @@ def build(engine: Engine, texts: Texts, lang: gr.Radio) -> Callable[[gr.Request]
     presenter.change(None, [presenter], None, js=PRESENTER_JS)
 
     # demos: the walkthrough preset, and three runs of the real model with what their numbers show
-    demo_walk.click(lambda: (DEFAULT_PROMPT, 0, 0, 1.0), None, [prompt, temperature, top_k, top_p],
-                    queue=False).then(begin, [prompt, temperature, top_k, top_p, state, *choices], outputs, queue=False)
+    preset = demo_walk.click(lambda: (DEFAULT_PROMPT, 0, 0, 1.0), None, [prompt, temperature, top_k, top_p],
+                             queue=False)
+    on_click(preset.then, begin, [prompt, temperature, top_k, top_p, state, *choices])
 
     def show_demo(demo, lang_choice):
         if demo is None:
