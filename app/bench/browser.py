@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .load import TICK_S, process_stat
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
@@ -207,15 +209,10 @@ def chromium_cpu_s() -> float | None:
     if not Path("/proc/self/stat").exists():
         return None
     ticks = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:  # ended meanwhile
-            continue
-        if text[text.index("(") + 1:text.rindex(")")] == "chromium":
-            fields = text[text.rindex(")") + 2:].split()
-            ticks += int(fields[11]) + int(fields[12])  # user and system time
-    return ticks / os.sysconf("SC_CLK_TCK")
+    for found in map(process_stat, Path("/proc").glob("[0-9]*/stat")):
+        if found is not None and found[0] == "chromium":  # (None: ended meanwhile)
+            ticks += int(found[1][11]) + int(found[1][12])  # user and system time
+    return ticks * TICK_S
 
 
 def _page_decode(page, max_new_tokens: int) -> tuple[float, float | None]:

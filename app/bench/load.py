@@ -21,13 +21,21 @@ def _machine_ticks() -> tuple[int, int] | None:
     return user + nice + system + irq + softirq, steal
 
 
+def process_stat(stat: Path) -> tuple[str, list[str]] | None:
+    """A process's name and the fields after it in its /proc/<pid>/stat (state first: user time is [11],
+    system time [12], ended children's [13] and [14], in ticks); None once it has ended."""
+    try:
+        text = stat.read_text()
+    except OSError:
+        return None
+    return text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
 def _process_ticks(pid: int) -> int:
     """The CPU time of a process and of all it started, in ticks: its own, its children's that ended and were
     waited for (llama-bench, a cold start's app, the Lab's busy program), and its live ones' (tensor-parallel
     ranks)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):  # it ended meanwhile
+    if (found := process_stat(Path(f"/proc/{pid}/stat"))) is None:  # it ended meanwhile
         return 0
     children = []  # each thread's (a kernel without these files: the live children's time is not counted)
     for listed in Path(f"/proc/{pid}/task").glob("*/children"):
@@ -35,7 +43,7 @@ def _process_ticks(pid: int) -> int:
             children += listed.read_text().split()
         except OSError:  # the thread ended meanwhile
             pass
-    return sum(int(v) for v in fields[11:15]) + sum(_process_ticks(int(child)) for child in children)
+    return sum(int(v) for v in found[1][11:15]) + sum(_process_ticks(int(child)) for child in children)
 
 
 class LoadMeter:
