@@ -352,6 +352,65 @@ def test_a_fault_before_the_reply_starts_is_said_in_its_place_and_the_chat_goes_
     assert session.traces[-1].finished.reason == "length" and 2 == len(session.messages)
 
 
+def test_the_page_is_sent_a_replys_first_token_when_it_comes_not_at_the_next_update(tiny_engine, monkeypatch):
+    """respond publishes at the first token, then every UPDATE_EVERY_S: here the updates are 30 s apart and
+    the engine holds its second token until the page has been sent the first."""
+    import threading
+
+    from app.ui import chat_tab
+    from app.ui.session import ChatSession, EngineThread
+
+    sent, first_sent, sent_by_step_1 = [], threading.Event(), []
+
+    class Recorded(Streams):
+        def publish(self, reply_id, message):
+            sent.append(json.loads(message))
+            if any(m.get("text") for m in sent):
+                first_sent.set()
+            super().publish(reply_id, message)
+
+    def recorder(session, messages, sampling, trace):
+        def hook(event):
+            if isinstance(event, DecodeStep) and event.step == 1:
+                sent_by_step_1.append(first_sent.wait(5))
+        return hook
+
+    monkeypatch.setattr(chat_tab, "UPDATE_EVERY_S", 30)
+    runner = EngineThread().start().serve(tiny_engine)
+    session, active, streams = ChatSession(), ActiveRequests(), Recorded()
+    session.accept("Hi")
+    session.settings = dict(zip(chat_tab.SETTINGS, ("", 4, 0, 1.0, 0, 1.0, -1, 0)))
+    streams.open(session.reply_id)
+    chat_tab.make_respond(tiny_engine, active, recorder, streams)(session)
+    runner.stop()
+    assert [True] == sent_by_step_1 and 2 == len(sent)  # the first token's message, then the rest at the end
+    assert sent[0]["text"] == session.traces[-1].steps[0].text and session.traces[-1].finished.reason == "length"
+
+
+def test_a_remote_reply_wakes_its_waiter_at_the_first_token_and_at_the_end():
+    import threading
+    import time
+
+    from app.ui.session import RemoteWorker
+
+    release = threading.Event()
+
+    class Endpoint:
+        def stream(self, messages, sampling, cancelled):
+            yield Started("r", 0.1, 3, 8, 0, 0, "remote")
+            yield DecodeStep("r", 5.0, 0, -1, "Hi", 5.0, 0, 0, None, ())
+            release.wait(10)
+            yield DecodeStep("r", 9.0, 1, -1, "!", 4.0, 0, 0, None, ())
+
+    worker = RemoteWorker(Endpoint(), [], SamplingParams(), ReplyTrace(turn=1))
+    start = time.monotonic()
+    worker.wait(30)
+    assert worker.is_running and time.monotonic() - start < 10  # woken by the first token
+    release.set()
+    worker.wait(30)
+    assert not worker.is_running and worker.error is None
+
+
 def test_messages_are_editable_unless_the_chat_has_one_pending():
     from app.ui.chat_tab import chat_view
     from app.ui.session import ChatSession

@@ -192,9 +192,9 @@ def chat_view(display: list[dict], session: ChatSession | None) -> gr.Chatbot:
 
 def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFactory | None, streams: live.Streams):
     """The queued second step: run the accepted message, publishing what is new to the reply's stream
-    every UPDATE_EVERY_S; the tab is drawn whole when it ends (make_finish). Its event has no outputs
-    and its one input is the chat's state: a component an event waits on shows a "pending" status,
-    whose timer Gradio redraws every frame (60 a second, taken from decode on a 2-core machine)."""
+    at its first token and then every UPDATE_EVERY_S; the tab is drawn whole when it ends (make_finish).
+    Its event has no outputs and its one input is the chat's state: a component an event waits on shows
+    a "pending" status, whose timer Gradio redraws every frame (60 a second, taken from decode on a 2-core machine)."""
     def respond(session):
         text = session.take() if session else ""
         if not text:
