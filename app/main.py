@@ -101,7 +101,11 @@ def launch_options() -> dict:
     head = "".join(f'<script src="gradio_api/file={path}"></script>' for path in scripts)
     # the machine's own fonts, CJK included: a theme's default web font would be fetched from outside
     theme = gr.themes.Soft(primary_hue="blue", font=list(FONTS), font_mono=["ui-monospace", "monospace"])
-    return dict(theme=theme, css_paths=[STATIC / "app.css"], head=head,
+    # run_history off: Gradio (since 6.24) keeps each event's inputs and outputs, a chat's text and figures
+    # included, in the browser's localStorage, rewritten whole at every event (~200 ms of the page's CPU per
+    # message in a 12-turn chat) and left there when the chat is deleted from the History; off, it also
+    # deletes what an earlier start saved
+    return dict(theme=theme, css_paths=[STATIC / "app.css"], head=head, run_history=False,
                 js="() => { const go = () => window.phasescope ? window.phasescope.start() : setTimeout(go, 100); "
                    "go(); }")
 
