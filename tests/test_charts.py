@@ -365,8 +365,7 @@ def test_the_page_is_sent_a_replys_first_token_when_it_comes_not_at_the_next_upd
     class Recorded(Streams):
         def publish(self, reply_id, message):
             sent.append(json.loads(message))
-            if any(m.get("text") for m in sent):
-                first_sent.set()
+            first_sent.set()  # (its text may be "": a token can be part of a character)
             super().publish(reply_id, message)
 
     def recorder(session, messages, sampling, trace):
@@ -384,7 +383,9 @@ def test_the_page_is_sent_a_replys_first_token_when_it_comes_not_at_the_next_upd
     chat_tab.make_respond(tiny_engine, active, recorder, streams)(session)
     runner.stop()
     assert [True] == sent_by_step_1 and 2 == len(sent)  # the first token's message, then the rest at the end
-    assert sent[0]["text"] == session.traces[-1].steps[0].text and session.traces[-1].finished.reason == "length"
+    steps = session.traces[-1].steps  # (the first message may have the second token too: it was in the trace)
+    assert sent[0]["text"].startswith(steps[0].text) and "".join(s.text for s in steps).startswith(sent[0]["text"])
+    assert session.traces[-1].finished.reason == "length"
 
 
 def test_a_remote_reply_wakes_its_waiter_at_the_first_token_and_at_the_end():
