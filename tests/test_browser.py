@@ -404,7 +404,9 @@ def test_a_message_sent_while_a_reply_streams_stays_in_the_box(page, app_db):
     send(page, "Tell me a long story about a dragon.")
     wait_phase(page, "decode")
     replying = "() => ['#ps-send', '#ps-stop'].map(s => getComputedStyle(document.querySelector(s)).opacity)"
-    assert ["0.5", "1"] == page.evaluate(replying)  # Send shown as unavailable while the reply runs, Stop not
+    # Send shown as unavailable while the reply runs, Stop not (once the buttons' fade has ended: the first
+    # token, which shows the decode phase, is sent to the page when it comes)
+    page.wait_for_function(f"() => ({replying})().join() === '0.5,1'", timeout=2000)
     page.fill("#ps-message textarea", "A second question?")
     page.press("#ps-message textarea", "Enter")
     wait_phase(page, "done")
