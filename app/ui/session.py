@@ -253,7 +253,7 @@ class EngineThread:
             self._engine.stop()
 
 
-class _Reply:
+class _Worker:
     """What the chat's respond waits on between updates: the reply's end, or its first token, which the
     page is sent when it comes rather than at the next update (the loop's UPDATE_EVERY_S: a 40-ms TTFT's
     token showed in the page ~250 ms after it was there)."""
@@ -281,7 +281,7 @@ class _Reply:
             self._news.clear()
 
 
-class ReplyWorker(_Reply):
+class ReplyWorker(_Worker):
     """Hands one request to the serving engine, feeding a trace, so that drawing the page never holds
     up a decode step (the UI's thread only reads the trace)."""
 
@@ -302,7 +302,7 @@ class ReplyWorker(_Reply):
             self._end()
 
 
-class RemoteWorker(_Reply):
+class RemoteWorker(_Worker):
     """A reply from a remote endpoint (app/remote), streamed on its own thread into a trace and hooks, as
     ReplyWorker does for the engine; it also stands in for the engine's Request where the chat tab
     reads one (cancel, status, is_finished)."""
