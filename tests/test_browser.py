@@ -763,6 +763,10 @@ def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
                                         ...document.querySelectorAll('#ps-history-table th')]
                                        .map(box => box.getBoundingClientRect().right)""")
         assert max(edges[1:]) <= edges[0] + 1  # TTFT and TPOT went past the table's right edge
+        assert edges[-1] >= edges[0] - 4  # and the columns fill the table (~50 px were left empty here)
+        cells = page.evaluate("""() => [...document.querySelector('#ps-history-table .virtual-row').children]
+                                       .map(cell => cell.getBoundingClientRect().right)""")
+        assert [round(x) for x in cells] == [round(x) for x in edges[1:]]  # each cell under its header
         page.fill("#ps-history-title textarea, #ps-history-title input", "Phases")
         page.click("#ps-history-rename")
         page.wait_for_function("() => document.querySelector('#ps-history-table').innerText.includes('Phases')")
