@@ -66,17 +66,15 @@ class Texts:
         loads); on a change, relabel, redraw and remember."""
         loaded = app.load(lambda stored, browser: stored if stored in LANGUAGES else browser, [remembered, choice],
                           [choice], queue=False, js=BROWSER_LANGUAGE_JS)
-        loaded = self._wire_model_loaded(choice, loaded, [(redraw, inputs, outputs)
-                                                          for redraw, inputs, outputs, once in self.redraws if once])
-        for redraw, inputs, outputs, _ in self.redraws:
-            loaded.then(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
+        redraw, inputs, outputs = together(self.redraws)
+        loaded = self._wire_model_loaded(choice, loaded, together([each for each in self.redraws if each[3]]))
+        loaded.then(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
         choice.change(lambda lang: lang, [choice], [remembered], queue=False)
         choice.change(None, [choice], None, js=PAGE_LANGUAGE_JS)
         choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
-        for redraw, inputs, outputs, _ in self.redraws:
-            choice.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
+        choice.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
 
-    def _wire_model_loaded(self, choice: gr.Radio, loaded, redraws: list):
+    def _wire_model_loaded(self, choice: gr.Radio, loaded, redraws: tuple[Callable, list, list]):
         """While the model loads behind a page opened before, and once it has: a timer outside the tabs (one
         in a tab not shown does not tick) draws the lines that say what the load does every second, and once
         it has ended their last state, and sets ready, whose change runs the redraws that wait for the model
@@ -96,10 +94,31 @@ class Texts:
         timer.tick(tick, [choice, *[value for _, inputs, _, _ in self.lines for value in inputs]],
                    [ready, timer, *[target for target, _, _, _ in self.lines]], show_progress="hidden",
                    concurrency_limit=None)
-        for redraw, inputs, outputs in redraws:
-            ready.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
+        redraw, inputs, outputs = redraws
+        ready.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
         return loaded.then(lambda: gr.Timer(active=self.loading()), None, [timer], queue=False,
                            show_progress="hidden")
+
+
+def together(redraws: list[tuple[Callable, list, list, bool]]) -> tuple[Callable, list, list]:
+    """The redraws as one event, (redraw, inputs, outputs), that runs each with its inputs: one request where
+    there were one each (ten), each of which cost the page a dispatch and a loading status for every output,
+    at each page load and language switch. A component two redraws draw (the chat's status line: what the
+    load does, and the chat's phase) takes the later one's value unless it skips."""
+    outputs = list({id(component): component for _, _, outs, _ in redraws for component in outs}.values())
+    where = {id(component): at for at, component in enumerate(outputs)}
+
+    def redraw(lang: str, *values):
+        drawn = [gr.skip()] * len(outputs)
+        for each, inputs, outs, _ in redraws:
+            out = each(lang, *values[:len(inputs)])
+            values = values[len(inputs):]
+            for component, value in zip(outs, out if len(outs) > 1 else [out]):
+                if not (isinstance(value, dict) and value == gr.skip()):  # a table's frame has no plain !=
+                    drawn[where[id(component)]] = value
+        return drawn
+
+    return redraw, [component for _, inputs, _, _ in redraws for component in inputs], outputs
 
 
 def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:
