@@ -16,7 +16,8 @@ from engine import EngineBusy, NotEnoughMemory, PromptTooLong, QueueFull
 from ..i18n import DEFAULT, LANGUAGES, K, t
 
 # the page's first language when none was chosen before: Chinese for any zh-* browser, else English
-BROWSER_LANGUAGE_JS = "(stored) => [stored, (navigator.language || '').toLowerCase().startsWith('zh') ? 'zh' : 'en']"
+BROWSER_LANGUAGE_JS = ("(stored, shown, ...values) => "
+                       "[stored, (navigator.language || '').toLowerCase().startsWith('zh') ? 'zh' : 'en', ...values]")
 # the page's language on its <html> element, as a page in that language has it: the browser then picks the
 # Chinese forms of CJK characters (a font's Japanese ones otherwise), a screen reader its voice, and
 # static/app.css the headings of Gradio's toasts
@@ -63,25 +64,31 @@ class Texts:
     def wire(self, choice: gr.Radio, remembered: gr.BrowserState, app: gr.Blocks) -> None:
         """On load, the remembered choice or else the browser's language, and every redraw in it (what shows
         the loaded model is drawn then, or once the model has loaded: the page is served before the model
-        loads); on a change, relabel, redraw and remember."""
-        loaded = app.load(lambda stored, browser: stored if stored in LANGUAGES else browser, [remembered, choice],
-                          [choice], queue=False, js=BROWSER_LANGUAGE_JS)
+        loads), in one request (three in a row took two more round trips); on a change, relabel, redraw and
+        remember."""
         redraw, inputs, outputs = together(self.redraws)
-        loaded = self._wire_model_loaded(choice, loaded, together([each for each in self.redraws if each[3]]))
-        loaded.then(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
+        timer = self._wire_model_loaded(choice, together([each for each in self.redraws if each[3]]))
+
+        def load(stored, browser, *values):
+            """The timer that says what the load does started if the model loads now, before the redraws: a
+            redraw that found it loading is then drawn again once it has loaded, where a load ending between
+            the redraw and a later look would have left the redraw undone."""
+            lang, ticking = stored if stored in LANGUAGES else browser, gr.Timer(active=self.loading())
+            return lang, ticking, *redraw(lang, *values)
+
+        app.load(load, [remembered, choice, *inputs], [choice, timer, *outputs], queue=False, js=BROWSER_LANGUAGE_JS,
+                 show_progress="hidden")
         choice.change(lambda lang: lang, [choice], [remembered], queue=False)
         choice.change(None, [choice], None, js=PAGE_LANGUAGE_JS)
         choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
         choice.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
 
-    def _wire_model_loaded(self, choice: gr.Radio, loaded, redraws: tuple[Callable, list, list]):
+    def _wire_model_loaded(self, choice: gr.Radio, redraws: tuple[Callable, list, list]) -> gr.Timer:
         """While the model loads behind a page opened before, and once it has: a timer outside the tabs (one
         in a tab not shown does not tick) draws the lines that say what the load does every second, and once
         it has ended their last state, and sets ready, whose change runs the redraws that wait for the model
         (Gradio tells the page that a State changed only from a queued event). The page's load starts the
-        timer if the model loads then, before its redraws (returned: what they follow): a redraw that found it
-        loading is then drawn again once it has loaded, where a load ending between the redraw and a later
-        look would have left the redraw undone."""
+        timer (returned) if the model loads then."""
         ready, timer = gr.State(False), gr.Timer(1.0, active=False)
 
         def tick(lang, *values):
@@ -96,8 +103,7 @@ class Texts:
                    concurrency_limit=None)
         redraw, inputs, outputs = redraws
         ready.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
-        return loaded.then(lambda: gr.Timer(active=self.loading()), None, [timer], queue=False,
-                           show_progress="hidden")
+        return timer
 
 
 def together(redraws: list[tuple[Callable, list, list, bool]]) -> tuple[Callable, list, list]:
