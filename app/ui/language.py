@@ -78,9 +78,9 @@ class Texts:
 
         app.load(load, [remembered, choice, *inputs], [choice, timer, *outputs], queue=False, js=BROWSER_LANGUAGE_JS,
                  show_progress="hidden")
-        choice.change(lambda lang: lang, [choice], [remembered], queue=False)
         choice.change(None, [choice], None, js=PAGE_LANGUAGE_JS)
-        choice.change(self.relabel, [choice], [component for component, _ in self.labelled], queue=False)
+        choice.change(lambda lang: [lang, *self.relabel(lang)], [choice],
+                      [remembered, *[component for component, _ in self.labelled]], queue=False)
         choice.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
 
     def _wire_model_loaded(self, choice: gr.Radio, redraws: tuple[Callable, list, list]) -> gr.Timer:
