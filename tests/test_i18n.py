@@ -63,3 +63,26 @@ def test_panels_render_in_each_language(lang):
 
 def test_an_unknown_language_falls_back_to_english():
     assert t("fr", "chat.send") == t(DEFAULT, "chat.send") == "Send"
+
+
+def test_the_redraws_of_a_switch_run_as_one_event_each_with_its_own_inputs():
+    """Texts' redraws go to the page in one request: each gets its inputs, a one-output redraw its value
+    whole, and a component two redraws draw the later one's value unless that one skips."""
+    import gradio as gr
+    import pandas as pd
+
+    from app.ui.language import together
+
+    with gr.Blocks():
+        a, b, c, shared, table = gr.HTML(), gr.HTML(), gr.HTML(), gr.HTML(), gr.Dataframe()
+    frame = pd.DataFrame({"title": ["x"]})
+    redraws = [(lambda lang, x: (f"{lang}:{x}", "first"), [a], [a, shared], False),
+               (lambda lang: (1, 2), [], [b], False),  # one output: its value is the tuple
+               (lambda lang, y, z: (gr.skip(), f"{y}{z}", frame), [b, c], [shared, c, table], False),
+               (lambda lang: "later", [], [shared], False)]
+    redraw, inputs, outputs = together(redraws[:3])
+    assert [a, b, c] == inputs and [a, shared, b, c, table] == outputs
+    drawn = redraw("zh", "A", "B", "C")
+    assert ["zh:A", "first", (1, 2), "BC"] == drawn[:4] and drawn[4] is frame  # the skip left "first"
+    redraw, _, outputs = together(redraws)
+    assert "later" == redraw("en", "A", "B", "C")[outputs.index(shared)]
