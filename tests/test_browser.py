@@ -676,6 +676,28 @@ def test_a_session_opened_while_a_reply_streams_stops_that_reply(page):
     assert int(short) == plot_traces(page, "ps-latency")["decode"]
 
 
+def test_a_history_database_damaged_under_the_app_is_said_in_the_history_and_the_chat_still_loads(browser,
+                                                                                                  tmp_path):
+    """A database file overwritten while the app runs (a disk, another program): the page still draws
+    every tab (the tabs' redraws run as one event, which one tab's failure failed whole: the model line
+    stayed "Loading the model…"), and the History says why its table is empty where Gradio said "Error"."""
+    path = tmp_path / "h.db"
+    process, url = start_app("--db", str(path))
+    try:
+        for file in tmp_path.glob("h.db*"):
+            file.write_bytes(b"not a database " * 1000)
+        page = open_chat(browser, url)  # waits for the model line, drawn by the load's redraws
+        page.get_by_role("tab", name="History").click()
+        page.wait_for_selector(f"#ps-history-selected .ps-attention:has-text('cannot read the history database "
+                               f"{path}: file is not a database')")
+        assert 0 == page.locator(".error, [data-testid=error]").count()
+        page.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "Traceback" not in "".join(process.output)
+
+
 def test_history_survives_closing_the_browser_and_the_app(browser, tmp_path):
     from app.bench.browser import HISTORY_CELLS, history_titles, open_history
 

@@ -86,3 +86,18 @@ def test_the_redraws_of_a_switch_run_as_one_event_each_with_its_own_inputs():
     assert ["zh:A", "first", (1, 2), "BC"] == drawn[:4] and drawn[4] is frame  # the skip left "first"
     redraw, _, outputs = together(redraws)
     assert "later" == redraw("en", "A", "B", "C")[outputs.index(shared)]
+
+
+def test_a_redraw_that_fails_leaves_the_others_drawn(caplog):
+    import gradio as gr
+
+    from app.ui.language import together
+
+    def broken(lang):
+        raise RuntimeError("its database is gone")
+
+    with gr.Blocks():
+        a, b = gr.HTML(), gr.HTML()
+    redraw, _, _ = together([(broken, [], [a], False), (lambda lang: f"{lang}!", [], [b], False)])
+    assert [gr.skip(), "en!"] == redraw("en")
+    assert "its database is gone" in caplog.text

@@ -216,12 +216,18 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     file = gr.DownloadButton(visible="hidden", elem_id="ps-export-file")
 
     def table_value(query: str, lang_choice: str) -> gr.Dataframe:
-        return sessions_table(store, query or "", lang_choice)
+        try:
+            return sessions_table(store, query or "", lang_choice)
+        except StoreError:  # a damaged database: the table as it was (the line says why, table_and_hint)
+            return gr.skip()
 
     def table_and_hint(query: str, lang_choice: str) -> tuple[gr.Dataframe, str]:
         """The table, and the line under it while no session is selected: what to do, or why the table is
-        empty."""
-        rows, total = session_rows(store, query or "")
+        empty (a database that cannot be read: why, where Gradio showed a bare "Error")."""
+        try:
+            rows, total = session_rows(store, query or "")
+        except StoreError as exc:
+            return _table([], 0, lang_choice), attention(t(lang_choice, "error.other", detail=exc))
         if total:
             hint = t(lang_choice, "saved.select_hint")
         elif (query or "").strip():
@@ -347,7 +353,11 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
 
     def redraw(lang_choice, query, session_id):
         """The table, and the selection's line in the new language: the selection stays, with its files."""
-        if session_id is None or not store.has_session(session_id):
+        try:
+            kept = session_id is not None and store.has_session(session_id)
+        except StoreError:  # a damaged database: table_and_hint says so
+            kept = False
+        if not kept:
             table_now, hint = table_and_hint(query, lang_choice)
             return table_now, None, hint, *_export_buttons_on(False), *acting_on(False)
         return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice), *acting_on(True)

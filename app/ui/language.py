@@ -7,6 +7,7 @@ redraws what it shows (see Texts.on_switch).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import gradio as gr
@@ -22,6 +23,7 @@ BROWSER_LANGUAGE_JS = ("(stored, shown, ...values) => "
 # Chinese forms of CJK characters (a font's Japanese ones otherwise), a screen reader its voice, and
 # static/app.css the headings of Gradio's toasts
 PAGE_LANGUAGE_JS = "(lang) => { document.documentElement.lang = lang === 'zh' ? 'zh-CN' : 'en'; }"
+log = logging.getLogger(__name__)
 EMPTY_MESSAGES = ("the message is empty", "the prompt is empty", "the conversation is empty")
 
 
@@ -117,8 +119,12 @@ def together(redraws: list[tuple[Callable, list, list, bool]]) -> tuple[Callable
     def redraw(lang: str, *values):
         drawn = [gr.skip()] * len(outputs)
         for each, inputs, outs, _ in redraws:
-            out = each(lang, *values[:len(inputs)])
-            values = values[len(inputs):]
+            mine, values = values[:len(inputs)], values[len(inputs):]
+            try:
+                out = each(lang, *mine)
+            except Exception:  # one tab's failure leaves the others drawn (the model line stayed "loading")
+                log.exception("redrawing %s", getattr(each, "__qualname__", each))
+                continue
             for component, value in zip(outs, out if len(outs) > 1 else [out]):
                 if not (isinstance(value, dict) and value == gr.skip()):  # a table's frame has no plain !=
                     drawn[where[id(component)]] = value
