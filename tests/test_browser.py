@@ -680,7 +680,8 @@ def test_a_history_database_damaged_under_the_app_is_said_in_the_history_and_the
                                                                                                   tmp_path):
     """A database file overwritten while the app runs (a disk, another program): the page still draws
     every tab (the tabs' redraws run as one event, which one tab's failure failed whole: the model line
-    stayed "Loading the model…"), and the History says why its table is empty where Gradio said "Error"."""
+    stayed "Loading the model…"), and the History and the Lab's saved runs say why they are empty (Gradio said
+    "Error", the Lab "none yet")."""
     path = tmp_path / "h.db"
     process, url = start_app("--db", str(path))
     try:
@@ -691,6 +692,8 @@ def test_a_history_database_damaged_under_the_app_is_said_in_the_history_and_the
         page.wait_for_selector(f"#ps-history-selected .ps-attention:has-text('cannot read the history database "
                                f"{path}: file is not a database')")
         assert 0 == page.locator(".error, [data-testid=error]").count()
+        page.get_by_role("tab", name="Lab").click()  # its saved runs' list too (it said "none yet")
+        page.wait_for_selector("#ps-lab-runs:has-text('cannot read the history database')")
         page.close()
     finally:
         process.terminate()

@@ -42,20 +42,20 @@ def _experiment_choices(lang: str) -> list[tuple[str, str]]:
 
 
 def _run_choices(store: Store, lang: str = DEFAULT) -> list[tuple[str, int]]:
-    try:
-        runs = store.lab_runs()
-    except StoreError:
-        return []
+    runs = store.lab_runs()
     titles = {name: e.title(lang) for name, e in lab.EXPERIMENTS.items()}
     return [(f"#{row['id']} · {titles.get(row['experiment'], row['experiment'])} · "
              f"{row['created_at'][:19].replace('T', ' ')}", row["id"]) for row in runs]
 
 
 def _runs_list(store: Store, lang: str, value: int | None = None) -> list:
-    """The saved runs' list and its Open button: both off, with a line that says why, until a run is saved."""
-    choices = _run_choices(store, lang)
-    return [gr.Dropdown(choices=choices, value=value, interactive=bool(choices),
-                        info=None if choices else t(lang, "lab.no_runs")),
+    """The saved runs' list and its Open button: both off, with a line that says why, until a run is saved
+    (or while the database cannot be read: "none yet" said of a damaged one)."""
+    try:
+        choices, why = _run_choices(store, lang), t(lang, "lab.no_runs")
+    except StoreError as exc:
+        choices, why = [], t(lang, "error.other", detail=exc)
+    return [gr.Dropdown(choices=choices, value=value, interactive=bool(choices), info=None if choices else why),
             gr.Button(interactive=bool(choices))]
 
 
