@@ -35,7 +35,7 @@ class Texts:
         self.loading = loading
         self.labelled: list[tuple[gr.components.Component, dict[str, K]]] = []
         self.redraws: list[tuple[Callable, list, list, bool]] = []
-        self.lines: list[tuple[gr.HTML, list, Callable, Callable]] = []
+        self.lines: list[tuple[Callable, list, list, bool]] = []  # the redraws of while_loading's lines
 
     def __call__(self, make, *args, **kwargs):
         """make(*args, **kwargs) with each K(...) keyword given as its English text, and kept for a switch."""
@@ -57,8 +57,8 @@ class Texts:
         """While the model loads, target is loading(lang, *inputs) (what the load does, and for how long so
         far), drawn when the page loads, in another language and every second; then loaded(lang, *inputs)
         (or gr.skip()). One timer outside the tabs draws every such line (see _wire_model_loaded)."""
-        self.lines.append((target, inputs, loading, loaded))
         self.on_switch(lambda lang, *values: (loading if self.loading() else loaded)(lang, *values), inputs, [target])
+        self.lines.append(self.redraws[-1])
 
     def relabel(self, lang: str) -> list:
         return [gr.update(**{name: t(lang, key) for name, key in keys.items()}) for _, keys in self.labelled]
@@ -93,15 +93,14 @@ class Texts:
         timer (returned) if the model loads then."""
         ready, timer = gr.State(False), gr.Timer(1.0, active=False)
 
+        draw_lines, line_inputs, lines = together(self.lines)
+
         def tick(lang, *values):
-            loading, drawn = self.loading(), []
-            for _, inputs, while_loading, once_loaded in self.lines:
-                drawn.append((while_loading if loading else once_loaded)(lang, *values[:len(inputs)]))
-                values = values[len(inputs):]
+            loading = self.loading()  # before the lines: a load that ends meanwhile is seen at the next tick
+            drawn = draw_lines(lang, *values)
             return (gr.skip(), gr.skip(), *drawn) if loading else (True, gr.Timer(active=False), *drawn)
 
-        timer.tick(tick, [choice, *[value for _, inputs, _, _ in self.lines for value in inputs]],
-                   [ready, timer, *[target for target, _, _, _ in self.lines]], show_progress="hidden",
+        timer.tick(tick, [choice, *line_inputs], [ready, timer, *lines], show_progress="hidden",
                    concurrency_limit=None)
         redraw, inputs, outputs = redraws
         ready.change(redraw, [choice, *inputs], outputs, queue=False, show_progress="hidden")
