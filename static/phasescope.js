@@ -243,6 +243,17 @@
     return null;
   }
 
+  // the chat's id in the history, kept for this browser tab (a new tab starts a new chat): a reload shows the
+  // chat again (app/ui/history_tab.py, restore)
+  function remember(chat) {
+    try {
+      if (chat) sessionStorage.setItem("phasescope-chat", String(chat));
+      else sessionStorage.removeItem("phasescope-chat");
+    } catch (error) {
+      // the browser refuses the page its storage: a reload starts a new chat
+    }
+  }
+
   function apply(raw) {
     if (!raw) return;
     let message;
@@ -253,6 +264,7 @@
     }
     // a message of no reply (figures redrawn in another language) leaves a streaming reply's text as it is
     if (message.reply && message.reply !== reply.id) reply = {id: message.reply, text: ""};
+    if ("chat" in message) remember(message.chat);
     if (message.text) {
       reply.text += message.text;
       showText();

@@ -150,13 +150,22 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
         pytest.skip(f"{CHROMIUM} not installed")
     from playwright.sync_api import sync_playwright
 
-    engine = LoadingEngine(EngineConfig(precision="int8"))
-    app = build_app(engine, Store.open(str(tmp_path / "h.db")))
+    engine, store = LoadingEngine(EngineConfig(precision="int8")), Store.open(str(tmp_path / "h.db"))
+    saved = store.create_session("Colours", "SmolLM2-135M-Instruct", "cpu", "int8", {})
+    store.update_message(store.add_reply(saved, 1, "Name a colour."), content="Teal.", status="complete",
+                         finish_reason="stop")
+    app = build_app(engine, store)
     port = free_port()
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch_options())
     try:
         with sync_playwright() as playwright:
             browser = launch_browser(playwright)
+            # a tab reloaded while the model loads: its chat shows, and the panel once the model has loaded
+            reloaded = browser.new_page()
+            reloaded.add_init_script(f"sessionStorage.setItem('phasescope-chat', '{saved}')")
+            reloaded.goto(f"http://127.0.0.1:{port}")
+            reloaded.wait_for_selector("#ps-chatbot [data-testid=bot]:has-text('Teal.')")
+            assert "Loading the model" in reloaded.inner_text("#ps-model-line")
             page = open_chat(browser, f"http://127.0.0.1:{port}", model_drawn=False)
             assert "Loading the model" in page.inner_text("#ps-model-line")
             assert "Loading the model — starting · " in page.inner_text("#ps-phase")  # not "Ready"
@@ -187,6 +196,8 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
             assert page.locator("#ps-chatbot .message").count() >= 2
             page.wait_for_function("() => document.querySelector('#ps-model-line').innerText.includes('权重 int8')")
             assert "int8" in page.input_value("#ps-precision input")
+            wait_phase(reloaded, "done")
+            assert "Name a colour." in reloaded.inner_text("#ps-chatbot")
             page.get_by_role("tab", name="讲解").click()
             page.wait_for_selector("#ps-explain-loading", state="hidden")
             page.wait_for_selector("#ps-explain-tokens [data-tokens]")  # the prompt's tokens: drawn once it has loaded

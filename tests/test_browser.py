@@ -183,6 +183,43 @@ def test_second_turn_reuses_the_first_turns_kv(page):
     assert cached == first_prompt + first_reply - 1 < prompt
 
 
+def test_a_reload_shows_the_chat_again_and_a_new_tab_starts_a_new_one(page, browser, app_url, app_db):
+    """A reload (F5, or the browser restoring its tabs) showed an empty chat: the chat is in the History, but
+    it was gone from the tab. The tab keeps the chat's id (sessionStorage): the reload shows it as it was,
+    its reply, tiles and figures, and the next message continues it from the cache; a new tab, or New chat,
+    starts a new one."""
+    from app.history.store import Store
+
+    set_setting(page, "ps-temperature", 0)
+    set_setting(page, "ps-max-new", 8)
+    send(page, "Name a river.")
+    wait_phase(page, "done")
+    page.wait_for_selector("#ps-chatbot [data-testid=bot] .ps-stats")
+    reply = page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+    page.reload()
+    page.wait_for_selector("#ps-chatbot [data-testid=bot] .ps-stats")
+    assert reply == page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
+    assert "done" == wait_phase(page, "done") and kpi(page, "generated_tokens") == re.search(r"(\d+) tok$",
+                                                                                              reply.strip()).group(1)
+    assert 1 == plot_traces(page, "ps-latency")["prefill"]
+    other = open_chat(browser, app_url)
+    assert 0 == other.locator("#ps-chatbot [data-testid=bot]").count()  # a new tab: a new chat
+    other.close()
+    send(page, "Name another one.")
+    page.wait_for_selector("#ps-chatbot [data-testid=user] >> nth=1")
+    wait_phase(page, "done")
+    cached, prompt = map(int, re.fullmatch(r"cached (\d+) / (\d+)", kpi_note(page, "prompt_tokens")).groups())
+    assert 0 < cached < prompt  # the first turn came from the cache
+    session = next(s for s in Store.open(app_db).sessions() if s["title"] == "Name a river.")
+    assert 2 == session["turns"]  # the same session, continued
+    page.click("#ps-new")
+    page.wait_for_selector("#ps-chatbot .placeholder")
+    page.reload()
+    page.wait_for_selector("#ps-chatbot .placeholder")
+    page.wait_for_timeout(500)
+    assert 0 == page.locator("#ps-chatbot [data-testid=bot]").count()
+
+
 def test_retry_replaces_the_last_reply_with_its_prompt_from_the_cache(page, app_db):
     from app.history.store import Store
 

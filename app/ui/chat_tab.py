@@ -95,7 +95,8 @@ def _show_warnings(session: ChatSession) -> None:
 def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, chatbot: bool = True) -> tuple:
     """Every output of the tab, for one moment of a chat; chatbot: whether to send the conversation."""
     _show_warnings(session)
-    stream = live.reset(trace.events if trace else [], [r.events for r in session.traces], lang=session.lang)
+    stream = live.reset(trace.events if trace else [], [r.events for r in session.traces], lang=session.lang,
+                        chat=session.store_id)
     # a streaming reply's messages set these pieces in the page behind Gradio's back: Gradio redraws a
     # piece only when its value differs from the one it last drew, so each value here is new
     pieces = [f"{html}<!--{next(_drawn)}-->" for html in _live_panels(session, engine, trace).values()]
@@ -236,7 +237,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         else:
             worker = ReplyWorker(engine, request, trace, hooks)
         active.start(session.id, request)
-        updates = live.LiveReply(session.reply_id, session.traces, session.lang)
+        updates = live.LiveReply(session.reply_id, session.traces, session.lang, session.store_id)
         streams.on_abandoned(session.reply_id, request.cancel)  # the page went away: stop generating for nobody
         try:
             while worker.is_running:

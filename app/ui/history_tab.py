@@ -11,7 +11,8 @@ import gradio as gr
 from ..cli import setup_flags
 from ..gradio_import import private_folder
 from ..i18n import DEFAULT, K, t
-from .chat_tab import ChatTab, model_line_html, render
+from .chat_tab import ChatTab, chat_view, model_line_html, render
+from .loading import is_loading
 from .panels import attention, counted, with_attention, without_attention
 from .trace import held_seconds
 from .language import Texts
@@ -22,6 +23,12 @@ from ..history.store import SessionReplying, Store, StoreError, model_name
 if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served before it loads
     from engine import Engine
 
+    from .session import ChatSession
+
+# the chat's id in the history as the browser tab keeps it (static/phasescope.js, remember); none where the
+# browser refuses the page its storage (a strict privacy setting)
+REMEMBERED_CHAT_JS = ("(() => { try { return sessionStorage.getItem('phasescope-chat') || ''; } "
+                      "catch (e) { return ''; } })()")
 COLUMNS = ["saved.col_id", "saved.col_title", "saved.col_updated", "saved.col_model", "saved.col_turns",
            "saved.col_ttft", "saved.col_tpot"]
 
@@ -281,20 +288,26 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             return with_attention(shown, t(lang_choice, "saved.gone", id=session_id))
         return None
 
-    def open_session(session_id, shown, lang_choice, current):
-        if line := refused(session_id, shown, lang_choice):
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line, gr.skip())
-        try:
-            session = load_chat(store, session_id, lang_choice)
-        except StoreError as exc:  # a damaged database
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(),
-                    with_attention(shown, t(lang_choice, "error.other", detail=exc)), gr.skip())
+    def reopened(session_id: int, lang_choice: str, current: ChatSession | None) -> list:
+        """The stored session in the chat tab, in current's place: chat.outputs and the model line, which says
+        where the session ran where that was elsewhere. StoreError where the database cannot be read."""
+        session = load_chat(store, session_id, lang_choice)
         chat.leave(current)  # the chat it replaces: its reply, if one runs, stops drawing over this one
         session.endpoint = current.endpoint if current else None  # it goes on where the model line says
         note = backend_note(store.session(session_id)["device"], session.endpoint, lang_choice)
         trace = session.traces[-1] if session.traces else None
-        return (*render(session, engine, trace), gr.Tabs(selected="chat"), without_attention(shown),
-                model_line_html(session, engine, lang_choice) + (attention(note) if note else ""))
+        return [*render(session, engine, trace),
+                model_line_html(session, engine, lang_choice) + (attention(note) if note else "")]
+
+    def open_session(session_id, shown, lang_choice, current):
+        if line := refused(session_id, shown, lang_choice):
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line, gr.skip())
+        try:
+            *shown_chat, model_line = reopened(session_id, lang_choice, current)
+        except StoreError as exc:  # a damaged database
+            return (*(gr.skip(),) * len(chat.outputs), gr.skip(),
+                    with_attention(shown, t(lang_choice, "error.other", detail=exc)), gr.skip())
+        return (*shown_chat, gr.Tabs(selected="chat"), without_attention(shown), model_line)
 
     def do_rename(session_id, new_title, query, shown, lang_choice):
         line = refused(session_id, shown, lang_choice)
@@ -363,3 +376,25 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return table_value(query, lang_choice), session_id, *selection(session_id, lang_choice), *acting_on(True)
 
     texts.on_switch(redraw, [search, selected], [table, selected, chosen, *one, *acting])
+
+    def restore(lang_choice, current, remembered):
+        """At a page's load, the chat the browser tab showed before it was reloaded (or the browser restored
+        it): its id in the history, which the tab keeps in its sessionStorage (static/phasescope.js), not in
+        the browser's localStorage, which every tab shares: a new tab starts a new chat. While the model loads
+        only the conversation: the chat tab draws the rest from it once the model has loaded."""
+        try:
+            session_id = int(remembered or 0)
+            if current is not None or not session_id or not store.has_session(session_id):
+                return [gr.skip()] * len(restored)
+            if is_loading(engine):
+                session = load_chat(store, session_id, lang_choice)
+                drawn = {id(chat.chatbot): chat_view(session.display, session), id(chat.session): session}
+                return [drawn.get(id(component), gr.skip()) for component in restored]
+            return reopened(session_id, lang_choice, None)
+        except (ValueError, StoreError):  # not an id, or a damaged database: a new chat
+            return [gr.skip()] * len(restored)
+
+    remembered, restored = gr.Textbox(visible=False), [*chat.outputs, chat.model_line]
+    texts.from_browser(remembered, REMEMBERED_CHAT_JS)
+    # after the chat tab's redraw (built before), whose values of a new chat this one's replace
+    texts.on_switch(restore, [chat.session, remembered], restored)

@@ -17,8 +17,7 @@ from engine import EngineBusy, NotEnoughMemory, PromptTooLong, QueueFull
 from ..i18n import DEFAULT, LANGUAGES, K, t
 
 # the page's first language when none was chosen before: Chinese for any zh-* browser, else English
-BROWSER_LANGUAGE_JS = ("(stored, shown, ...values) => "
-                       "[stored, (navigator.language || '').toLowerCase().startsWith('zh') ? 'zh' : 'en', ...values]")
+BROWSER_LANGUAGE = "(navigator.language || '').toLowerCase().startsWith('zh') ? 'zh' : 'en'"
 # the page's language on its <html> element, as a page in that language has it: the browser then picks the
 # Chinese forms of CJK characters (a font's Japanese ones otherwise), a screen reader its voice, and
 # static/app.css the headings of Gradio's toasts
@@ -36,6 +35,7 @@ class Texts:
         self.labelled: list[tuple[gr.components.Component, dict[str, K]]] = []
         self.redraws: list[tuple[Callable, list, list, bool]] = []
         self.lines: list[tuple[Callable, list, list, bool]] = []  # the redraws of while_loading's lines
+        self.read_in_browser: list[tuple[gr.components.Component, str]] = []  # see from_browser
 
     def __call__(self, make, *args, **kwargs):
         """make(*args, **kwargs) with each K(...) keyword given as its English text, and kept for a switch."""
@@ -52,6 +52,11 @@ class Texts:
         load and a switch, with the queue's and a reply's streams, took the last one from the timer that
         says what the load does, and from everything else the page asked."""
         self.redraws.append((redraw, inputs, outputs, once_loaded))
+
+    def from_browser(self, component: gr.components.Component, expression: str) -> None:
+        """At a page's load, the redraws get as component's value what the JavaScript expression reads in the
+        browser (its storage), in place of the component's own."""
+        self.read_in_browser.append((component, expression))
 
     def while_loading(self, target: gr.HTML, inputs: list, loading: Callable, loaded: Callable) -> None:
         """While the model loads, target is loading(lang, *inputs) (what the load does, and for how long so
@@ -78,8 +83,8 @@ class Texts:
             lang, ticking = stored if stored in LANGUAGES else browser, gr.Timer(active=self.loading())
             return lang, ticking, *redraw(lang, *values)
 
-        app.load(load, [remembered, choice, *inputs], [choice, timer, *outputs], queue=False, js=BROWSER_LANGUAGE_JS,
-                 show_progress="hidden")
+        app.load(load, [remembered, choice, *inputs], [choice, timer, *outputs], queue=False,
+                 js=load_js(inputs, self.read_in_browser), show_progress="hidden")
         choice.change(None, [choice], None, js=PAGE_LANGUAGE_JS)
         choice.change(lambda lang: [lang, *self.relabel(lang)], [choice],
                       [remembered, *[component for component, _ in self.labelled]], queue=False)
@@ -130,6 +135,14 @@ def together(redraws: list[tuple[Callable, list, list, bool]]) -> tuple[Callable
         return drawn
 
     return redraw, [component for _, inputs, _, _ in redraws for component in inputs], outputs
+
+
+def load_js(inputs: list, read_in_browser: list[tuple[gr.components.Component, str]]) -> str:
+    """What the page sends at its load: the language it remembers, the browser's, and the redraws' inputs,
+    those read in the browser (Texts.from_browser) replaced by what their expressions read."""
+    reads = "".join(f"values[{at}] = {expression}; " for component, expression in read_in_browser
+                    for at, each in enumerate(inputs) if each is component)
+    return f"(stored, shown, ...values) => {{ {reads}return [stored, {BROWSER_LANGUAGE}, ...values]; }}"
 
 
 def switch(texts: Texts) -> tuple[gr.Radio, gr.BrowserState]:

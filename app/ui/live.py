@@ -12,6 +12,8 @@ script applies them in place. A message is a JSON object with any of:
           added to that trace (Plotly.animate while they fit the axes as drawn, else Plotly.extendTraces)
   panels  the live panel's HTML pieces that changed, {element id: html} (phase, tiles, time split, pool):
           set in place of what Gradio drew there last
+  chat    the chat's id in the history (null: none yet): kept for the browser tab, so that a reload shows
+          the chat again (app/ui/history_tab.py, restore)
   seq     a counter, so that every message differs from the last (the page reacts to changes)
 """
 from __future__ import annotations
@@ -42,17 +44,19 @@ def _figures(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], 
 
 
 def reset(latency_events: Sequence[Event], turns: Sequence[Sequence[Event]], reply: str | None = None,
-          lang: str = DEFAULT) -> str:
-    """Both figures whole: the latency of one reply and the KV cache over every turn of the chat."""
-    return message(reply=reply, reset=_figures(latency_events, turns, lang))
+          lang: str = DEFAULT, **fields) -> str:
+    """Both figures whole: the latency of one reply and the KV cache over every turn of the chat; fields: more
+    of the message's (chat)."""
+    return message(reply=reply, reset=_figures(latency_events, turns, lang), **fields)
 
 
 class LiveReply:
     """The messages for one streaming reply: whole figures when their shape changes (the prompt was
     read, the first token came), then each update's new text and new points only."""
 
-    def __init__(self, reply_id: str, traces: Sequence[ReplyTrace], lang: str = DEFAULT) -> None:
-        self.reply_id, self.lang = reply_id, lang
+    def __init__(self, reply_id: str, traces: Sequence[ReplyTrace], lang: str = DEFAULT,
+                 chat: int | None = None) -> None:
+        self.reply_id, self.lang, self.chat = reply_id, lang, chat  # chat: its id in the history, once saved
         self.traces = traces  # the chat's replies, the streaming one last
         self._shape: tuple | None = None
         self._sent_steps = 0
@@ -83,7 +87,7 @@ class LiveReply:
         shape = (trace.started is not None, len(trace.chunks), bool(steps))
         if shape != self._shape:  # a new trace or bar: the whole figures, still small at this point
             self._shape = shape
-            return message(**fields, text=text,
+            return message(**fields, text=text, chat=self.chat,
                            reset=_figures(trace.events, [t.events for t in self.traces], self.lang,
                                           streaming=True))
         if not new:
