@@ -469,10 +469,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     session = ChatSession() if args.session is None else load_chat(store, args.session)
     for user, reply in zip(session.messages[::2], session.messages[1::2]):  # a continued chat so far
         print(f"\n>>> {user['content']}\n{reply['content']}")
+    system = args.system
+    if system is None and session.settings.get("system"):  # a continued chat goes on with its own
+        system = session.settings["system"]
+        print(_dim(f"system prompt (the session's): {system}"))
 
     def clear() -> None:
-        nonlocal session
-        session = ChatSession()
+        nonlocal session, system
+        session, system = ChatSession(), args.system
 
     def retry() -> str | None:
         """The last message, taken back with its reply to be sent again (the history marks that reply
@@ -480,7 +484,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return session.retract() if session.traces else None
 
     for text in _user_lines(clear, retry):
-        messages = session.prompt(args.system, text)
+        messages = session.prompt(system, text)
         try:
             request = None if endpoint else engine.new_request(messages, sampling, fit=True)
         except ValueError as exc:  # empty, or a message longer than the context window: nothing is saved

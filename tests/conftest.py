@@ -95,7 +95,7 @@ def store():
     return Store.memory()
 
 
-def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None, hooks=()):
+def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None, hooks=(), system=None):
     """Run one chat turn through the engine with the history recorder attached, as the app does."""
     from app.history.recorder import make_recorder
     from app.ui.session import ChatSession
@@ -104,7 +104,7 @@ def record(engine: Engine, store, text: str = "Hi", sampling=None, session=None,
 
     session = session or ChatSession()
     sampling = sampling or SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    messages = session.prompt(None, text)
+    messages = session.prompt(system, text)
     request = engine.new_request(messages, sampling, fit=True)
     session.sent_as(messages, request, engine.prompt_budget(sampling))
     session.accept(text)

@@ -186,12 +186,14 @@ def test_second_turn_reuses_the_first_turns_kv(page):
 def test_a_reload_shows_the_chat_again_and_a_new_tab_starts_a_new_one(page, browser, app_url, app_db):
     """A reload (F5, or the browser restoring its tabs) showed an empty chat: the chat is in the History, but
     it was gone from the tab. The tab keeps the chat's id (sessionStorage): the reload shows it as it was,
-    its reply, tiles and figures, and the next message continues it from the cache; a new tab, or New chat,
-    starts a new one."""
+    its reply, tiles and figures, and its Settings as its reply was asked with them (its system prompt: the
+    start of every prompt), and the next message continues it from the cache; a new tab, or New chat, starts
+    a new one."""
     from app.history.store import Store
 
     set_setting(page, "ps-temperature", 0)
     set_setting(page, "ps-max-new", 8)
+    page.fill("#ps-system textarea", "Answer in one word.")
     send(page, "Name a river.")
     wait_phase(page, "done")
     page.wait_for_selector("#ps-chatbot [data-testid=bot] .ps-stats")
@@ -199,9 +201,13 @@ def test_a_reload_shows_the_chat_again_and_a_new_tab_starts_a_new_one(page, brow
     page.reload()
     page.wait_for_selector("#ps-chatbot [data-testid=bot] .ps-stats")
     assert reply == page.locator("#ps-chatbot [data-testid=bot]").last.inner_text()
-    assert "done" == wait_phase(page, "done") and kpi(page, "generated_tokens") == re.search(r"(\d+) tok$",
-                                                                                              reply.strip()).group(1)
+    first_prompt, first_reply = map(int, re.search(r"(\d+) prompt tok · .* · (\d+) tok", reply).groups())
+    assert "done" == wait_phase(page, "done") and kpi(page, "generated_tokens") == str(first_reply)
     assert 1 == plot_traces(page, "ps-latency")["prefill"]
+    page.click("#ps-settings button")
+    assert ("Answer in one word.", "0", "8") == (page.input_value("#ps-system textarea"),
+                                                 page.input_value("#ps-temperature input[type=number]"),
+                                                 page.input_value("#ps-max-new input[type=number]"))
     other = open_chat(browser, app_url)
     assert 0 == other.locator("#ps-chatbot [data-testid=bot]").count()  # a new tab: a new chat
     other.close()
@@ -209,7 +215,7 @@ def test_a_reload_shows_the_chat_again_and_a_new_tab_starts_a_new_one(page, brow
     page.wait_for_selector("#ps-chatbot [data-testid=user] >> nth=1")
     wait_phase(page, "done")
     cached, prompt = map(int, re.fullmatch(r"cached (\d+) / (\d+)", kpi_note(page, "prompt_tokens")).groups())
-    assert 0 < cached < prompt  # the first turn came from the cache
+    assert cached == first_prompt + first_reply - 1 < prompt  # the first turn, its system prompt included
     session = next(s for s in Store.open(app_db).sessions() if s["title"] == "Name a river.")
     assert 2 == session["turns"]  # the same session, continued
     page.click("#ps-new")

@@ -258,7 +258,7 @@ def test_cli_chat_takes_a_message_of_several_lines_between_triple_quotes(tmp_pat
 def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     db = tmp_path / "history.db"
     out = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--temperature", "0", "--max-new-tokens", "6",
-                          "--db", str(db)],
+                          "--db", str(db), "--system", "Be brief."],
                          input="/retry\nMy name is Ada.\n/?\n/claer\nWhat is my name?\n/clear\nHello\n/retry\n/bye\n",
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -289,6 +289,7 @@ def test_cli_chat_keeps_the_conversation_until_clear_and_saves_it(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "decode: fused C++) with --no-prefix-cache; history: " in out.stdout  # the first line says how it runs
     assert ">>> My name is Ada." in out.stdout and ">>> What is my name?" in out.stdout
+    assert "system prompt (the session's): Be brief." in out.stdout  # it goes on as it was asked
     (prompt, _), (edited, _) = re.findall(r"prompt (\d+) tok \(cached (\d+)\)", out.stdout)
     assert int(prompt) > second and [s["turns"] for s in store.sessions() if s["id"] == ada] == [3]
     assert abs(int(edited) - int(prompt)) <= 2  # the chat before "And again?" and its reply, and the new text

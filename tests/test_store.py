@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import io
 import sqlite3
 import subprocess
@@ -155,6 +156,36 @@ def test_second_turn_goes_to_the_same_session_and_restores(tiny, store):
     assert [1, 2] == [t.turn for t in restored.traces]
     assert ["First question", "Second question"] == [d["content"] for d in restored.display if d["role"] == "user"]
     assert all("prompt tok · cached " in d["content"] for d in restored.display if d["role"] == "assistant")
+
+
+def test_each_reply_saves_what_it_was_asked_with_and_a_chat_opened_again_goes_on_with_it(tiny, store):
+    """A chat opened again (History, a reload) went on with the Settings as they were in the page: without its
+    system prompt, the start of every prompt, the prefix cache missed and the model saw another conversation."""
+    import gradio as gr
+
+    from app.history.export import to_json
+    from app.ui.chat_tab import settings_shown
+
+    engine = Engine(tiny)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, seed=7)
+    session, _, _ = record(engine, store, "First question", sampling=greedy, system="Answer in French.")
+    session.settings = {"prefill_chunk": 64}  # as the chat tab's accept keeps them
+    warmer = SamplingParams(max_new_tokens=5, temperature=0.5, top_p=0.9, ignore_eos=True)
+    record(engine, store, "Second question", session=session, sampling=warmer, system="Answer in French.")
+    first, second = [json.loads(m["settings"]) for m in store.messages(session.store_id) if m["role"] == "assistant"]
+    assert ("Answer in French.", 0, 7, None) == (first["system"], first["temperature"], first["seed"],
+                                                first.get("prefill_chunk"))
+    assert ("Answer in French.", 0.5, 0.9, 64) == (second["system"], second["temperature"], second["top_p"],
+                                                  second["prefill_chunk"])
+    restored = load_chat(store, session.store_id)
+    assert second == restored.settings  # the last reply's
+    assert ["Answer in French.", 5, 0.5, 0.9, 0, 1.0, -1, 64] == settings_shown(restored.settings)  # SETTINGS' order
+    exported = to_json(store, session.store_id)["sessions"][0]
+    assert [None, first, None, second] == [m["settings"] for m in exported["messages"]]
+    assert 0 == exported["settings"]["temperature"]  # the session's: its first reply's sampling
+    store.db.execute("UPDATE messages SET settings = NULL")  # replies saved before they were
+    assert {} == load_chat(store, session.store_id).settings
+    assert all(value == gr.skip() for value in settings_shown({}))
 
 
 def test_a_retried_reply_takes_the_turn_and_the_replaced_one_stays_in_the_history(tiny, store):

@@ -40,6 +40,9 @@ DEFINITIONS = {
                "check's): its ttft_ms or tpot_ms include them; none where it waited for none",
     "step_held_ms": "of a step's latency_ms, the ms it waited for such a measurement (JSON: each step's held_ms); "
                     "none where it waited for none",
+    "settings": "a reply's: what it was asked with, the system prompt sent (null: none; a model's chat template "
+                "may add its own) and the sampling, none for replies saved before it was; a session's: the "
+                "sampling of its first reply",
     "summary": "a session's p50/p90/p99 of ttft_ms, tpot_ms, itl_ms and e2e_ms over its replies (replaced ones too)",
 }
 
@@ -97,7 +100,8 @@ def _message_json(message: dict, steps: list[dict], m: RequestMetrics | None) ->
         "num_generated_tokens": m.num_generated_tokens, "num_cached_tokens": m.num_cached_tokens,
         "kv_tokens": m.kv_tokens, "kv_bytes": m.kv_bytes}
     message = {key: value for key, value in message.items() if key != "writer"}  # a host and a pid, while it ran
-    for key in ("engine", "held_ms"):  # JSON text in the file: {"precision": "int8", ...}, {"lab": 3201.7}
+    # JSON text in the file: {"precision": "int8", ...}, {"lab": 3201.7}, {"system": ..., "temperature": 0.7, ...}
+    for key in ("engine", "held_ms", "settings"):
         if key in message:
             message[key] = json.loads(message[key]) if message[key] else None
     return {**message, "metrics": summary,

@@ -83,6 +83,14 @@ class MessageRecorder:
         self._last_write = time.monotonic()
 
 
+def reply_settings(session: ChatSession, messages: list[dict], sampling: SamplingParams) -> dict:
+    """What a reply is asked with, saved with it (messages.settings): the system prompt sent (None: none), the
+    sampling, and the chat's prefill chunk where it has one (the browser's)."""
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    return {"system": system, **{name: getattr(sampling, name) for name in sampling.__slots__},
+            **{name: session.settings[name] for name in ("prefill_chunk",) if name in session.settings}}
+
+
 def make_recorder(store: Store, model: Callable[[], ModelInfo]):
     """The chat tab's recorder factory: saves the session and the user's message, then returns the
     hook that records the assistant's reply. model: what a new session is about, read as it starts (a
@@ -95,13 +103,15 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo]):
             session.saved_reply = None
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
                                                     about.name, about.device, about.dtype, settings)
+        asked = reply_settings(session, messages, sampling)
         try:  # a retried turn: a new reply
-            message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply)
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply, asked)
         except SessionMoved:  # another tab continued this session: this chat goes on in a copy of it
             continued = session.store_id
             session.store_id = store.fork_session(continued, trace.turn)
             session.warn(t(session.lang, "warning.session_forked", old=continued, new=session.store_id))
-            message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id))
+            message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id),
+                                         asked)
         session.saved_reply = message_id
         return MessageRecorder(store, message_id,
                                on_error=lambda exc: session.warn(t(session.lang, "warning.save_failed", detail=exc)))
@@ -172,7 +182,8 @@ def questions(messages: list[dict]) -> dict[int, str]:
 
 def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession:
     """A stored session as the chat tab holds it, to show it again and continue it (in the page's language):
-    each turn with its latest reply (one a Retry replaced is left out)."""
+    each turn with its latest reply (one a Retry replaced is left out), and as settings what the last reply
+    was asked with (reply_settings; {} where it saved none)."""
     session = ChatSession(store_id=session_id, lang=lang)
     messages = store.messages(session_id)
     asked = questions(messages)
@@ -183,4 +194,5 @@ def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession
                 trace.add(event)
             session.restore_exchange(asked.get(message["turn"], ""), trace)
             session.saved_reply = message["id"]
+            session.settings = json.loads(message["settings"]) if message.get("settings") else {}
     return session

@@ -139,7 +139,16 @@ def _v10(db: Database) -> None:
     db["steps"].add_column("held_ns", int)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10]
+def _v11(db: Database) -> None:
+    """What each reply was asked with (settings, JSON): the system prompt sent (None: none) and the sampling,
+    so that a chat opened again goes on as it was asked (its system prompt is the start of every prompt:
+    without it the prefix cache missed and the model saw another conversation), and its exports say how its
+    prompt tokens were made up. The session's settings are its first reply's sampling; replies from before
+    it have none."""
+    db["messages"].add_column("settings", str)
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11]
 LATEST_VERSION = len(MIGRATIONS)
 
 # a step's columns, in the order add_steps writes them (token_text, token_prob, batch_size and held_ns last)
@@ -339,14 +348,16 @@ class Store:
             return self.db["messages"].insert(dict(session_id=session_id, turn=turn, role=role, content=clean(content),
                                                    status=status, created_at=stamp)).last_pk
 
-    def add_reply(self, session_id: int, turn: int, user_text: str, latest: int | None = None) -> int:
+    def add_reply(self, session_id: int, turn: int, user_text: str, latest: int | None = None,
+                  settings: dict | None = None) -> int:
         """A turn's user message and its assistant reply (in progress), in one transaction; returns the
         reply's id. A turn that has a reply already is being sent again: by Retry, its message as it was
         (it stays), or edited (a new message). The rows the new reply takes the place of are marked
         replaced_by it, kept: the turn's earlier replies, an edited message's earlier text, and every later
         turn (an earlier message edited: the chat went back to it). latest: the session's latest reply as
         the sending chat knows it (None: no reply yet); where the session has another (a second tab
-        continued it), SessionMoved is raised and nothing is written."""
+        continued it), SessionMoved is raised and nothing is written. settings: what the reply is asked with
+        (see _v11)."""
         stamp, text = now_iso(), clean(user_text)
         with self._write():
             if self._latest_reply(session_id) != latest:
@@ -360,7 +371,8 @@ class Store:
                 asked_id = self.db["messages"].insert(dict(session_id=session_id, turn=turn, role="user", content=text,
                                                            status="complete", created_at=stamp)).last_pk
             reply = dict(session_id=session_id, turn=turn, role="assistant", content="", status="in_progress",
-                         created_at=stamp, writer=_this_writer())
+                         created_at=stamp, writer=_this_writer(),
+                         settings=None if settings is None else clean(json.dumps(settings, ensure_ascii=False)))
             reply_id = self.db["messages"].insert(reply).last_pk
             self.db.execute("UPDATE messages SET replaced_by = ? WHERE session_id = ? AND turn >= ? "
                             "AND replaced_by IS NULL AND id NOT IN (?, ?)", [reply_id, session_id, turn, asked_id,

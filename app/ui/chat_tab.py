@@ -47,6 +47,7 @@ class ChatTab:
     pool: gr.HTML
     leave: Callable[[ChatSession | None], None]  # ends the chat's reply, for another chat in its place
     model_line: gr.HTML  # what answers the chat: not among the outputs above, which a reply draws
+    settings: list[gr.components.Component]  # the Settings' controls, in SETTINGS' order
 
     @property
     def outputs(self) -> list[gr.components.Component]:
@@ -116,6 +117,14 @@ def _backend_choices(lang: str) -> list[tuple[str, str]]:
 
 
 SETTINGS = ("system", "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "prefill_chunk")
+
+
+def settings_shown(saved: dict) -> list:
+    """The Settings' values as a reply was asked with them (saved: its messages.settings), for a chat opened
+    again to go on as it was; a setting the reply did not save (one from before they were, or a terminal chat's
+    prefill chunk) stays as it is."""
+    shown = {**saved, "system": saved.get("system") or "", "seed": -1 if saved.get("seed") is None else saved["seed"]}
+    return [shown.get(name, gr.skip()) for name in SETTINGS] if saved else [gr.skip()] * len(SETTINGS)
 
 
 def model_line_html(chat: ChatSession, engine: Engine, lang: str) -> str:
@@ -355,7 +364,8 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
                              elem_id="ps-stop")
             new = texts(gr.Button, value=K("chat.new"), size="sm", elem_id="ps-new")
             with texts(gr.Accordion, label=K("chat.settings"), open=False, elem_id="ps-settings"):
-                system = texts(gr.Textbox, label=K("chat.system"), placeholder=K("chat.system_default"), lines=2)
+                system = texts(gr.Textbox, label=K("chat.system"), placeholder=K("chat.system_default"), lines=2,
+                           elem_id="ps-system")
                 max_new_tokens = texts(gr.Slider, 1, 2048, value=256, step=1, label=K("chat.max_new"),
                                        elem_id="ps-max-new")
                 # the model's own (generation_config.json, GGUF metadata) where it sets them, else a chat's: top-p
@@ -405,12 +415,12 @@ def build(engine: Engine, active: ActiveRequests, texts: Texts, lang: gr.Radio, 
             stream = gr.Textbox(live.reset([], []), visible="hidden", elem_id="ps-stream")
             kv_check = gr.HTML("", elem_id="ps-kv-check")
             pool = gr.HTML("", elem_id="ps-pool")
-    tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool, make_leave(active, streams),
-                  model_line)
-    stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     named = dict(system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                  repetition_penalty=repetition_penalty, seed=seed, prefill_chunk=prefill_chunk)
     settings = [named[name] for name in SETTINGS]  # accept zips them with SETTINGS
+    tab = ChatTab(session, chatbot, message, phase, kpis, split, stream, kv_check, pool, make_leave(active, streams),
+                  model_line, settings)
+    stream.change(None, [stream], None, js="(message) => { window.phasescope && window.phasescope.apply(message); }")
     accept, finish = make_accept(engine, active, streams), make_finish(engine, active)
     respond = make_respond(engine, active, recorder, streams)
     # several chats reply at once: the engine batches their decode steps and queues what does not fit

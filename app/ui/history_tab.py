@@ -11,7 +11,7 @@ import gradio as gr
 from ..cli import setup_flags
 from ..gradio_import import private_folder
 from ..i18n import DEFAULT, K, t
-from .chat_tab import ChatTab, chat_view, model_line_html, render
+from .chat_tab import ChatTab, chat_view, model_line_html, render, settings_shown
 from .loading import is_loading
 from .panels import attention, counted, with_attention, without_attention
 from .trace import held_seconds
@@ -289,25 +289,26 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
         return None
 
     def reopened(session_id: int, lang_choice: str, current: ChatSession | None) -> list:
-        """The stored session in the chat tab, in current's place: chat.outputs and the model line, which says
-        where the session ran where that was elsewhere. StoreError where the database cannot be read."""
+        """The stored session in the chat tab, in current's place: chat.outputs, the model line, which says
+        where the session ran where that was elsewhere, and the settings its last reply was asked with.
+        StoreError where the database cannot be read."""
         session = load_chat(store, session_id, lang_choice)
         chat.leave(current)  # the chat it replaces: its reply, if one runs, stops drawing over this one
         session.endpoint = current.endpoint if current else None  # it goes on where the model line says
         note = backend_note(store.session(session_id)["device"], session.endpoint, lang_choice)
         trace = session.traces[-1] if session.traces else None
         return [*render(session, engine, trace),
-                model_line_html(session, engine, lang_choice) + (attention(note) if note else "")]
+                model_line_html(session, engine, lang_choice) + (attention(note) if note else ""),
+                *settings_shown(session.settings)]
 
     def open_session(session_id, shown, lang_choice, current):
-        if line := refused(session_id, shown, lang_choice):
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(), line, gr.skip())
         try:
-            *shown_chat, model_line = reopened(session_id, lang_choice, current)
+            if line := refused(session_id, shown, lang_choice):
+                return gr.skip(), line, *[gr.skip()] * len(restored)
+            return gr.Tabs(selected="chat"), without_attention(shown), *reopened(session_id, lang_choice, current)
         except StoreError as exc:  # a damaged database
-            return (*(gr.skip(),) * len(chat.outputs), gr.skip(),
-                    with_attention(shown, t(lang_choice, "error.other", detail=exc)), gr.skip())
-        return (*shown_chat, gr.Tabs(selected="chat"), without_attention(shown), model_line)
+            line = with_attention(shown, t(lang_choice, "error.other", detail=exc))
+            return gr.skip(), line, *[gr.skip()] * len(restored)
 
     def do_rename(session_id, new_title, query, shown, lang_choice):
         line = refused(session_id, shown, lang_choice)
@@ -357,8 +358,8 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
     table.select(select, [table, lang], [selected, chosen, confirm, *one, *acting], queue=False)
     # queued: it reads the model, and while a first start loads it, a request waiting for it held one of the
     # browser's six connections to the app (see Texts.on_switch)
-    open_button.click(open_session, [selected, chosen, lang, chat.session],
-                      [*chat.outputs, tabs, chosen, chat.model_line])
+    restored = [*chat.outputs, chat.model_line, *chat.settings]  # what reopened draws
+    open_button.click(open_session, [selected, chosen, lang, chat.session], [tabs, chosen, *restored])
     rename.click(do_rename, [selected, title, search, chosen, lang], [title, table, chosen, *one], queue=False)
     delete.click(ask_to_delete, [selected, chosen, lang], [confirm, chosen], queue=False)
     confirm.click(do_delete, [selected, search, chosen, lang], [selected, chosen, confirm, table, *one, *acting],
@@ -388,13 +389,15 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
                 return [gr.skip()] * len(restored)
             if is_loading(engine):
                 session = load_chat(store, session_id, lang_choice)
-                drawn = {id(chat.chatbot): chat_view(session.display, session), id(chat.session): session}
+                settings = zip(chat.settings, settings_shown(session.settings))
+                drawn = {id(chat.chatbot): chat_view(session.display, session), id(chat.session): session,
+                         **{id(control): value for control, value in settings}}
                 return [drawn.get(id(component), gr.skip()) for component in restored]
             return reopened(session_id, lang_choice, None)
         except (ValueError, StoreError):  # not an id, or a damaged database: a new chat
             return [gr.skip()] * len(restored)
 
-    remembered, restored = gr.Textbox(visible=False), [*chat.outputs, chat.model_line]
+    remembered = gr.Textbox(visible=False)
     texts.from_browser(remembered, REMEMBERED_CHAT_JS)
     # after the chat tab's redraw (built before), whose values of a new chat this one's replace
     texts.on_switch(restore, [chat.session, remembered], restored)

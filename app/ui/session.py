@@ -41,7 +41,9 @@ class ChatSession:
     warnings: list[str] = field(default_factory=list)  # e.g. the history could not be saved
     lang: str = DEFAULT  # the page's language when the chat last sent or switched (app/i18n)
     endpoint: object | None = None  # an app.remote.Endpoint when this chat talks to a remote server
-    settings: dict = field(default_factory=dict)  # the accepted message's settings (chat_tab's SETTINGS)
+    # the accepted message's settings (chat_tab's SETTINGS); in a chat opened from the history, what its last reply
+    # was asked with (app/history/recorder.py, reply_settings) until a message is accepted
+    settings: dict = field(default_factory=dict)
     reply_id: str = ""  # the accepted message's reply: this chat's random id and the reply's number
     asked: str = ""  # the last exchange's message (raw text), for Retry
     refused: set[int] = field(default_factory=set)  # the exchanges (0, 1, ...) the engine refused: no trace
