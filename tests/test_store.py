@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import csv
-import json
+import html
 import io
+import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -165,6 +167,7 @@ def test_each_reply_saves_what_it_was_asked_with_and_a_chat_opened_again_goes_on
 
     from app.history.export import to_json
     from app.ui.chat_tab import settings_shown
+    from app.ui.history_tab import asked_line
 
     engine = Engine(tiny)
     greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, seed=7)
@@ -183,6 +186,9 @@ def test_each_reply_saves_what_it_was_asked_with_and_a_chat_opened_again_goes_on
     exported = to_json(store, session.store_id)["sessions"][0]
     assert [None, first, None, second] == [m["settings"] for m in exported["messages"]]
     assert 0 == exported["settings"]["temperature"]  # the session's: its first reply's sampling
+    assert ("Asked with: system prompt “Answer in French.” · temperature 0 · seed 7 · up to 4 new tokens (1); "
+            "system prompt “Answer in French.” · temperature 0.5 · top-p 0.9 · up to 5 new tokens · prefill chunks "
+            "of 64 (1)") == html.unescape(re.sub("<[^>]+>", "", asked_line(exported["messages"], "en")))
     store.db.execute("UPDATE messages SET settings = NULL")  # replies saved before they were
     assert {} == load_chat(store, session.store_id).settings
     assert all(value == gr.skip() for value in settings_shown({}))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+from collections import Counter
+from collections.abc import Iterable
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,20 +76,55 @@ def _table(rows: list[list], total: int, lang: str) -> gr.Dataframe:
                         show_label=note is not None)  # unshown, the label is what a screen reader names it
 
 
+SHORT_MESSAGE = 48  # characters of a message where a line shows it (all of it on hover in the turns' table)
+
+
+def shorten(text: str) -> str:
+    return text if len(text) <= SHORT_MESSAGE else text[:SHORT_MESSAGE - 1] + "…"
+
+
+def _tally(kinds: Iterable[str], key: str, name: str, lang: str, between: str = ", ") -> str:
+    """A line under the selection (data-name): each kind of reply with how many there are of it; "" where there
+    is none."""
+    counts = Counter(kinds)  # in the order they first came
+    if not counts:
+        return ""
+    listed = between.join(f"{kind} ({count})" for kind, count in counts.items())
+    return f'<div class="ps-percentiles-note" data-{name}>{escape(t(lang, key, listed=listed))}</div>'
+
+
 def engines_line(messages: list[dict], lang: str) -> str:
     """How the engine ran the session's replies (their `engine` in the JSON export), with how many of each,
     the switches as the flags that set them: "int8 (3), fp32 --no-kv-cache (1)"; "" where none was recorded
     (remote, or saved before schema 8)."""
-    counts: dict[str, int] = {}
-    for message in messages:
-        engine = message.get("engine")
-        if message["role"] == "assistant" and engine:
-            name = " ".join(filter(None, setup_flags(engine)))
-            counts[name] = counts.get(name, 0) + 1
-    if not counts:
-        return ""
-    ran = ", ".join(f"{name} ({count})" for name, count in counts.items())
-    return f'<div class="ps-percentiles-note" data-engines>{escape(t(lang, "saved.engines", engines=ran))}</div>'
+    return _tally((" ".join(filter(None, setup_flags(m["engine"]))) for m in messages
+                   if m["role"] == "assistant" and m.get("engine")), "saved.engines", "engines", lang)
+
+
+def asked_with(settings: dict, lang: str) -> str:
+    """What a reply was asked with (its `settings`), the defaults of a chat left out: 'system prompt "Be
+    brief." · temperature 0.7 · top-p 0.9 · up to 256 new tokens'."""
+    said = [t(lang, "saved.asked_system", text=shorten(settings["system"]))] if settings.get("system") else []
+    said.append(t(lang, "saved.asked_temperature", value=_number(settings.get("temperature", 0))))
+    for key, name, shown in (("top_p", "saved.asked_top_p", lambda v: v < 1), ("top_k", "saved.asked_top_k", bool),
+                             ("repetition_penalty", "saved.asked_penalty", lambda v: v != 1),
+                             ("seed", "saved.asked_seed", lambda v: v is not None),
+                             ("max_new_tokens", "saved.asked_max", lambda v: True),
+                             ("prefill_chunk", "saved.asked_chunk", bool)):
+        if key in settings and shown(settings[key]):
+            said.append(t(lang, name, value=_number(settings[key])))
+    return " · ".join(said)
+
+
+def _number(value) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def asked_line(messages: list[dict], lang: str) -> str:
+    """What the session's replies were asked with (asked_with), with how many of each; "" where none was saved
+    (remote replies too save theirs; those saved before schema 11 none)."""
+    return _tally((asked_with(m["settings"], lang) for m in messages if m["role"] == "assistant" and m.get("settings")),
+                  "saved.asked", "asked", lang, between="; ")
 
 
 def percentile_table(summary: dict, lang: str) -> str:
@@ -111,7 +148,6 @@ def percentile_table(summary: dict, lang: str) -> str:
 
 TURN_COLUMNS = ["saved.turn_col_turn", "saved.turn_col_message", "saved.turn_col_prompt", "saved.turn_col_ttft",
                 "saved.turn_col_tpot", "saved.turn_col_decode", "saved.turn_col_tokens"]
-SHORT_MESSAGE = 48  # characters of a turn's message in its row (all of it on hover)
 
 
 def turns_table(messages: list[dict], lang: str) -> str:
@@ -131,7 +167,6 @@ def turns_table(messages: list[dict], lang: str) -> str:
     rows = []
     for reply in kept:
         m, text = reply["metrics"] or {}, asked.get(reply["turn"], "")
-        short = text if len(text) <= SHORT_MESSAGE else text[:SHORT_MESSAGE - 1] + "…"
         prompt = f"{cell(m.get('num_prompt_tokens'), 0)} ({cell(m.get('num_cached_tokens'), 0)})"
         tokens = cell(m.get("num_generated_tokens"), 0)
         if reply.get("finish_reason") in ended:
@@ -139,7 +174,7 @@ def turns_table(messages: list[dict], lang: str) -> str:
         if held_s := held_seconds(reply.get("held_ms")):  # a Lab run held it: its timings include the wait
             said = escape(t(lang, "saved.held_short", seconds=held_s))
             tokens += f' · <span title="{escape(t(lang, "saved.held", seconds=held_s))}">{said}</span>'
-        values = [reply["turn"], f'<span title="{escape(text)}">{escape(short)}</span>', prompt,
+        values = [reply["turn"], f'<span title="{escape(text)}">{escape(shorten(text))}</span>', prompt,
                   cell(m.get("ttft_ms")), cell(m.get("tpot_ms")), cell(m.get("decode_tokens_per_s")), tokens]
         rows.append("<tr>" + "".join(f"<td>{value}</td>" for value in values) + "</tr>")
     head = "".join(f"<th>{escape(t(lang, key))}</th>" for key in TURN_COLUMNS)
@@ -269,8 +304,9 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
             session = to_json(store, session_id)["sessions"][0]
         except (ValueError, StoreError) as exc:
             return [label + attention(t(lang_choice, "error.other", detail=exc)), *_export_buttons_on(False)]
-        label += (percentile_table(session["summary"], lang_choice) + engines_line(session["messages"], lang_choice)
-                  + turns_table(session["messages"], lang_choice))
+        messages = session["messages"]
+        label += (percentile_table(session["summary"], lang_choice) + engines_line(messages, lang_choice)
+                  + asked_line(messages, lang_choice) + turns_table(messages, lang_choice))
         return [label, *_export_buttons_on(True)]
 
     def select(rows, lang_choice, event: gr.SelectData):
