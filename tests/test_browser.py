@@ -902,6 +902,7 @@ def test_a_history_over_the_export_limit_is_listed_and_says_why_it_is_not_export
         process.wait(timeout=30)
 
 
+@pytest.mark.sweep  # a bench's measurement, end to end (a CLI run and a page): with the bench's in `make sweep`
 def test_browser_bench_measures_the_page_against_the_cli(browser):
     from app.bench.browser import stream_vs_cli
 
@@ -1059,6 +1060,10 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     assert 1 == other.locator("#ps-explain-steps [data-explain=done]").count()
     assert 1 == page.locator("#ps-explain-steps [data-explain=held]").count()
     other.close()
+    # a Run to the reply's end (at Run's pace a 64-token one took 18 s; this prompt's greedy reply: "Yes.")
+    page.fill("#ps-explain-prompt textarea", "Reply with one word: yes or no?")
+    page.click("#ps-explain-start")
+    page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     page.click("#ps-explain-run")
     _wait_run_done(page)
     set_setting(page, "ps-explain-temperature", 0.8)  # sampled: the chances after the cut-offs beside the model's

@@ -102,17 +102,22 @@ def engines_line(messages: list[dict], lang: str) -> str:
 
 
 def asked_with(settings: dict, lang: str) -> str:
-    """What a reply was asked with (its `settings`), the defaults of a chat left out: 'system prompt "Be
+    """What a reply was asked with (its `settings`), what leaves a setting off left out: 'system prompt "Be
     brief." · temperature 0.7 · top-p 0.9 · up to 256 new tokens'."""
     said = [t(lang, "saved.asked_system", text=shorten(settings["system"]))] if settings.get("system") else []
     said.append(t(lang, "saved.asked_temperature", value=_number(settings.get("temperature", 0))))
-    for key, name, shown in (("top_p", "saved.asked_top_p", lambda v: v < 1), ("top_k", "saved.asked_top_k", bool),
-                             ("repetition_penalty", "saved.asked_penalty", lambda v: v != 1),
-                             ("seed", "saved.asked_seed", lambda v: v is not None),
-                             ("max_new_tokens", "saved.asked_max", lambda v: True),
-                             ("prefill_chunk", "saved.asked_chunk", bool)):
-        if key in settings and shown(settings[key]):
-            said.append(t(lang, name, value=_number(settings[key])))
+    if settings.get("top_p", 1) < 1:
+        said.append(t(lang, "saved.asked_top_p", value=_number(settings["top_p"])))
+    if settings.get("top_k"):
+        said.append(t(lang, "saved.asked_top_k", value=_number(settings["top_k"])))
+    if settings.get("repetition_penalty", 1) != 1:
+        said.append(t(lang, "saved.asked_penalty", value=_number(settings["repetition_penalty"])))
+    if settings.get("seed") is not None:
+        said.append(t(lang, "saved.asked_seed", value=_number(settings["seed"])))
+    if "max_new_tokens" in settings:
+        said.append(t(lang, "saved.asked_max", value=_number(settings["max_new_tokens"])))
+    if settings.get("prefill_chunk"):
+        said.append(t(lang, "saved.asked_chunk", value=_number(settings["prefill_chunk"])))
     return " · ".join(said)
 
 
