@@ -70,14 +70,14 @@ def test_every_event_in_the_replies_concurrency_group_allows_the_batch(tmp_path)
 
 COLLECTOR_AT_START = """
 import gc
-from app import cli
+from app import cli, startup
 
 passes, at_settle = [], []
 gc.callbacks.append(lambda phase, info: phase == "start" and passes.append(info["generation"]))
-settle = cli.settle
-paused = cli.pause_collector
-cli.pause_collector = lambda: (passes.clear(), paused())
-cli.settle = lambda: (at_settle.append(len(passes)), settle())
+settle = startup.settle
+paused = startup.pause_collector
+startup.pause_collector = lambda: (passes.clear(), paused())
+startup.settle = lambda: (at_settle.append(len(passes)), settle())
 code = cli.main(["generate", "--prompt", "Hi", "--max-new-tokens", "1"])
 print(code, at_settle, gc.isenabled(), gc.get_freeze_count() > 100_000)
 """

@@ -67,12 +67,12 @@ def test_any_message_list_is_answered_or_refused_in_one_line(fuzz_engine, messag
                                       "1e9", "fp8", "int8", "abc", ""]), max_size=6))
 @settings(max_examples=40, deadline=None, derandomize=DERANDOMIZE)
 def test_cli_arguments_never_end_in_a_traceback(args):
-    from app.cli import build_parser, engine_config, _sampling
+    from app.cli import build_parser, engine_config, sampling_of
 
     try:
         parsed = build_parser().parse_args(["generate", "--prompt", "hi", *args])
         engine_config(parsed)
-        _sampling(parsed)
+        sampling_of(parsed)
     except SystemExit as exit_:  # argparse's own one-line usage error
         assert exit_.code == 2
     except (ValueError, TypeError) as exc:

@@ -122,11 +122,11 @@ def test_a_good_stream_becomes_the_engines_events(faulty):
     assert len(finished.metrics.itl_ms) == 1 and finished.held_ms is None
     held, _ = reply(f"{faulty}/held")  # a PhaseScope server says how long its Lab held the request
     assert held[-1].held_ms == {"lab": 1500.0} and held[-1].text == "Hello there"
-    from app.cli import _remote_line  # the terminal chat's line after the reply
+    from app.cli.lines import remote_line  # the terminal chat's line after the reply
 
-    assert "· held there 1.5 s by lab" in _remote_line(held[-1]) and "held" not in _remote_line(events[-1])
+    assert "· held there 1.5 s by lab" in remote_line(held[-1]) and "held" not in remote_line(events[-1])
     odd, _ = reply(f"{faulty}/odd")
-    assert odd[-1].held_ms is None and odd[-1].text == "Hello there" and "server:" not in _remote_line(odd[-1])
+    assert odd[-1].held_ms is None and odd[-1].text == "Hello there" and "server:" not in remote_line(odd[-1])
 
 
 def test_the_servers_metrics_are_read_outside_the_requests_time(faulty):
