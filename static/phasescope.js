@@ -31,6 +31,10 @@
   }
   let reply = {id: null, text: ""};
   const markdown = window.phasescopeMarkdown;  // static/markdown.js, loaded before this script
+  // plotly.js is loaded once the page is up (loadPlotly), not with it: evaluated among Gradio's scripts, its
+  // 4.5 MB held the page's controls back (app/main.py, launch_options). Messages that come before it wait.
+  const PLOTLY_SRC = document.currentScript ? document.currentScript.dataset.plotly : null;
+  const early = [];
 
   function chartDiv(name) {
     return document.querySelector(`#ps-${name} .ps-plot`);
@@ -81,7 +85,7 @@
       const name = Object.keys(charts).find((n) => chartDiv(n) === target), chart = charts[name];
       if (!target.clientWidth) continue;
       if (chart && chart.spec && !chart.timer) draw(name, chart.spec);
-      else if (target._fullLayout && Math.round(target._fullLayout.width) !== target.clientWidth) {
+      else if (window.Plotly && target._fullLayout && Math.round(target._fullLayout.width) !== target.clientWidth) {
         window.Plotly.Plots.resize(target);
       }
     }
@@ -256,6 +260,10 @@
 
   function apply(raw) {
     if (!raw) return;
+    if (!window.Plotly) {  // not loaded yet: drawn once it is (start)
+      early.push(raw);
+      return;
+    }
     let message;
     try {
       message = JSON.parse(raw);
@@ -374,16 +382,32 @@
     event.preventDefault();
   }, true);
 
-  // the figures the page starts with: the stream box's first value (a change event only follows updates);
-  // called on load, it waits for the page and plotly.js, which Gradio may add after its own scripts
+  function loadPlotly(then) {
+    if (window.Plotly || !PLOTLY_SRC) {
+      then();
+      return;
+    }
+    const script = document.createElement("script");
+    script.src = PLOTLY_SRC;
+    script.onload = then;
+    document.head.appendChild(script);
+  }
+
+  // called on load, it waits for the page, then loads plotly.js and draws the figures the page starts with:
+  // the stream box's first value (a change event only follows updates), unless a change came meanwhile, and
+  // the messages that came before plotly.js, in order
   function start() {
     const box = document.querySelector("#ps-stream textarea");
-    if (!box || !window.Plotly || !chartDiv("latency")) {
+    if (!box || !chartDiv("latency")) {
       setTimeout(start, 100);
       return;
     }
     if (window.phasescopeFrames) window.phasescopeFrames.stopLeaked();  // before the first figure (frames.js)
-    if (box.value) apply(box.value);
+    loadPlotly(() => {
+      const pending = early.splice(0);
+      if (box.value && !pending.includes(box.value)) pending.unshift(box.value);
+      pending.forEach(apply);
+    });
     // a new reply's live span: follow its stream; a live span drawn after its text arrived (the chatbot
     // renders asynchronously): fill it
     new MutationObserver(() => {
