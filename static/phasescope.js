@@ -32,9 +32,13 @@
   let reply = {id: null, text: ""};
   const markdown = window.phasescopeMarkdown;  // static/markdown.js, loaded before this script
   // plotly.js is loaded once the page is up (loadPlotly), not with it: evaluated among Gradio's scripts, its
-  // 4.5 MB held the page's controls back (app/main.py, launch_options). Messages that come before it wait.
+  // 4.5 MB held the page's controls back (app/main.py, launch_options); loaded when the first figure comes
+  // (with the load's answer, after the model line it draws) or PLOTLY_LATEST_MS after the page is up.
+  // Messages that come before it wait.
   const PLOTLY_SRC = document.currentScript ? document.currentScript.dataset.plotly : null;
+  const PLOTLY_LATEST_MS = 1500;
   const early = [];
+  let plotlyAsked = false;
 
   function chartDiv(name) {
     return document.querySelector(`#ps-${name} .ps-plot`);
@@ -260,8 +264,9 @@
 
   function apply(raw) {
     if (!raw) return;
-    if (!window.Plotly) {  // not loaded yet: drawn once it is (start)
+    if (!window.Plotly) {  // not loaded yet: drawn once it is
       early.push(raw);
+      loadPlotly();
       return;
     }
     let message;
@@ -382,20 +387,29 @@
     event.preventDefault();
   }, true);
 
-  function loadPlotly(then) {
+  function loadPlotly() {
+    if (plotlyAsked) return;
+    plotlyAsked = true;
     if (window.Plotly || !PLOTLY_SRC) {
-      then();
+      drawEarly();
       return;
     }
     const script = document.createElement("script");
     script.src = PLOTLY_SRC;
-    script.onload = then;
+    script.onload = drawEarly;
     document.head.appendChild(script);
   }
 
-  // called on load, it waits for the page, then loads plotly.js and draws the figures the page starts with:
-  // the stream box's first value (a change event only follows updates), unless a change came meanwhile, and
-  // the messages that came before plotly.js, in order
+  // once plotly.js is there: the figures the page starts with, the stream box's first value (a change event
+  // only follows updates) unless a change came meanwhile, and the messages that came before, in order
+  function drawEarly() {
+    const box = document.querySelector("#ps-stream textarea");
+    const pending = early.splice(0);
+    if (box && box.value && !pending.includes(box.value)) pending.unshift(box.value);
+    pending.forEach(apply);
+  }
+
+  // called on load, it waits for the page
   function start() {
     const box = document.querySelector("#ps-stream textarea");
     if (!box || !chartDiv("latency")) {
@@ -403,11 +417,7 @@
       return;
     }
     if (window.phasescopeFrames) window.phasescopeFrames.stopLeaked();  // before the first figure (frames.js)
-    loadPlotly(() => {
-      const pending = early.splice(0);
-      if (box.value && !pending.includes(box.value)) pending.unshift(box.value);
-      pending.forEach(apply);
-    });
+    setTimeout(loadPlotly, PLOTLY_LATEST_MS);
     // a new reply's live span: follow its stream; a live span drawn after its text arrived (the chatbot
     // renders asynchronously): fill it
     new MutationObserver(() => {

@@ -137,7 +137,9 @@ def kpi_note(page, key: str) -> str:
 
 
 def plot_traces(page, elem_id: str) -> dict[str, int]:
-    """Trace name -> number of points, read from the plotly figure in the page."""
+    """Trace name -> number of points, read from the plotly figure in the page, once it is drawn (a page
+    loads plotly.js after its controls: static/phasescope.js)."""
+    page.wait_for_selector(f"#{elem_id} .js-plotly-plot", state="attached", timeout=30_000)
     return page.evaluate(f"""() => {{
         const plot = document.querySelector('#{elem_id} .js-plotly-plot');
         if (!plot) return {{}};
