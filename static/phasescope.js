@@ -263,18 +263,13 @@
   }
 
   function apply(raw) {
-    if (!raw) return;
-    if (!window.Plotly) {  // not loaded yet: drawn once it is
-      early.push(raw);
-      loadPlotly();
-      return;
-    }
     let message;
     try {
       message = JSON.parse(raw);
     } catch (error) {
       return;
     }
+    if (!message) return;
     // a message of no reply (figures redrawn in another language) leaves a streaming reply's text as it is
     if (message.reply && message.reply !== reply.id) reply = {id: message.reply, text: ""};
     if ("chat" in message) remember(message.chat);
@@ -286,6 +281,15 @@
       const box = document.querySelector(`#${id} .html-container > div`);  // what Gradio's gr.HTML draws in
       if (box) box.innerHTML = html;  // the server's own markup (app/ui/panels.py), its text escaped there
     }
+    if (!(message.reset || message.append)) return;
+    if (window.Plotly) figures(message);
+    else {  // drawn once plotly.js has loaded; the text goes on meanwhile
+      early.push(message);
+      loadPlotly();
+    }
+  }
+
+  function figures(message) {
     for (const name of ["latency", "kv"]) {
       // a streaming reply's figures (it has an id) wait their turn; the others are drawn at once
       if (message.reset && message.reset[name]) {
@@ -401,12 +405,18 @@
   }
 
   // once plotly.js is there: the figures the page starts with, the stream box's first value (a change event
-  // only follows updates) unless a change came meanwhile, and the messages that came before, in order
+  // only follows updates) unless a change came meanwhile, and those of the messages that came before, in order
   function drawEarly() {
     const box = document.querySelector("#ps-stream textarea");
     const pending = early.splice(0);
-    if (box && box.value && !pending.includes(box.value)) pending.unshift(box.value);
-    pending.forEach(apply);
+    let first = null;
+    try {
+      first = box && JSON.parse(box.value);
+    } catch (error) {
+      // empty
+    }
+    if (first && !pending.some((message) => message.seq === first.seq)) figures(first);
+    pending.forEach(figures);
   }
 
   // called on load, it waits for the page

@@ -390,6 +390,25 @@ def test_a_phones_width_stacks_the_header_and_keeps_the_tiles_whole(browser, app
         page.close()
 
 
+ORDER_JS = """window.psOrder = [];
+new MutationObserver(() => {
+  if (!psOrder.includes('message box') && document.querySelector('#ps-message textarea')) psOrder.push('message box');
+}).observe(document, {childList: true, subtree: true});
+Object.defineProperty(window, 'Plotly', {configurable: true, get: () => undefined, set: (value) => {
+  Object.defineProperty(window, 'Plotly', {value, writable: true, configurable: true});
+  psOrder.push('plotly.js');
+}});"""
+
+
+def test_the_page_shows_its_controls_before_it_loads_plotly(browser, app_url):
+    """plotly.js (4.5 MB) evaluated among Gradio's scripts held the page's controls back by a second: it is
+    loaded once they show, with the first figure, and the figures then drawn."""
+    page = open_chat(browser, app_url, script=ORDER_JS)
+    assert {"prefill", "decode"} <= set(plot_traces(page, "ps-latency"))  # the empty chat's figure, drawn
+    assert ["message box", "plotly.js"] == page.evaluate("() => psOrder")
+    page.close()
+
+
 def test_charts_drawn_again_while_their_tab_is_hidden_fit_their_column_when_it_shows(page):
     """The language switched on another tab draws the Chat's and Explain's charts again in hidden tabs:
     plotly.js measured no width there and kept its default, 700 px, over the column's edge (the chat's laid
