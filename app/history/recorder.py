@@ -83,11 +83,16 @@ class MessageRecorder:
         self._last_write = time.monotonic()
 
 
+def sampling_settings(sampling: SamplingParams) -> dict:
+    """The sampling as the history keeps it: every field by name (a session's settings, a reply's)."""
+    return {name: getattr(sampling, name) for name in sampling.__slots__}
+
+
 def reply_settings(session: ChatSession, messages: list[dict], sampling: SamplingParams) -> dict:
     """What a reply is asked with, saved with it (messages.settings): the system prompt sent (None: none), the
     sampling, and the chat's prefill chunk where it has one (the browser's)."""
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
-    return {"system": system, **{name: getattr(sampling, name) for name in sampling.__slots__},
+    return {"system": system, **sampling_settings(sampling),
             **{name: session.settings[name] for name in ("prefill_chunk",) if name in session.settings}}
 
 
@@ -98,11 +103,10 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo]):
     def recorder(session: ChatSession, messages: list[dict], sampling: SamplingParams, trace: ReplyTrace):
         user_text = messages[-1]["content"]
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
-            settings = {name: getattr(sampling, name) for name in sampling.__slots__}
             about = session.endpoint.info() if session.endpoint is not None else model()  # a remote chat: the endpoint
             session.saved_reply = None
             session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
-                                                    about.name, about.device, about.dtype, settings)
+                                                    about.name, about.device, about.dtype, sampling_settings(sampling))
         asked = reply_settings(session, messages, sampling)
         try:  # a retried turn: a new reply
             message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply, asked)
