@@ -251,7 +251,7 @@
     return null;
   }
 
-  // the chat's id in the history, kept for this browser tab (a new tab starts a new chat): a reload shows the
+  // the chat's key in the history (its id and creation time), kept for this browser tab (a new tab starts a new chat): a reload shows the
   // chat again (app/ui/history_tab.py, restore)
   function remember(chat) {
     try {

@@ -162,7 +162,7 @@ def test_a_message_sent_while_the_model_loads_waits_for_it(tmp_path):
             browser = launch_browser(playwright)
             # a tab reloaded while the model loads: its chat shows, and the panel once the model has loaded
             reloaded = browser.new_page()
-            reloaded.add_init_script(f"sessionStorage.setItem('phasescope-chat', '{saved}')")
+            reloaded.add_init_script(f"sessionStorage.setItem('phasescope-chat', '{store.session_key(saved)}')")
             reloaded.goto(f"http://127.0.0.1:{port}")
             reloaded.wait_for_selector("#ps-chatbot [data-testid=bot]:has-text('Teal.')")
             assert "Loading the model" in reloaded.inner_text("#ps-model-line")

@@ -9,6 +9,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -506,6 +507,21 @@ def test_a_deleted_session_id_is_never_given_again(store):
     after = store.create_session("after", "m", "cpu", "float32", {})
     assert after > newest > first
     assert store.add_reply(after, 1, "hello") > reply
+
+
+def test_a_session_key_names_the_session_in_its_own_database_alone(tmp_path):
+    """What a reloaded tab sends to find its chat (app/ui/history_tab.py, restore): the app restarted with
+    another --db, or with a new history file, holds a session of the same id, another chat."""
+    one, other = Store.open(str(tmp_path / "one.db")), Store.open(str(tmp_path / "other.db"))
+    mine = one.create_session("mine", "m", "cpu", "float32", {})
+    time.sleep(0.01)  # a restart takes longer: the key's time is in milliseconds
+    stranger = other.create_session("a stranger's", "m", "cpu", "float32", {})
+    assert mine == stranger
+    key = one.session_key(mine)
+    assert mine == one.session_by_key(key)
+    assert other.session_by_key(key) is None
+    for damaged in ("", str(mine), f"{mine}@", f"x@{key}", "@" + key.partition("@")[2]):
+        assert one.session_by_key(damaged) is None
 
 
 def test_a_session_is_not_deleted_while_it_replies(store):

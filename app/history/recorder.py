@@ -96,6 +96,11 @@ def reply_settings(session: ChatSession, messages: list[dict], sampling: Samplin
             **{name: session.settings[name] for name in ("prefill_chunk",) if name in session.settings}}
 
 
+def saved_as(session: ChatSession, store: Store, session_id: int) -> None:
+    """The chat is the stored session session_id: its id, and its key for the page (Store.session_key)."""
+    session.store_id, session.store_key = session_id, store.session_key(session_id)
+
+
 def make_recorder(store: Store, model: Callable[[], ModelInfo]):
     """The chat tab's recorder factory: saves the session and the user's message, then returns the
     hook that records the assistant's reply. model: what a new session is about, read as it starts (a
@@ -105,14 +110,15 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo]):
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
             about = session.endpoint.info() if session.endpoint is not None else model()  # a remote chat: the endpoint
             session.saved_reply = None
-            session.store_id = store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
-                                                    about.name, about.device, about.dtype, sampling_settings(sampling))
+            saved_as(session, store, store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
+                                                          about.name, about.device, about.dtype,
+                                                          sampling_settings(sampling)))
         asked = reply_settings(session, messages, sampling)
         try:  # a retried turn: a new reply
             message_id = store.add_reply(session.store_id, trace.turn, user_text, session.saved_reply, asked)
         except SessionMoved:  # another tab continued this session: this chat goes on in a copy of it
             continued = session.store_id
-            session.store_id = store.fork_session(continued, trace.turn)
+            saved_as(session, store, store.fork_session(continued, trace.turn))
             session.warn(t(session.lang, "warning.session_forked", old=continued, new=session.store_id))
             message_id = store.add_reply(session.store_id, trace.turn, user_text, store.latest_reply(session.store_id),
                                          asked)
@@ -188,7 +194,8 @@ def load_chat(store: Store, session_id: int, lang: str = DEFAULT) -> ChatSession
     """A stored session as the chat tab holds it, to show it again and continue it (in the page's language):
     each turn with its latest reply (one a Retry replaced is left out), and as settings what the last reply
     was asked with (reply_settings; {} where it saved none)."""
-    session = ChatSession(store_id=session_id, lang=lang)
+    session = ChatSession(lang=lang)
+    saved_as(session, store, session_id)
     messages = store.messages(session_id)
     asked = questions(messages)
     for message in messages:

@@ -481,6 +481,20 @@ class Store:
     def has_session(self, session_id: int) -> bool:
         return bool(self._query("SELECT 1 FROM sessions WHERE id = ?", [session_id]))
 
+    def session_key(self, session_id: int) -> str:
+        """The session's id with when it was created: what a browser tab keeps to show its chat again after a
+        reload (app/ui/history_tab.py, restore). An id alone names another chat in another database: the app
+        restarted with another --db, or with a new one after the history file was removed."""
+        return f"{session_id}@{self.session(session_id)['created_at']}"
+
+    def session_by_key(self, key: str) -> int | None:
+        """The id of the session session_key named, None where this database has no such session."""
+        session_id, _, created = key.partition("@")
+        if not session_id.isdigit():
+            return None
+        rows = self._query("SELECT id FROM sessions WHERE id = ? AND created_at = ?", [int(session_id), created])
+        return rows[0]["id"] if rows else None
+
     def messages(self, session_id: int) -> list[dict]:
         return self._query("SELECT * FROM messages WHERE session_id = ? ORDER BY turn, id", [session_id])
 

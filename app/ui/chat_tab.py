@@ -97,7 +97,7 @@ def render(session: ChatSession, engine: Engine, trace: ReplyTrace | None, chatb
     """Every output of the tab, for one moment of a chat; chatbot: whether to send the conversation."""
     _show_warnings(session)
     stream = live.reset(trace.events if trace else [], [r.events for r in session.traces], lang=session.lang,
-                        chat=session.store_id)
+                        chat=session.store_key)
     # a streaming reply's messages set these pieces in the page behind Gradio's back: Gradio redraws a
     # piece only when its value differs from the one it last drew, so each value here is new
     pieces = [f"{html}<!--{next(_drawn)}-->" for html in _live_panels(session, engine, trace).values()]
@@ -246,7 +246,7 @@ def make_respond(engine: Engine, active: ActiveRequests, recorder: RecorderFacto
         else:
             worker = ReplyWorker(engine, request, trace, hooks)
         active.start(session.id, request)
-        updates = live.LiveReply(session.reply_id, session.traces, session.lang, session.store_id)
+        updates = live.LiveReply(session.reply_id, session.traces, session.lang, session.store_key)
         streams.on_abandoned(session.reply_id, request.cancel)  # the page went away: stop generating for nobody
         try:
             while worker.is_running:

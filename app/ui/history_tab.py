@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # the engine's machinery imports torch: the page is served be
 
     from .session import ChatSession
 
-# the chat's id in the history as the browser tab keeps it (static/phasescope.js, remember); none where the
-# browser refuses the page its storage (a strict privacy setting)
+# the chat's key in the history (Store.session_key) as the browser tab keeps it (static/phasescope.js,
+# remember); none where the browser refuses the page its storage (a strict privacy setting)
 REMEMBERED_CHAT_JS = ("(() => { try { return sessionStorage.getItem('phasescope-chat') || ''; } "
                       "catch (e) { return ''; } })()")
 COLUMNS = ["saved.col_id", "saved.col_title", "saved.col_updated", "saved.col_model", "saved.col_turns",
@@ -421,12 +421,13 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
 
     def restore(lang_choice, current, remembered):
         """At a page's load, the chat the browser tab showed before it was reloaded (or the browser restored
-        it): its id in the history, which the tab keeps in its sessionStorage (static/phasescope.js), not in
-        the browser's localStorage, which every tab shares: a new tab starts a new chat. While the model loads
-        only the conversation: the chat tab draws the rest from it once the model has loaded."""
+        it): its key in the history (Store.session_key), which the tab keeps in its sessionStorage
+        (static/phasescope.js), not in the browser's localStorage, which every tab shares: a new tab starts a
+        new chat. While the model loads only the conversation: the chat tab draws the rest from it once the
+        model has loaded."""
         try:
-            session_id = int(remembered or 0)
-            if current is not None or not session_id or not store.has_session(session_id):
+            session_id = store.session_by_key(remembered or "")
+            if current is not None or session_id is None:
                 return [gr.skip()] * len(restored)
             if is_loading(engine):
                 session = load_chat(store, session_id, lang_choice)
@@ -435,7 +436,7 @@ def build(engine: Engine, store: Store, chat: ChatTab, tabs: gr.Tabs, page: gr.T
                          **{id(control): value for control, value in settings}}
                 return [drawn.get(id(component), gr.skip()) for component in restored]
             return reopened(session_id, lang_choice, None)
-        except (ValueError, StoreError):  # not an id, or a damaged database: a new chat
+        except StoreError:  # a damaged database: a new chat
             return [gr.skip()] * len(restored)
 
     remembered = gr.Textbox(visible=False)

@@ -12,8 +12,8 @@ script applies them in place. A message is a JSON object with any of:
           added to that trace (Plotly.animate while they fit the axes as drawn, else Plotly.extendTraces)
   panels  the live panel's HTML pieces that changed, {element id: html} (phase, tiles, time split, pool):
           set in place of what Gradio drew there last
-  chat    the chat's id in the history (null: none yet): kept for the browser tab, so that a reload shows
-          the chat again (app/ui/history_tab.py, restore)
+  chat    the chat's key in the history (Store.session_key; null: none yet): kept for the browser tab, so
+          that a reload shows the chat again (app/ui/history_tab.py, restore)
   seq     a counter, so that every message differs from the last (the page reacts to changes)
 """
 from __future__ import annotations
@@ -55,8 +55,8 @@ class LiveReply:
     read, the first token came), then each update's new text and new points only."""
 
     def __init__(self, reply_id: str, traces: Sequence[ReplyTrace], lang: str = DEFAULT,
-                 chat: int | None = None) -> None:
-        self.reply_id, self.lang, self.chat = reply_id, lang, chat  # chat: its id in the history, once saved
+                 chat: str | None = None) -> None:
+        self.reply_id, self.lang, self.chat = reply_id, lang, chat  # chat: its key in the history, once saved
         self.traces = traces  # the chat's replies, the streaming one last
         self._shape: tuple | None = None
         self._sent_steps = 0

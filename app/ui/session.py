@@ -35,6 +35,7 @@ class ChatSession:
     display: list[dict] = field(default_factory=list)  # what the Chatbot shows
     traces: list[ReplyTrace] = field(default_factory=list)  # one per assistant reply
     store_id: int | None = None  # the history database's session id, once saved
+    store_key: str | None = None  # store_id with its creation time (Store.session_key): the page keeps it
     saved_reply: int | None = None  # the id of store_id's latest reply as this chat knows it (Store.add_reply)
     pending: str = ""  # a message accepted and waiting for the engine
     taken: str = ""  # the reply id whose message a respond took (take)
