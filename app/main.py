@@ -158,7 +158,7 @@ def start_engine(config: EngineConfig, on_stage=lambda name, **params: None) -> 
 
 class LoadStages(logging.Handler):
     """The stages of a load that the engine's log names (a GGUF file converted, int8 rows made, the native
-    step compiled, each once: records with a "stage", see engine.loader.stage), passed on to on_stage while
+    step compiled, each once: records with a "stage", see engine.models.loader.stage), passed on to on_stage while
     it is attached."""
 
     def __init__(self, on_stage) -> None:

@@ -8,9 +8,10 @@ data that imports no torch; the machinery behind Engine does, and is imported on
 (PEP 562), so that the app can serve its page while torch and the model load.
 
 Where the two phases are:
-- prefill: Engine.prefill (engine.py) runs a prompt chunk through LeanLlama.forward (llama.py);
+- prefill: Engine.prefill (engine.py) runs a prompt chunk through LeanLlama.forward (models/llama.py);
 - decode: Engine.decode_step runs one token of every sequence in the batch through LeanLlama.decode,
-  which hands the whole step to the native library (fused.py, csrc/decode_step.cpp) where it is built;
+  which hands the whole step to the native library (kernels/fused.py, kernels/csrc/decode_step.cpp)
+  where it is built;
 - Engine.step (schedule -> run -> postprocess) chooses which requests take which (scheduler.py), and
   the KV cache they read and write is kv_pool.py.
 """
@@ -24,7 +25,7 @@ from .events import (FORWARD_STAGES, DecodeStep, Event, Finished, FirstToken, Ho
                      Speculation, Started, TopToken, WAKE)
 from .info import ModelInfo, PoolUsage
 from .metrics import RequestMetrics, percentiles, session_summary
-from .model_defaults import model_sampling, sampling_defaults, sampling_origin
+from .models.model_defaults import model_sampling, sampling_defaults, sampling_origin
 from .prompt import PromptTooLong, check_messages, render_prompt, reply_message, valid_text
 from .request import Request, Status
 from .text import IncrementalDetokenizer
@@ -32,7 +33,7 @@ from .tokenizer import token_bytes
 
 _WITH_TORCH = {  # name: its module, imported when the name is first used
     "Engine": ".engine", "KVPool": ".kv_pool", "SequenceKV": ".kv_pool", "kv_bytes_formula": ".kv_pool",
-    "LoadedModel": ".loader", "default_model_path": ".loader", "load_model": ".loader",
+    "LoadedModel": ".models.loader", "default_model_path": ".models.loader", "load_model": ".models.loader",
 }
 
 

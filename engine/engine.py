@@ -30,12 +30,12 @@ from .config import DRAFT_PREFIX, EngineConfig, SamplingParams
 from .errors import EngineBusy, QueueFull
 from .events import (DecodeStep, Event, Finished, FirstToken, Hook, PrefillChunk, PromptToken, Speculation, Started,
                      TopToken)
-from .hf_runner import TransformersRunner, in_dtype, make_runner
 from .info import ModelInfo, PoolUsage
+from .kernels.fused import start_early
 from .kv_pool import blocks_for, kv_bytes_formula
-from .llama import matrix_numbers
-from .fused import start_early
-from .loader import LoadedModel, cache_root, load_model
+from .models.hf_runner import TransformersRunner, in_dtype, make_runner
+from .models.llama import matrix_numbers
+from .models.loader import LoadedModel, cache_root, load_model
 from .prompt import PromptTooLong, check_messages, fit_conversation, has_chat_template, render_prompt
 from .request import Request, Status
 from .sampling import SeenTokens, make_generator, sample, top_logits, top_tempered

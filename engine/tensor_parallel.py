@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .config import DEFAULT_BLOCK_TOKENS
 from .kv_pool import KVPool, SequenceKV, blocks_for, kv_bytes_formula, row_elements
-from .llama import LeanLlama, StageClock
+from .models.llama import LeanLlama, StageClock
 from .shared_memory import SharedMemoryLink
 
 MIN_HALF_TOKENS = 64  # a prefill of at least twice this runs as two halves, taken in turns (_forward_halves)

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.cuda_graphs import GraphDecode  # noqa: E402
-from engine.llama import LeanLlama  # noqa: E402
+from engine.kernels.cuda_graphs import GraphDecode  # noqa: E402
+from engine.models.llama import LeanLlama  # noqa: E402
 
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,

@@ -23,7 +23,7 @@ unchanged.
     python scripts/gpu_variants.py [--out DIR] [--only sdpa,gemv,...]   # default sdpa,sums,sums-fp32,autotune
 
 ~3 minutes for the default; `--device cpu --layers 2` checks it here. Writes $OUT/gpu_variants.json after
-each section. A variant that wins moves into engine/cuda_graphs.py.
+each section. A variant that wins moves into engine/kernels/cuda_graphs.py.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check as check  # noqa: E402
-from engine.cuda_graphs import StaticDecode  # noqa: E402
+from engine.kernels.cuda_graphs import StaticDecode  # noqa: E402
 
 SDPA_ATTENTION = StaticDecode._attention
 

@@ -15,7 +15,7 @@ from app.main import LoadingEngine, build_app
 from app.history.store import Store
 from engine import EngineConfig
 build_app(LoadingEngine(EngineConfig()), Store.open(sys.argv[1]))
-loaded = sorted(name for name in sys.modules if name == "torch" or name.startswith(("engine.engine", "engine.llama")))
+loaded = sorted(name for name in sys.modules if name == "torch" or name.startswith(("engine.engine", "engine.models.llama")))
 print(",".join(loaded) or "none")
 """
 

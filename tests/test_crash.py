@@ -19,7 +19,7 @@ CHILD = textwrap.dedent("""
     from app.history.store import Store
     from conftest import record, tiny_model
     from engine import DecodeStep, Engine, SamplingParams
-    from engine.loader import model_folder
+    from engine.models.loader import model_folder
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder(None))
     engine = Engine(tiny_model(tokenizer, max_positions=4096))

@@ -1,4 +1,4 @@
-"""The CUDA-graph decode step's bookkeeping (engine/cuda_graphs.py), on the CPU: its buckets, the static
+"""The CUDA-graph decode step's bookkeeping (engine/kernels/cuda_graphs.py), on the CPU: its buckets, the static
 step it records against the eager decode, padding rows, and when the eager ops run instead. Capture and
 replay themselves need a GPU (scripts/gpu_check.py)."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from engine.cuda_graphs import BATCH_BUCKETS, GraphDecode, bucket, context_buckets, why_not
+from engine.kernels.cuda_graphs import BATCH_BUCKETS, GraphDecode, bucket, context_buckets, why_not
 from engine.kv_pool import KVPool
-from engine.llama import LeanLlama
+from engine.models.llama import LeanLlama
 
 PROMPT = "Prefill reads the prompt; decode writes the reply."
 

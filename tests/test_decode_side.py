@@ -223,7 +223,7 @@ def test_a_sliding_window_stops_the_cache_growing(tokenizer):
 def test_after_a_slide_the_native_step_and_pytorch_agree(tokenizer):
     """Tokens after the dropped block keep their places in the text for the rotary embedding, in the
     native step and in the PyTorch ops alike."""
-    from engine.llama import LeanLlama
+    from engine.models.llama import LeanLlama
 
     lean = LeanLlama(tiny_model(tokenizer, num_heads=4, num_kv_heads=2, hidden=256).model, precision="fp32")
     pool = lean.new_pool(4_000_000, prefix_caching=False)

@@ -10,8 +10,8 @@ import torch
 from conftest import shape, tiny_model, user
 from engine import (DecodeStep, Engine, EngineConfig, Finished, FirstToken, PrefillChunk, PromptTooLong,
                     SamplingParams, kv_bytes_formula)
-from engine.hf_runner import TransformersRunner, make_runner
-from engine.llama import LeanLlama
+from engine.models.hf_runner import TransformersRunner, make_runner
+from engine.models.llama import LeanLlama
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The native decode step and prefill attention (engine/csrc/decode_step.cpp) against the PyTorch ops they
+"""The native decode step and prefill attention (engine/kernels/csrc/decode_step.cpp) against the PyTorch ops they
 replace."""
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model, user
-from engine import Engine, EngineConfig, ModelError, SamplingParams, fused
-from engine.fused import KernelUnavailable, build_library
-from engine.hf_runner import make_runner
+from engine import Engine, EngineConfig, ModelError, SamplingParams
+from engine.kernels import fused
+from engine.kernels.fused import KernelUnavailable, build_library
 from engine.kv_pool import SequenceKV
-from engine.llama import LeanLlama
+from engine.models.hf_runner import make_runner
+from engine.models.llama import LeanLlama
 from engine.sampling import SeenTokens, apply_repetition_penalty, make_generator, sample, top_logits, top_tempered
 
 PROMPT = "Prefill reads the prompt; decode writes the reply."

@@ -120,7 +120,7 @@ from transformers import AutoTokenizer
 from app.history.store import Store
 from conftest import record, tiny_model
 from engine import Engine, SamplingParams
-from engine.loader import model_folder
+from engine.models.loader import model_folder
 
 engine = Engine(tiny_model(AutoTokenizer.from_pretrained(model_folder(None))))
 store = Store.open(sys.argv[1])

@@ -384,7 +384,7 @@ def test_threads_on_a_busy_machine_binds_them_for_its_bound_side_only_and_leaves
 
 
 def test_threads_without_the_native_step_is_said_so(tiny, tmp_path):
-    from engine.llama import LeanLlama
+    from engine.models.llama import LeanLlama
 
     blocker = tmp_path / "file-not-folder"
     blocker.write_text("")

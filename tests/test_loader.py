@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import ModelError, default_model_path
-from engine.loader import model_folder, resolve_device
+from engine.models.loader import model_folder, resolve_device
 
 
 def test_default_model_is_found_without_importing_its_package():
@@ -67,7 +67,7 @@ def test_cpu_is_the_fallback_device():
 
 
 def _logits(model, ids, precision="fp32"):
-    from engine.hf_runner import make_runner
+    from engine.models.hf_runner import make_runner
 
     runner = make_runner(model, precision)
     cache = runner.new_cache(len(ids) + 4)
@@ -79,8 +79,8 @@ def _logits(model, ids, precision="fp32"):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_the_folder_loader_builds_the_same_forward_as_transformers(tmp_path, tokenizer, kind):
     from conftest import tiny_model
-    from engine.folder_model import FolderModel
-    from engine.loader import load_model
+    from engine.models.folder_model import FolderModel
+    from engine.models.loader import load_model
 
     tiny = tiny_model(tokenizer, kind, hidden=128)
     tiny.model.save_pretrained(tmp_path)
@@ -102,7 +102,7 @@ def test_a_folder_that_lacks_a_tensor_a_tokenizer_or_a_size_is_said_so(tmp_path,
     from safetensors.torch import load_file, save_file
 
     from conftest import tiny_model
-    from engine.loader import load_model
+    from engine.models.loader import load_model
 
     tiny_model(tokenizer).model.save_pretrained(tmp_path)  # no tokenizer's files
     with pytest.raises(ModelError, match=rf"^{tmp_path} has no tokenizer \(tokenizer.json, tokenizer.model, "):
@@ -130,8 +130,8 @@ def test_a_sliding_window_ends_the_context_where_the_lean_forward_agrees(tmp_pat
     import json
 
     from conftest import tiny_model
-    from engine.hf_runner import make_runner
-    from engine.loader import load_model
+    from engine.models.hf_runner import make_runner
+    from engine.models.loader import load_model
 
     tiny = tiny_model(tokenizer, kind)  # 256 positions
     tiny.model.config.sliding_window = window
@@ -148,8 +148,8 @@ def test_a_llama_with_another_activation_runs_on_transformers_forward(tmp_path, 
     wrong activation."""
     from conftest import tiny_model
     from engine import Engine
-    from engine.folder_model import supports
-    from engine.loader import load_model
+    from engine.models.folder_model import supports
+    from engine.models.loader import load_model
 
     tiny = tiny_model(tokenizer)
     tiny.model.config.hidden_act = "gelu"
@@ -165,8 +165,8 @@ def test_a_model_in_several_weights_files_is_read_from_its_folder_too(tmp_path, 
     """A model of more than a few GB comes in shards that model.safetensors.index.json names: read straight
     from the folder as one file is (transformers' model object took the cold start's longest part)."""
     from conftest import tiny_model
-    from engine.folder_model import FolderModel
-    from engine.loader import load_model
+    from engine.models.folder_model import FolderModel
+    from engine.models.loader import load_model
 
     tiny = tiny_model(tokenizer, hidden=128)
     tiny.model.save_pretrained(tmp_path, max_shard_size="2MB")
@@ -183,7 +183,7 @@ def test_a_model_in_several_weights_files_is_read_from_its_folder_too(tmp_path, 
 
 
 def test_the_bundled_model_loads_from_its_folder_with_the_same_logits(bundled):
-    from engine.loader import load_model
+    from engine.models.loader import load_model
 
     loaded = load_model(None, device="cpu", dtype="float32", lean=True)
     ids = bundled.tokenizer("The two phases of inference are prefill and decode.")["input_ids"]
@@ -197,7 +197,7 @@ def test_a_folder_with_rope_scaling_loads_through_transformers(tmp_path, tokeniz
     import json
 
     from conftest import tiny_model
-    from engine.folder_model import supports
+    from engine.models.folder_model import supports
 
     tiny_model(tokenizer).model.save_pretrained(tmp_path)
     assert supports(tmp_path)
@@ -209,9 +209,9 @@ def test_a_folder_with_rope_scaling_loads_through_transformers(tmp_path, tokeniz
 
 def test_int8_weights_are_quantized_once_per_folder(tmp_path, tokenizer, monkeypatch):
     from conftest import tiny_model
-    from engine import quantize
-    from engine.hf_runner import make_runner
-    from engine.loader import load_model
+    from engine.models import quantize
+    from engine.models.hf_runner import make_runner
+    from engine.models.loader import load_model
 
     folder, cache = tmp_path / "model", tmp_path / "cache"
     tiny_model(tokenizer, hidden=128).model.save_pretrained(folder)
@@ -249,9 +249,9 @@ def test_a_half_precision_folder_is_held_as_its_file_and_cached_int8_rows_conver
     # a bf16 file (most downloads) run in fp32 or int8 had every weight converted to fp32 and kept beside
     # what the forward keeps: a 0.5 B model held 2.1 GB more in int8 than the rows it runs
     from conftest import tiny_model
-    from engine.folder_model import FolderModel
-    from engine.hf_runner import make_runner
-    from engine.loader import load_model
+    from engine.models.folder_model import FolderModel
+    from engine.models.hf_runner import make_runner
+    from engine.models.loader import load_model
 
     folder, cache = tmp_path / "model", str(tmp_path / "cache")
     tiny_model(tokenizer, hidden=128).model.to(torch.bfloat16).save_pretrained(folder)
@@ -291,7 +291,7 @@ def test_what_a_first_start_does_once_is_said_on_stderr_and_not_again(tmp_path, 
 
 
 def test_the_engines_tokenizer_reads_like_transformers(bundled):
-    from engine.loader import load_tokenizer, model_folder
+    from engine.models.loader import load_tokenizer, model_folder
     from engine.tokenizer import FolderTokenizer
 
     ours, theirs = load_tokenizer(model_folder(None), light=True), bundled.tokenizer
@@ -315,7 +315,7 @@ def test_the_engines_tokenizer_reads_like_transformers(bundled):
 def test_a_gguf_files_hash_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
     import os
 
-    from engine import loader
+    from engine.models import loader
 
     gguf, folder = tmp_path / "m.gguf", tmp_path / "converted"
     gguf.write_bytes(b"GGUF" + bytes(1000))
@@ -340,8 +340,8 @@ FULL_DISK = "Error while serializing: I/O error: No space left on device (os err
 def test_int8_weights_run_when_their_cache_cannot_be_written(tmp_path, tokenizer, monkeypatch, caplog):
     import safetensors.torch
     from conftest import tiny_model
-    from engine.hf_runner import make_runner
-    from engine.loader import load_model
+    from engine.models.hf_runner import make_runner
+    from engine.models.loader import load_model
 
     def full_disk(tensors, filename, *args, **kwargs):
         open(filename, "wb").write(b"half a file")
@@ -357,7 +357,7 @@ def test_int8_weights_run_when_their_cache_cannot_be_written(tmp_path, tokenizer
     assert [] == list((cache / "int8").iterdir())  # no half file left behind
     # ... and said: with a full disk a 7 B model quantized for 70 s at every start, without a word
     assert [f"could not keep {cache / 'int8'}"] == [record.getMessage()[:len(f"could not keep {cache / 'int8'}")]
-                                                      for record in caplog.records if record.name == "engine.loader"]
+                                                      for record in caplog.records if record.name == "engine.models.loader"]
     assert "(No space left on device (os error 28)): the next start makes it again" in caplog.text
 
 
@@ -366,7 +366,7 @@ def test_a_conversion_that_cannot_be_written_says_so_in_one_line(tmp_path, token
     import safetensors.torch
     import transformers
     from conftest import tiny_model
-    from engine.loader import convert_gguf
+    from engine.models.loader import convert_gguf
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(100))
@@ -391,7 +391,7 @@ def test_a_damaged_conversion_is_made_again_and_a_concurrent_one_is_taken(tmp_pa
     import safetensors.torch
     import transformers
     from conftest import tiny_model
-    from engine.loader import convert_gguf
+    from engine.models.loader import convert_gguf
 
     gguf, cache = tmp_path / "m.gguf", str(tmp_path / "cache")
     gguf.write_bytes(b"GGUF" + bytes(100))
@@ -422,8 +422,8 @@ def test_a_damaged_conversion_is_made_again_and_a_concurrent_one_is_taken(tmp_pa
 ])
 def test_a_gguf_file_cut_short_is_said_so(tmp_path, kept, said):
     """A download that stopped: said as such, not as transformers' struct or numpy error."""
-    from engine.gguf_file import gguf_cut_short
-    from engine.loader import convert_gguf
+    from engine.models.gguf_file import gguf_cut_short
+    from engine.models.loader import convert_gguf
 
     whole = default_model_path()
     assert gguf_cut_short(whole) is None
@@ -441,7 +441,7 @@ def test_the_conversions_gguf_reader_reads_what_ggufs_own_reads(tmp_path):
     import gguf
     import numpy as np
 
-    from engine import loader
+    from engine.models import loader
 
     path = str(tmp_path / "tiny.gguf")
     writer = gguf.GGUFWriter(path, "llama")
@@ -470,9 +470,9 @@ def test_a_gguf_file_too_large_to_convert_at_once_is_converted_a_tensor_at_a_tim
     # machine has, and the kernel killed the process without a word
     import gguf as gguf_package
 
-    from engine import loader
-    from engine.folder_model import SHARD_INDEX, load_folder_model
-    from engine.gguf_file import gguf_parameters
+    from engine.models import loader
+    from engine.models.folder_model import SHARD_INDEX, load_folder_model
+    from engine.models.gguf_file import gguf_parameters
 
     gguf, cache = default_model_path(), tmp_path / "cache"
     assert 134_515_008 == gguf_parameters(gguf)  # SmolLM2-135M's, embedding and all
@@ -505,9 +505,9 @@ def test_a_gguf_file_too_large_to_convert_at_once_is_converted_a_tensor_at_a_tim
 def test_a_model_for_transformers_that_would_not_fit_is_refused_before_it_is_built(gpt2_folder, monkeypatch):
     # transformers builds the whole model in the dtype asked for: a 7 B model in fp32 (the bench's baseline,
     # or any architecture the lean forward does not run) took 29.5 GB of a 24 GB machine
-    from engine import loader
-    from engine.folder_model import parameters
-    from engine.loader import load_model
+    from engine.models import loader
+    from engine.models.folder_model import parameters
+    from engine.models.loader import load_model
 
     numbers = parameters(gpt2_folder)
     monkeypatch.setattr(loader, "free_memory", lambda: numbers * 3)
@@ -522,7 +522,7 @@ def test_a_model_for_transformers_that_would_not_fit_is_refused_before_it_is_bui
     {"memory/memory.limit_in_bytes": "1500000000\n", "memory/memory.usage_in_bytes": "1000000000\n"},  # v1
 ])
 def test_free_memory_is_a_containers_where_it_has_a_limit(tmp_path, monkeypatch, files):
-    from engine import loader
+    from engine.models import loader
 
     monkeypatch.setattr(loader, "CGROUP", tmp_path)
     machine = loader.free_memory()  # the kernel's MemAvailable: no limit here
@@ -542,7 +542,7 @@ def test_what_a_start_killed_while_writing_the_caches_left_is_removed_by_a_later
     import sys
     import time
 
-    from engine import loader
+    from engine.models import loader
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a process's id that no process has now

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from engine import model_sampling, sampling_defaults
-from engine.model_defaults import CHAT_SAMPLING, PLAIN_SAMPLING
+from engine.models.model_defaults import CHAT_SAMPLING, PLAIN_SAMPLING
 
 QWEN = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
         "bos_token_id": 151643, "eos_token_id": [151645, 151643], "transformers_version": "4.37.0"}

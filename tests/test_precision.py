@@ -14,8 +14,8 @@ from app.bench.figures import headline as figures_headline
 from app.bench.tables import CONCURRENCY_HEADER, Result, load, render
 from conftest import tiny_model
 from engine import Engine, EngineConfig, SamplingParams
-from engine.hf_runner import make_runner
-from engine.llama import LeanLlama
+from engine.models.hf_runner import make_runner
+from engine.models.llama import LeanLlama
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # largest logit difference allowed against transformers' forward in the same dtype (int8: vs fp32),
@@ -84,7 +84,8 @@ def test_weights_that_would_not_fit_are_refused_in_one_line_and_the_running_prec
     from app.bench.extras import precision_report
     from app.ui.language import user_error
     from app.ui.panels import precision_html
-    from engine import NotEnoughMemory, loader
+    from engine import NotEnoughMemory
+    from engine.models import loader
 
     loaded = tiny_model(tokenizer)  # about 12.6 MB of weights in fp32, 3.2 MB in int8
     engine = Engine(loaded, EngineConfig(precision="int8"))

@@ -7,8 +7,8 @@ import torch
 
 from conftest import tiny_model, user
 from engine import Engine, EngineConfig, SamplingParams
-from engine.llama import LeanLlama, eager_attention, score_matrix_bytes
-from engine.quantize import Int8Linear, int8_available
+from engine.models.llama import LeanLlama, eager_attention, score_matrix_bytes
+from engine.models.quantize import Int8Linear, int8_available
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])  # qwen2: a bias on q, k and v
@@ -36,7 +36,7 @@ def test_a_long_prompts_mlp_in_row_blocks_gives_the_same_logits(tokenizer, monke
     ids = torch.arange(40) % 700 + 11
     logits = {}
     for rows in (4096, 7):  # the whole prompt at once; blocks of 7 rows and a last one of 5
-        monkeypatch.setattr("engine.llama.MLP_ROWS", rows)
+        monkeypatch.setattr("engine.models.llama.MLP_ROWS", rows)
         logits[rows] = lean.forward(ids, 0, lean.new_cache(64), every_row=True)
     assert logits[7].shape == (40, len(tokenizer))
     torch.testing.assert_close(logits[7], logits[4096], rtol=1e-5, atol=1e-5)
@@ -136,7 +136,7 @@ def test_packed_int8_rows_unpack_to_the_rows(tokenizer):
 
 
 def test_the_int8_cache_keeps_rows_packed_and_reads_them_on_any_build(tmp_path):
-    from engine.quantize import Int8Cache
+    from engine.models.quantize import Int8Cache
 
     torch.manual_seed(3)
     weights = [torch.randn(40, 128), torch.randn(64, 64)]
@@ -170,7 +170,7 @@ def test_the_int8_cache_keeps_rows_packed_and_reads_them_on_any_build(tmp_path):
 @pytest.mark.model
 def test_bundled_int8_prefill_has_the_decode_steps_quality(bundled):
     from app.bench.extras import prefill_quality
-    from engine.hf_runner import make_runner
+    from engine.models.hf_runner import make_runner
 
     reference, quantized = make_runner(bundled.model, "fp32"), make_runner(bundled.model, "int8")
     quality = prefill_quality(reference, quantized, bundled.tokenizer)

@@ -16,7 +16,7 @@ import torch
 
 from conftest import tiny_model, user
 from engine import Engine, EngineConfig, SamplingParams
-from engine.llama import LeanLlama
+from engine.models.llama import LeanLlama
 from engine.shared_memory import SharedMemoryLink
 from engine.tensor_parallel import split_plan, start
 

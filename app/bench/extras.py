@@ -34,8 +34,8 @@ def hook_costs(engine: Engine, prompt: list[int], num_gen: int, repetitions: int
     """Decode tok/s with no hooks, with the UI's hooks (trace + JSON), and with those plus the history
     store writing to a real SQLite file; runs interleaved so that drift hits all three alike."""
     from ..history.recorder import make_recorder
-    from ..ui.session import ChatSession
     from ..history.store import Store
+    from ..ui.session import ChatSession
     from ..ui.trace import ReplyTrace
 
     store = Store.open(folder / "bench-history.db")
@@ -236,7 +236,7 @@ def decode_speed(runner, num_tokens: int = 32) -> float:
 def precision_report(loaded, runner) -> dict:
     """What a precision costs and buys, measured here and now: its agreement with fp32 (quality_vs)
     and its decode speed against fp32's. For the app's precision switch; ~3 s for the bundled model."""
-    from engine.hf_runner import make_runner
+    from engine.models.hf_runner import make_runner
 
     speed = decode_speed(runner)
     if runner.precision == "fp32":

@@ -8,7 +8,7 @@ import statistics
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.llama import score_matrix_bytes
+from engine.models.llama import score_matrix_bytes
 from engine.tensor_parallel import start
 
 from .extras import interleaved, random_prompt

@@ -20,10 +20,10 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.config import PRECISION_DTYPES
-from engine.fused import start_early
-from engine.hf_runner import in_dtype, make_runner
-from engine.llama import LeanLlama
-from engine.loader import cache_root
+from engine.kernels.fused import start_early
+from engine.models.hf_runner import in_dtype, make_runner
+from engine.models.llama import LeanLlama
+from engine.models.loader import cache_root
 from engine.tensor_parallel import split_plan
 
 from .extras import (app_ready_s, cold_start_s, fbgemm_quality, hook_costs, int8_prefill_report, llama_bench,

@@ -75,7 +75,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_sampling_options(parser: argparse.ArgumentParser, max_new_tokens: int, chat: bool = False) -> None:
     """chat: start from a chat's sampling (top-p 0.9, repetition penalty 1.1) where the model sets none."""
-    from engine.model_defaults import CHAT_SAMPLING, PLAIN_SAMPLING
+    from engine.models.model_defaults import CHAT_SAMPLING, PLAIN_SAMPLING
 
     start = CHAT_SAMPLING if chat else PLAIN_SAMPLING
     given = "; default: the model's own (generation_config.json, GGUF metadata), else {:g}"

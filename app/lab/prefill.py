@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, EngineConfig, reply_message
-from engine.llama import score_matrix_bytes
+from engine.models.llama import score_matrix_bytes
 from engine.tensor_parallel import start
 
 from ..bench.prefill_side import tp_speed

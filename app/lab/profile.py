@@ -7,7 +7,7 @@ import time
 import torch
 
 from engine import FORWARD_STAGES, Engine
-from engine.loader import cache_root, write_atomically
+from engine.models.loader import cache_root, write_atomically
 
 from .lab import Lab, decode_steps, median, r
 from .result import LabResult, Series, processor_name, said

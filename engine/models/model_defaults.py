@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import CHAT_REPETITION_PENALTY, CHAT_TOP_P, SamplingParams
+from ..config import CHAT_REPETITION_PENALTY, CHAT_TOP_P, SamplingParams
 from .gguf_file import gguf_metadata
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")

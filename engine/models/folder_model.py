@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .errors import ModelError, missing_weight
+from ..errors import ModelError, missing_weight
 from .llama import SUPPORTED_MODEL_TYPES
 from .model_defaults import generation_config
 

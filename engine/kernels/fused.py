@@ -1,4 +1,4 @@
-"""The decode step as one native call (engine/csrc/decode_step.cpp), for the lean path on CPU; and
+"""The decode step as one native call (engine/kernels/csrc/decode_step.cpp), for the lean path on CPU; and
 prefill's attention, which reads the cached keys where they lie in the paged pool.
 
 A decode step reads every weight once for a batch of tokens (one per running sequence), so it should
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from .events import FORWARD_STAGES, WAKE
-from .kv_pool import SequenceKV
-from .loader import remove_leftovers, resolve_device, scratch_prefix, stage
-from .quantize import packed_numel
+from ..events import FORWARD_STAGES, WAKE
+from ..kv_pool import SequenceKV
+from ..models.loader import remove_leftovers, resolve_device, scratch_prefix, stage
+from ..models.quantize import packed_numel
 
 log = logging.getLogger(__name__)
 

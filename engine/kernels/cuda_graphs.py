@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .kv_pool import KVPool, SequenceKV, blocks_for
+from ..kv_pool import KVPool, SequenceKV, blocks_for
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 FIRST_CONTEXT_BUCKET = 256  # tokens; then doubled up to the context window
@@ -120,7 +120,7 @@ class StaticDecode:
     `inputs` and writes `logits`, allocating nothing it keeps, so that a CUDA graph can record it."""
 
     def __init__(self, model, pool: KVPool, batch: int, context: int) -> None:
-        from .llama import StageClock  # (llama.py imports this module)
+        from ..models.llama import StageClock  # (llama.py imports this module)
 
         self.model, self.kv = model, pool.kv  # the tensor, not the pool: GraphDecode.pools holds pools weakly
         self.untimed = StageClock(None, model.device)

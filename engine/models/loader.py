@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from .errors import ModelError, missing_weight
+from ..errors import ModelError, missing_weight
 from .gguf_file import gguf_cut_short, gguf_parameters
 
 log = logging.getLogger(__name__)  # what a first start does once, and how long it takes (the CLI shows it)
@@ -466,7 +466,7 @@ def load_tokenizer(folder: Path, light: bool = False):
     light, for a plain one, the engine's own over the `tokenizers` library (no transformers import)."""
     if _is_plain_tokenizer(folder):
         if light:
-            from .tokenizer import FolderTokenizer
+            from ..tokenizer import FolderTokenizer
 
             return FolderTokenizer(folder)
         from transformers import PreTrainedTokenizerFast

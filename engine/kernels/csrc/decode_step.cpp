@@ -10,7 +10,7 @@
 // start-up, which on 2 cores was more than half of the step. Here the small ops are plain loops on one
 // thread and only the matrix-vector products use the OpenMP team (torch's own libgomp, already loaded).
 //
-// Layouts (made by engine/fused.py from the LeanLlama weights):
+// Layouts (made by engine/kernels/fused.py from the LeanLlama weights):
 //   linear weights output-major W[out][in], fp32, or int8 with one fp32 scale per row (with AVX-512, int8
 //   rows packed 16 at a time: ps_pack_int8);
 //   q/k rows paired per head, (x_i, x_{i+D/2}) adjacent, so the rotary embedding is a complex product;

@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .cuda_graphs import GraphDecode
-from .fused import load_fused_decode
-from .config import DEFAULT_BLOCK_TOKENS
-from .kv_pool import KVPool, SequenceKV, blocks_for
-from .errors import NotEnoughMemory
-from .events import WAKE
+from ..config import DEFAULT_BLOCK_TOKENS
+from ..errors import NotEnoughMemory
+from ..events import WAKE
+from ..kernels.cuda_graphs import GraphDecode
+from ..kernels.fused import load_fused_decode
+from ..kv_pool import KVPool, SequenceKV, blocks_for
+from ..sampling import top_logits, top_logits_batch, top_tempered
 from .loader import cache_root, memory_short
 from .quantize import Int8Cache, Int8Linear, linear_factory
-from .sampling import top_logits, top_logits_batch, top_tempered
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -10,9 +10,9 @@ import inspect
 
 import torch
 
-from .config import DEFAULT_BLOCK_TOKENS
-from .errors import NotEnoughMemory
-from .info import PoolUsage
+from ..config import DEFAULT_BLOCK_TOKENS
+from ..errors import NotEnoughMemory
+from ..info import PoolUsage
 from .llama import DTYPE_NAMES, LeanLlama
 
 
@@ -159,7 +159,7 @@ def make_runner(model: torch.nn.Module, precision: str = "auto", prefer_lean: bo
     if tensor_parallel > 1:
         if not LeanLlama.supports(model):
             raise ValueError(f"tensor parallelism needs the lean Llama-family forward, not {model.config.model_type}")
-        from .tensor_parallel import start
+        from ..tensor_parallel import start
 
         return start(model, "fp32" if precision == "auto" else precision, tensor_parallel, cache_dir=cache_dir)
     if prefer_lean and LeanLlama.supports(model):
