@@ -998,6 +998,21 @@ def test_precision_switch_keeps_the_app_running(page, browser, app_url):
         page.evaluate("progressOver"), page.evaluate("notesSaid"))  # each switch said, then measured
 
 
+def wait_toast(page, text: str, timeout_ms: float = 30_000) -> None:
+    """A toast that says text. Where none comes, what the page showed instead: a clean clone's run on a busy
+    machine (stop 84) waited 30 s for the toast of a precision switch the held walk-through refuses, in both
+    languages, where the same tests passed alone and in a run of this file."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_selector(f"[data-testid=toast-body]:has-text('{text}')", timeout=timeout_ms)
+    except PlaywrightTimeout:
+        shown = {"toasts": page.locator("[data-testid=toast-body]").all_inner_texts(),
+                 "precision": page.input_value("#ps-precision input"),
+                 "note": page.inner_text("#ps-precision-note"), "model": page.inner_text("#ps-model-line")}
+        raise AssertionError(f"no toast saying {text!r} within {timeout_ms / 1000:.0f} s: {shown}") from None
+
+
 def _wait_run_done(page, stall_s: float = 90) -> None:
     """Run to its end, as long as each token comes within stall_s. Run paces its tokens (RUN_STEP_S: 61
     take 18 s at least) and draws each one: at a busy hour on two cores a step and its drawing took over a
@@ -1099,7 +1114,7 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     page.get_by_role("tab", name="Chat").click()
     page.locator("#ps-precision input").click()
     page.get_by_role("option", name="fp32", exact=True).click()
-    page.wait_for_selector("[data-testid=toast-body]:has-text('walk-through holds a reply')")
+    wait_toast(page, "walk-through holds a reply")
     page.wait_for_timeout(500)
     assert 1 == page.locator("[data-testid=toast-body]:has-text('walk-through holds a reply')").count()
     assert "weights int8" in page.inner_text("#ps-model-line") and "int8" == page.input_value("#ps-precision input")
@@ -1164,7 +1179,7 @@ def test_the_page_in_chinese_steps_through_the_classic_prompt_offline(browser, a
     page.get_by_role("tab", name="对话").click()  # a precision switch the held walk-through refuses: a toast
     page.locator("#ps-precision input").click()
     page.get_by_role("option", name="fp32", exact=True).click()
-    page.wait_for_selector("[data-testid=toast-body]:has-text('讲解')")
+    wait_toast(page, "讲解")
     heading = page.evaluate("() => getComputedStyle(document.querySelector('.toast-title.warning'), '::before')"
                             ".content")
     assert '"提示"' == heading  # the toast's heading in Chinese too (Gradio writes "Warning")

@@ -110,8 +110,8 @@ def make_recorder(store: Store, model: Callable[[], ModelInfo]):
         if session.store_id is None or not store.has_session(session.store_id):  # new, or deleted meanwhile
             about = session.endpoint.info() if session.endpoint is not None else model()  # a remote chat: the endpoint
             session.saved_reply = None
-            saved_as(session, store, store.create_session(user_text.splitlines()[0] if user_text.strip() else "Chat",
-                                                          about.name, about.device, about.dtype,
+            title = user_text.splitlines()[0] if user_text.strip() else "Chat"
+            saved_as(session, store, store.create_session(title, about.name, about.device, about.dtype,
                                                           sampling_settings(sampling)))
         asked = reply_settings(session, messages, sampling)
         try:  # a retried turn: a new reply
