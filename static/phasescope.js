@@ -251,8 +251,8 @@
     return null;
   }
 
-  // the chat's key in the history (its id and creation time), kept for this browser tab (a new tab starts a new chat): a reload shows the
-  // chat again (app/ui/history_tab.py, restore)
+  // the chat's key in the history (its id and creation time), kept for this browser tab (a new tab starts a
+  // new chat): a reload shows the chat again (app/ui/history_tab.py, restore)
   function remember(chat) {
     try {
       if (chat) sessionStorage.setItem("phasescope-chat", String(chat));
