@@ -999,9 +999,9 @@ def test_precision_switch_keeps_the_app_running(page, browser, app_url):
 
 
 def wait_toast(page, text: str, timeout_ms: float = 30_000) -> None:
-    """A toast that says text. Where none comes, what the page showed instead: a clean clone's run on a busy
-    machine (stop 84) waited 30 s for the toast of a precision switch the held walk-through refuses, in both
-    languages, where the same tests passed alone and in a run of this file."""
+    """A toast that says text. Where none comes, what the page showed instead: the toast of a precision switch
+    that a held walk-through refuses did not come in two clean clones' runs (stop 84), and this said why: the
+    switch had gone through (the sampled walk-through had ended at its second token, holding nothing)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     try:
@@ -1102,10 +1102,13 @@ def test_explain_tab_steps_one_token_at_a_time(page, browser, app_url):
     _wait_run_done(page)
     set_setting(page, "ps-explain-temperature", 0.8)  # sampled: the chances after the cut-offs beside the model's
     set_setting(page, "ps-explain-top-k", 2)
+    # a reply that goes on: sampled, "yes or no?" could end at its second token ("Yes" and the end), and an
+    # ended walk-through holds nothing, so that the precision switch below went through (stop 84)
+    page.fill("#ps-explain-prompt textarea", "Tell me a long story about a lighthouse keeper.")
     page.click("#ps-explain-start")
     page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='1']", timeout=60_000)
     page.click("#ps-explain-next")
-    page.wait_for_selector("#ps-explain-steps [data-tokens='2']", timeout=60_000)
+    page.wait_for_selector("#ps-explain-steps [data-explain=held][data-tokens='2']", timeout=60_000)
     series = page.evaluate("() => document.querySelector('#ps-explain-candidates .js-plotly-plot').data"
                            ".map(d => [d.name, d.x])")
     assert ["model", "after the cut-offs"] == [name for name, _ in series]
